@@ -1,0 +1,829 @@
+//! Plugin configuration: the JSON an operator writes into each plugin's
+//! `configuration`, parsed once in `on_configure` into these types and
+//! validated. One schema serves all three roots (`probe`, `guard`, `router`)
+//! so that the same document can be given to each; every root validates the
+//! whole of it, so a typo is refused wherever it is pasted.
+//!
+//! Unknown fields are refused (`deny_unknown_fields`): a misspelt option that
+//! silently falls back to its default is worse than a refused config.
+
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::metrics::EngineKind;
+
+/// Number of rungs above level 0 on the degraded-mode ladder.
+pub const LADDER_RUNGS: usize = 5;
+/// Largest number of regions one configuration may name: a directory entry
+/// keeps one timestamp per region, and stats names carry the region.
+pub const MAX_REGIONS: usize = 64;
+
+/// A configuration that failed to parse or validate: `field` is the JSON path
+/// of the offending value, `reason` says what is wrong with it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    pub field: String,
+    pub reason: String,
+}
+
+impl ConfigError {
+    fn new(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        ConfigError {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid configuration: {}: {}", self.field, self.reason)
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// The complete replicas this proxy routes to, in any order.
+    pub regions: Vec<Region>,
+    /// Region for requests the router does not understand (other paths,
+    /// methods, non-JSON bodies). Default: the region with the lowest
+    /// configured `rtt_ms`.
+    #[serde(default)]
+    pub default_region: Option<String>,
+    #[serde(default)]
+    pub headers: Headers,
+    #[serde(default)]
+    pub prefix: PrefixConfig,
+    #[serde(default)]
+    pub directory: DirectoryConfig,
+    #[serde(default)]
+    pub cost: CostConfig,
+    #[serde(default)]
+    pub probe: ProbeConfig,
+    #[serde(default)]
+    pub ladder: LadderConfig,
+    #[serde(default)]
+    pub tiers: TierConfig,
+    /// What to do with a request to an inference path whose body is not a
+    /// valid request: `reject` (400, OpenAI error JSON) or `pass_through`
+    /// (send it untouched to the default region and let the engine answer).
+    #[serde(default)]
+    pub invalid_requests: InvalidRequests,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum InvalidRequests {
+    #[default]
+    Reject,
+    PassThrough,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Region {
+    /// Short name used in stats, headers and logs: `[a-z0-9_]`, 1..=32 chars.
+    pub name: String,
+    /// Envoy cluster that reaches this region's engine.
+    pub cluster: String,
+    /// `:authority` for probe callouts. Default: the cluster name.
+    #[serde(default)]
+    pub authority: Option<String>,
+    #[serde(default = "default_health_path")]
+    pub health_path: String,
+    #[serde(default = "default_metrics_path")]
+    pub metrics_path: String,
+    #[serde(default = "default_engine")]
+    pub engine: EngineKind,
+    /// Requests per second the region sustains; the ladder's capacity is the
+    /// sum over healthy regions.
+    pub capacity_rps: f64,
+    /// Requests the engine runs at once (vLLM `max_num_seqs`); beyond this
+    /// they queue.
+    #[serde(default = "default_max_concurrency")]
+    pub max_concurrency: u32,
+    /// Prefill time per uncached prompt token, in milliseconds.
+    #[serde(default = "default_prefill_ms_per_token")]
+    pub prefill_ms_per_token: f64,
+    /// Mean time a request holds an engine slot, in milliseconds; turns a
+    /// queue length into a wait.
+    #[serde(default = "default_service_ms")]
+    pub service_ms: f64,
+    /// Expected network round trip to the region, used until the probe has
+    /// measured one, and to choose the nearest region without a snapshot.
+    #[serde(default)]
+    pub rtt_ms: f64,
+}
+
+fn default_health_path() -> String {
+    "/health".to_string()
+}
+fn default_metrics_path() -> String {
+    "/metrics".to_string()
+}
+fn default_engine() -> EngineKind {
+    EngineKind::Vllm
+}
+fn default_max_concurrency() -> u32 {
+    64
+}
+fn default_prefill_ms_per_token() -> f64 {
+    0.1
+}
+fn default_service_ms() -> f64 {
+    2000.0
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Headers {
+    /// Request header the router sets to the chosen Envoy cluster; the route
+    /// uses it as `cluster_header`. Any client-sent value is removed.
+    pub cluster: String,
+    /// Request header that carries a session key (else the body's `user`).
+    pub session: String,
+    /// Request header carrying the caller's tier. Trusted only when
+    /// `tiers.trust_header` is true; the guard always rewrites it to the tier
+    /// it resolved, so the router and the engine see that one.
+    pub tier: String,
+    /// Response header with the routing decision (region, reason, cost
+    /// terms). Absent: not sent.
+    pub decision: Option<String>,
+}
+
+impl Default for Headers {
+    fn default() -> Self {
+        Headers {
+            cluster: "x-llm-cluster".to_string(),
+            session: "x-session-id".to_string(),
+            tier: "x-llm-tier".to_string(),
+            decision: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrefixConfig {
+    /// Bytes of canonical prompt text per hashed block (64 ≈ 16 tokens).
+    pub block_bytes: u32,
+    /// Bytes of prompt text per token, to turn text into token counts.
+    pub bytes_per_token: f64,
+    /// Seed of the xxh3 chain hash. Change it per deployment so that block
+    /// hashes cannot be precomputed by a client.
+    pub hash_seed: u64,
+}
+
+impl Default for PrefixConfig {
+    fn default() -> Self {
+        PrefixConfig {
+            block_bytes: 64,
+            bytes_per_token: 4.0,
+            hash_seed: 0x6c6c_6d2d_6765_6f21,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DirectoryConfig {
+    /// Fixed number of shared-data slots; the directory never holds more.
+    pub slots: u32,
+    /// How long a region is believed to hold a prefix after it last served
+    /// it: match the engines' prefix-cache lifetime under load.
+    pub ttl_s: u32,
+}
+
+impl Default for DirectoryConfig {
+    fn default() -> Self {
+        DirectoryConfig {
+            slots: 16384,
+            ttl_s: 600,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CostConfig {
+    /// Weight of the network round trip.
+    pub w_rtt: f64,
+    /// Weight of the expected queueing wait.
+    pub w_queue: f64,
+    /// Regions whose costs are within this many milliseconds of the best are
+    /// a tie, broken by rendezvous hashing of the prompt's first block.
+    pub tie_ms: f64,
+}
+
+impl Default for CostConfig {
+    fn default() -> Self {
+        CostConfig {
+            w_rtt: 1.0,
+            w_queue: 1.0,
+            tie_ms: 2.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProbeConfig {
+    pub tick_ms: u32,
+    /// Callout timeout; at most `tick_ms`.
+    pub timeout_ms: u32,
+    /// EWMA weight of a new RTT sample.
+    pub rtt_alpha: f64,
+    /// EWMA weight of a new demand (arrival rate) sample.
+    pub demand_alpha: f64,
+    /// Consecutive failed health probes before a region is unhealthy.
+    pub unhealthy_after: u32,
+    /// Consecutive good health probes before it is healthy again.
+    pub healthy_after: u32,
+    /// A snapshot older than this is ignored by the filters, which then
+    /// route as if there were none.
+    pub snapshot_max_age_ms: u32,
+}
+
+impl Default for ProbeConfig {
+    fn default() -> Self {
+        ProbeConfig {
+            tick_ms: 1000,
+            timeout_ms: 1000,
+            rtt_alpha: 0.3,
+            demand_alpha: 0.5,
+            unhealthy_after: 2,
+            healthy_after: 2,
+            snapshot_max_age_ms: 10_000,
+        }
+    }
+}
+
+/// Caps that one ladder level applies to one tier.
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct TierPolicy {
+    /// Prompts longer than this many tokens get 413.
+    pub max_prompt_tokens: Option<u64>,
+    /// `max_tokens` / `max_completion_tokens` are clamped to this.
+    pub max_tokens: Option<u64>,
+    /// Requests of this tier get 429 (with `Retry-After`).
+    pub shed: bool,
+}
+
+impl TierPolicy {
+    pub fn is_noop(&self) -> bool {
+        self.max_prompt_tokens.is_none() && self.max_tokens.is_none() && !self.shed
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LadderConfig {
+    /// Capacity/demand ratio below which level i steps up to i+1.
+    pub up_at: [f64; LADDER_RUNGS],
+    /// Ratio above which level i+1 may step down to i (after the dwell).
+    pub down_at: [f64; LADDER_RUNGS],
+    /// Seconds a level must have held before stepping down one rung.
+    pub dwell_s: f64,
+    /// Operator override: this level regardless of the ratio.
+    pub forced_level: Option<u8>,
+    /// Per level 0..=5, per tier name: the caps. A tier absent from a level
+    /// is served without caps at that level.
+    pub levels: Vec<BTreeMap<String, TierPolicy>>,
+    /// Shed responses carry `Retry-After` drawn uniformly from this range of
+    /// seconds, so shed clients do not come back together.
+    pub retry_after_s: [u32; 2],
+}
+
+impl Default for LadderConfig {
+    fn default() -> Self {
+        LadderConfig {
+            up_at: [1.00, 0.90, 0.75, 0.60, 0.45],
+            down_at: [1.10, 1.00, 0.85, 0.70, 0.55],
+            dwell_s: 300.0,
+            forced_level: None,
+            levels: default_levels(),
+            retry_after_s: [5, 30],
+        }
+    }
+}
+
+fn caps(max_prompt_tokens: Option<u64>, max_tokens: Option<u64>) -> TierPolicy {
+    TierPolicy {
+        max_prompt_tokens,
+        max_tokens,
+        shed: false,
+    }
+}
+
+/// Defaults follow the seed: each rung gives up a little more, free traffic
+/// first; paid traffic is capped from level 2 and never shed; `critical` is
+/// never touched.
+fn default_levels() -> Vec<BTreeMap<String, TierPolicy>> {
+    let level = |free: TierPolicy, paid: Option<TierPolicy>| {
+        let mut m = BTreeMap::new();
+        m.insert("free".to_string(), free);
+        if let Some(p) = paid {
+            m.insert("paid".to_string(), p);
+        }
+        m
+    };
+    vec![
+        BTreeMap::new(),
+        level(caps(None, Some(1024)), None),
+        level(caps(Some(16384), Some(512)), Some(caps(None, Some(2048)))),
+        level(
+            caps(Some(8192), Some(256)),
+            Some(caps(Some(32768), Some(1024))),
+        ),
+        level(
+            caps(Some(4096), Some(256)),
+            Some(caps(Some(16384), Some(512))),
+        ),
+        level(
+            TierPolicy {
+                shed: true,
+                ..TierPolicy::default()
+            },
+            Some(caps(Some(8192), Some(256))),
+        ),
+    ]
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TierConfig {
+    /// Known tiers; a header value outside this list is treated as absent.
+    pub names: Vec<String>,
+    /// Tier of a caller the guard cannot identify.
+    pub default: String,
+    /// Trust the tier header as sent. Only safe when a filter before the
+    /// guard (e.g. `jwt_authn` with `claim_to_headers`) always overwrites it.
+    pub trust_header: bool,
+    /// Map of lowercase hex SHA-256 of an API key (the bearer token) to its
+    /// tier; checked before the header.
+    pub api_keys: BTreeMap<String, String>,
+}
+
+impl Default for TierConfig {
+    fn default() -> Self {
+        TierConfig {
+            names: vec!["free".into(), "paid".into(), "critical".into()],
+            default: "free".into(),
+            trust_header: false,
+            api_keys: BTreeMap::new(),
+        }
+    }
+}
+
+impl Config {
+    /// Parse and validate; the error names the field and the reason.
+    pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
+        if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+            return Err(ConfigError::new(
+                "configuration",
+                "is empty; a JSON object with at least `regions` is required",
+            ));
+        }
+        let config: Config = serde_json::from_slice(bytes).map_err(|e| {
+            ConfigError::new(
+                "configuration",
+                format!("is not valid for this plugin: {e}"),
+            )
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.regions.is_empty() {
+            return Err(ConfigError::new("regions", "must name at least one region"));
+        }
+        if self.regions.len() > MAX_REGIONS {
+            return Err(ConfigError::new(
+                "regions",
+                format!(
+                    "names {} regions; at most {MAX_REGIONS}",
+                    self.regions.len()
+                ),
+            ));
+        }
+        for (i, r) in self.regions.iter().enumerate() {
+            let at = |f: &str| format!("regions[{i}].{f}");
+            if !valid_name(&r.name) {
+                return Err(ConfigError::new(
+                    at("name"),
+                    format!("{:?} must be 1..=32 chars of [a-z0-9_]", r.name),
+                ));
+            }
+            if self.regions.iter().take(i).any(|o| o.name == r.name) {
+                return Err(ConfigError::new(
+                    at("name"),
+                    format!("{:?} is used twice", r.name),
+                ));
+            }
+            if r.cluster.trim().is_empty() {
+                return Err(ConfigError::new(at("cluster"), "must not be empty"));
+            }
+            if let Some(a) = &r.authority {
+                if a.trim().is_empty() {
+                    return Err(ConfigError::new(at("authority"), "must not be empty"));
+                }
+            }
+            for (f, p) in [
+                ("health_path", &r.health_path),
+                ("metrics_path", &r.metrics_path),
+            ] {
+                if !p.starts_with('/') {
+                    return Err(ConfigError::new(
+                        at(f),
+                        format!("{p:?} must start with '/'"),
+                    ));
+                }
+            }
+            positive(&at("capacity_rps"), r.capacity_rps)?;
+            if r.max_concurrency == 0 {
+                return Err(ConfigError::new(
+                    at("max_concurrency"),
+                    "must be at least 1",
+                ));
+            }
+            non_negative(&at("prefill_ms_per_token"), r.prefill_ms_per_token)?;
+            positive(&at("service_ms"), r.service_ms)?;
+            non_negative(&at("rtt_ms"), r.rtt_ms)?;
+        }
+        if let Some(d) = &self.default_region {
+            if !self.regions.iter().any(|r| &r.name == d) {
+                return Err(ConfigError::new(
+                    "default_region",
+                    format!("{d:?} is not the name of a configured region"),
+                ));
+            }
+        }
+        let h = &self.headers;
+        for (f, v) in [
+            ("headers.cluster", Some(&h.cluster)),
+            ("headers.session", Some(&h.session)),
+            ("headers.tier", Some(&h.tier)),
+            ("headers.decision", h.decision.as_ref()),
+        ] {
+            if let Some(v) = v {
+                if !valid_header_name(v) {
+                    return Err(ConfigError::new(
+                        f,
+                        format!("{v:?} is not a lowercase HTTP header name"),
+                    ));
+                }
+            }
+        }
+        if !(16..=4096).contains(&self.prefix.block_bytes) {
+            return Err(ConfigError::new(
+                "prefix.block_bytes",
+                format!("{} must be within 16..=4096", self.prefix.block_bytes),
+            ));
+        }
+        let bpt = self.prefix.bytes_per_token;
+        if !(bpt.is_finite() && (0.5..=64.0).contains(&bpt)) {
+            return Err(ConfigError::new(
+                "prefix.bytes_per_token",
+                format!("{bpt} must be within 0.5..=64"),
+            ));
+        }
+        if !(64..=1 << 20).contains(&self.directory.slots) {
+            return Err(ConfigError::new(
+                "directory.slots",
+                format!("{} must be within 64..=1048576", self.directory.slots),
+            ));
+        }
+        if self.directory.ttl_s == 0 {
+            return Err(ConfigError::new("directory.ttl_s", "must be at least 1"));
+        }
+        non_negative("cost.w_rtt", self.cost.w_rtt)?;
+        positive("cost.w_queue", self.cost.w_queue)?;
+        non_negative("cost.tie_ms", self.cost.tie_ms)?;
+        let p = &self.probe;
+        if p.tick_ms < 50 {
+            return Err(ConfigError::new("probe.tick_ms", "must be at least 50"));
+        }
+        if p.timeout_ms == 0 || p.timeout_ms > p.tick_ms {
+            return Err(ConfigError::new(
+                "probe.timeout_ms",
+                format!(
+                    "{} must be within 1..=probe.tick_ms ({})",
+                    p.timeout_ms, p.tick_ms
+                ),
+            ));
+        }
+        fraction("probe.rtt_alpha", p.rtt_alpha)?;
+        fraction("probe.demand_alpha", p.demand_alpha)?;
+        if p.unhealthy_after == 0 {
+            return Err(ConfigError::new(
+                "probe.unhealthy_after",
+                "must be at least 1",
+            ));
+        }
+        if p.healthy_after == 0 {
+            return Err(ConfigError::new(
+                "probe.healthy_after",
+                "must be at least 1",
+            ));
+        }
+        if p.snapshot_max_age_ms < p.tick_ms.saturating_mul(2) {
+            return Err(ConfigError::new(
+                "probe.snapshot_max_age_ms",
+                "must be at least twice probe.tick_ms",
+            ));
+        }
+        self.validate_ladder()?;
+        self.validate_tiers()
+    }
+
+    fn validate_ladder(&self) -> Result<(), ConfigError> {
+        let l = &self.ladder;
+        for i in 0..LADDER_RUNGS {
+            let (up, down) = (l.up_at.get(i).copied(), l.down_at.get(i).copied());
+            let (Some(up), Some(down)) = (up, down) else {
+                continue;
+            };
+            positive(&format!("ladder.up_at[{i}]"), up)?;
+            if !(down.is_finite() && down > up) {
+                return Err(ConfigError::new(
+                    format!("ladder.down_at[{i}]"),
+                    format!("{down} must be greater than up_at[{i}] ({up}), or the level flaps"),
+                ));
+            }
+            if i > 0 && l.up_at.get(i - 1).is_some_and(|prev| up > *prev) {
+                return Err(ConfigError::new(
+                    format!("ladder.up_at[{i}]"),
+                    "thresholds must not increase from one rung to the next",
+                ));
+            }
+        }
+        non_negative("ladder.dwell_s", l.dwell_s)?;
+        if let Some(f) = l.forced_level {
+            if usize::from(f) > LADDER_RUNGS {
+                return Err(ConfigError::new(
+                    "ladder.forced_level",
+                    format!("{f} must be within 0..={LADDER_RUNGS}"),
+                ));
+            }
+        }
+        if l.levels.len() != LADDER_RUNGS + 1 {
+            return Err(ConfigError::new(
+                "ladder.levels",
+                format!(
+                    "has {} entries; exactly {} (levels 0..=5) are required",
+                    l.levels.len(),
+                    LADDER_RUNGS + 1
+                ),
+            ));
+        }
+        for (i, level) in l.levels.iter().enumerate() {
+            for (tier, policy) in level {
+                if !self.tiers.names.contains(tier) {
+                    return Err(ConfigError::new(
+                        format!("ladder.levels[{i}].{tier}"),
+                        "is not a tier named in tiers.names",
+                    ));
+                }
+                for (f, v) in [
+                    ("max_prompt_tokens", policy.max_prompt_tokens),
+                    ("max_tokens", policy.max_tokens),
+                ] {
+                    if v == Some(0) {
+                        return Err(ConfigError::new(
+                            format!("ladder.levels[{i}].{tier}.{f}"),
+                            "must be at least 1 (use shed to refuse a tier)",
+                        ));
+                    }
+                }
+            }
+        }
+        let [lo, hi] = l.retry_after_s;
+        if lo == 0 || hi < lo {
+            return Err(ConfigError::new(
+                "ladder.retry_after_s",
+                format!("[{lo}, {hi}] must be [min, max] with 1 <= min <= max"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_tiers(&self) -> Result<(), ConfigError> {
+        let t = &self.tiers;
+        if t.names.is_empty() {
+            return Err(ConfigError::new(
+                "tiers.names",
+                "must name at least one tier",
+            ));
+        }
+        for (i, n) in t.names.iter().enumerate() {
+            if !valid_name(n) {
+                return Err(ConfigError::new(
+                    format!("tiers.names[{i}]"),
+                    format!("{n:?} must be 1..=32 chars of [a-z0-9_]"),
+                ));
+            }
+            if t.names.iter().take(i).any(|o| o == n) {
+                return Err(ConfigError::new(
+                    format!("tiers.names[{i}]"),
+                    format!("{n:?} is used twice"),
+                ));
+            }
+        }
+        if !t.names.contains(&t.default) {
+            return Err(ConfigError::new(
+                "tiers.default",
+                format!("{:?} is not in tiers.names", t.default),
+            ));
+        }
+        for (hash, tier) in &t.api_keys {
+            if hash.len() != 64 || !hash.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+                return Err(ConfigError::new(
+                    "tiers.api_keys",
+                    format!(
+                        "key {hash:?} must be the lowercase hex SHA-256 (64 chars) of an API key"
+                    ),
+                ));
+            }
+            if !t.names.contains(tier) {
+                return Err(ConfigError::new(
+                    format!("tiers.api_keys.{hash}"),
+                    format!("{tier:?} is not in tiers.names"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Index of the region for requests the router does not understand.
+    pub fn default_region_index(&self) -> usize {
+        match &self.default_region {
+            Some(name) => self
+                .regions
+                .iter()
+                .position(|r| &r.name == name)
+                .unwrap_or(0),
+            None => self.nearest_configured_region(),
+        }
+    }
+
+    /// The region with the lowest configured RTT (the first on ties).
+    pub fn nearest_configured_region(&self) -> usize {
+        let mut best = 0;
+        for (i, r) in self.regions.iter().enumerate() {
+            if self.regions.get(best).is_some_and(|b| r.rtt_ms < b.rtt_ms) {
+                best = i;
+            }
+        }
+        best
+    }
+
+    pub fn region_authority(&self, i: usize) -> Option<&str> {
+        let r = self.regions.get(i)?;
+        Some(r.authority.as_deref().unwrap_or(&r.cluster))
+    }
+
+    /// The policy for `tier` at `level`; no caps when the level or the tier
+    /// is not listed.
+    pub fn tier_policy(&self, level: u8, tier: &str) -> Option<&TierPolicy> {
+        self.ladder.levels.get(usize::from(level))?.get(tier)
+    }
+}
+
+fn valid_name(s: &str) -> bool {
+    (1..=32).contains(&s.len())
+        && s.bytes()
+            .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_'))
+}
+
+fn valid_header_name(s: &str) -> bool {
+    !s.is_empty()
+        && !s.starts_with(':')
+        && s.bytes()
+            .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.'))
+}
+
+fn positive(field: &str, v: f64) -> Result<(), ConfigError> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(ConfigError::new(
+            field,
+            format!("{v} must be a finite number > 0"),
+        ))
+    }
+}
+
+fn non_negative(field: &str, v: f64) -> Result<(), ConfigError> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(())
+    } else {
+        Err(ConfigError::new(
+            field,
+            format!("{v} must be a finite number >= 0"),
+        ))
+    }
+}
+
+fn fraction(field: &str, v: f64) -> Result<(), ConfigError> {
+    if v.is_finite() && v > 0.0 && v <= 1.0 {
+        Ok(())
+    } else {
+        Err(ConfigError::new(
+            field,
+            format!("{v} must be within (0, 1]"),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"{"regions":[{"name":"near","cluster":"c_near","capacity_rps":10,"rtt_ms":5},
+        {"name":"far","cluster":"c_far","capacity_rps":10,"rtt_ms":120}]}"#;
+
+    #[test]
+    fn minimal_config_gets_documented_defaults() {
+        let c = Config::parse(MINIMAL.as_bytes()).unwrap();
+        assert_eq!(c.headers.cluster, "x-llm-cluster");
+        assert_eq!(c.prefix.block_bytes, 64);
+        assert_eq!(c.probe.tick_ms, 1000);
+        assert_eq!(c.ladder.up_at, [1.00, 0.90, 0.75, 0.60, 0.45]);
+        assert_eq!(c.ladder.levels.len(), 6);
+        assert_eq!(c.default_region_index(), 0);
+        assert_eq!(c.regions[1].engine, EngineKind::Vllm);
+        assert!(c.tier_policy(5, "free").unwrap().shed);
+        assert!(c.tier_policy(5, "critical").is_none());
+    }
+
+    fn err(json: &str) -> ConfigError {
+        Config::parse(json.as_bytes()).unwrap_err()
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        assert_eq!(err("").field, "configuration");
+        assert_eq!(err(r#"{"regions":[]}"#).field, "regions");
+        let e = err(r#"{"regions":[{"name":"Bad Name","cluster":"c","capacity_rps":1}]}"#);
+        assert_eq!(e.field, "regions[0].name");
+        let e = err(r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":0}]}"#);
+        assert_eq!(e.field, "regions[0].capacity_rps");
+        let e = err(
+            r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1},{"name":"a","cluster":"d","capacity_rps":1}]}"#,
+        );
+        assert_eq!(e.field, "regions[1].name");
+        let e = err(
+            r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}],"default_region":"zz"}"#,
+        );
+        assert_eq!(e.field, "default_region");
+        let e = err(
+            r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}],"ladder":{"up_at":[1,0.9,0.75,0.6,0.45],"down_at":[1.1,0.8,0.85,0.7,0.55]}}"#,
+        );
+        assert_eq!(e.field, "ladder.down_at[1]");
+        let e = err(
+            r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}],"probe":{"tick_ms":100,"timeout_ms":500}}"#,
+        );
+        assert_eq!(e.field, "probe.timeout_ms");
+        let e = err(
+            r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}],"headers":{"cluster":"X-Bad Header"}}"#,
+        );
+        assert_eq!(e.field, "headers.cluster");
+        let e = err(
+            r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}],"tiers":{"default":"gold"}}"#,
+        );
+        assert_eq!(e.field, "tiers.default");
+    }
+
+    #[test]
+    fn unknown_and_mistyped_fields_are_refused_with_their_name() {
+        let e = err(r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1,"capacity":3}]}"#);
+        assert!(e.reason.contains("unknown field `capacity`"), "{e}");
+        let e = err(r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":"ten"}]}"#);
+        assert!(e.reason.contains("invalid type"), "{e}");
+        let e =
+            err(r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1,"engine":"trtllm"}]}"#);
+        assert!(e.reason.contains("unknown variant `trtllm`"), "{e}");
+    }
+
+    #[test]
+    fn ladder_levels_must_name_known_tiers() {
+        let e = err(r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}],
+            "ladder":{"levels":[{},{},{},{},{},{"gold":{"shed":true}}]}}"#);
+        assert_eq!(e.field, "ladder.levels[5].gold");
+    }
+
+    #[test]
+    fn nearest_region_is_lowest_configured_rtt() {
+        let c = Config::parse(
+            br#"{"regions":[{"name":"far","cluster":"f","capacity_rps":1,"rtt_ms":90},
+                {"name":"near","cluster":"n","capacity_rps":1,"rtt_ms":4}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.nearest_configured_region(), 1);
+        assert_eq!(c.default_region_index(), 1);
+    }
+}

@@ -1,0 +1,447 @@
+//! The prefix directory: which regions recently served which prompt
+//! prefixes. It lives in Envoy's shared data (process-wide, one per
+//! `vm_id`), so every worker's router reads and writes the same one.
+//!
+//! Layout: a fixed number of slots, keys `llm_geo_router.dir.<slot>`; a
+//! checkpoint's chain hash picks its slot. An entry is
+//! `layout (u32) ‖ hash (u64) ‖ last-served ms (u64) per region`, so one read
+//! answers for every region. Memory is bounded by
+//! `slots × (12 + 8·regions)` bytes of values plus Envoy's per-key overhead;
+//! a colliding prefix replaces the older one (newest wins).
+//!
+//! Lookup: checkpoints are prefix-closed (a region that served checkpoint j
+//! also served every checkpoint before it), so the longest prefix each region
+//! holds is found by binary search over the prompt's checkpoints, all regions
+//! at once: about log2(checkpoints) reads, not one per block.
+//!
+//! Writes: after routing to region r, the entries from r's known prefix up to
+//! the prompt's end get r's timestamp; entries nobody holds are written
+//! blind, shared ones with a CAS read-modify-write. When r's oldest probed
+//! entry is past half the TTL, the whole chain is rewritten, so a prefix in
+//! constant use never expires.
+
+use crate::prefix::Checkpoint;
+
+/// Key prefix of directory slots in shared data.
+pub const KEY_PREFIX: &str = "llm_geo_router.dir.";
+
+/// Outcome of a conditional write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SetOutcome {
+    Stored,
+    CasMismatch,
+}
+
+/// The shared-data operations the directory needs; the host implements it
+/// over proxy-wasm, tests over a map. Errors are host failures: the
+/// directory then degrades to "nothing known", never to a failed request.
+pub trait SharedStore {
+    fn get(&mut self, key: &str) -> Result<Option<(Vec<u8>, u32)>, String>;
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, String>;
+}
+
+/// Directory parameters for one configuration.
+#[derive(Debug, Clone, Copy)]
+pub struct Directory {
+    pub slots: u32,
+    pub ttl_ms: u64,
+    pub regions: usize,
+    /// Identifies the region list; entries written under another layout are
+    /// ignored, so reordering regions cannot misattribute a prefix.
+    pub layout: u32,
+}
+
+/// What a lookup learnt, and what the write after routing needs.
+#[derive(Debug, Clone, Default)]
+pub struct Lookup {
+    /// Per region: blocks of the prompt it holds (a checkpoint's position).
+    pub cached_blocks: Vec<u32>,
+    /// Per region: the number of checkpoints it holds.
+    held: Vec<usize>,
+    /// Per region: oldest timestamp among its probed hits.
+    oldest_hit_ms: Vec<Option<u64>>,
+    /// Entries read, by checkpoint index: (value, cas).
+    read: Vec<Option<(Vec<u8>, u32)>>,
+    /// Shared-data calls made (reads and writes).
+    pub calls: u32,
+}
+
+struct Entry {
+    hash: u64,
+    stamps: Vec<u64>,
+}
+
+impl Directory {
+    pub fn slot_key(&self, hash: u64) -> String {
+        format!("{KEY_PREFIX}{}", hash % u64::from(self.slots.max(1)))
+    }
+
+    fn decode(&self, value: &[u8]) -> Option<Entry> {
+        let layout = u32::from_le_bytes(value.get(0..4)?.try_into().ok()?);
+        if layout != self.layout || value.len() != 12 + 8 * self.regions {
+            return None;
+        }
+        let hash = u64::from_le_bytes(value.get(4..12)?.try_into().ok()?);
+        let stamps = value
+            .get(12..)?
+            .chunks_exact(8)
+            .map(|c| c.try_into().map(u64::from_le_bytes).unwrap_or(0))
+            .collect();
+        Some(Entry { hash, stamps })
+    }
+
+    fn encode(&self, hash: u64, stamps: &[u64]) -> Vec<u8> {
+        let mut v = Vec::with_capacity(12 + 8 * self.regions);
+        v.extend_from_slice(&self.layout.to_le_bytes());
+        v.extend_from_slice(&hash.to_le_bytes());
+        for i in 0..self.regions {
+            v.extend_from_slice(&stamps.get(i).copied().unwrap_or(0).to_le_bytes());
+        }
+        v
+    }
+
+    /// Regions holding checkpoint `cp` per `value`, as (region, stamp).
+    fn holders(
+        &self,
+        value: Option<&(Vec<u8>, u32)>,
+        cp: &Checkpoint,
+        now_ms: u64,
+    ) -> Vec<(usize, u64)> {
+        let Some(entry) = value.and_then(|(v, _)| self.decode(v)) else {
+            return Vec::new();
+        };
+        if entry.hash != cp.hash {
+            return Vec::new();
+        }
+        entry
+            .stamps
+            .iter()
+            .enumerate()
+            .filter(|(_, &ts)| ts > 0 && now_ms.saturating_sub(ts) < self.ttl_ms)
+            .map(|(i, &ts)| (i, ts))
+            .collect()
+    }
+
+    /// Longest held prefix of `checkpoints` per region.
+    pub fn lookup(
+        &self,
+        store: &mut dyn SharedStore,
+        checkpoints: &[Checkpoint],
+        now_ms: u64,
+    ) -> Lookup {
+        let mut out = Lookup {
+            cached_blocks: vec![0; self.regions],
+            held: vec![0; self.regions],
+            oldest_hit_ms: vec![None; self.regions],
+            read: vec![None; checkpoints.len()],
+            calls: 0,
+        };
+        let all: Vec<usize> = (0..self.regions).collect();
+        // Invariant of each task: every region in it holds between lo and hi
+        // checkpoints (inclusive).
+        let mut tasks = vec![(0usize, checkpoints.len(), all)];
+        while let Some((lo, hi, regions)) = tasks.pop() {
+            if regions.is_empty() {
+                continue;
+            }
+            if lo == hi {
+                for r in regions {
+                    if let Some(h) = out.held.get_mut(r) {
+                        *h = lo;
+                    }
+                }
+                continue;
+            }
+            let mid = (lo + hi).div_ceil(2); // does the region hold `mid` checkpoints?
+            let idx = mid - 1;
+            let Some(cp) = checkpoints.get(idx) else {
+                continue;
+            };
+            if out.read.get(idx).is_some_and(|r| r.is_none()) {
+                out.calls += 1;
+                let value = store.get(&self.slot_key(cp.hash)).ok().flatten();
+                if let Some(slot) = out.read.get_mut(idx) {
+                    *slot = value;
+                }
+            }
+            let holders = self.holders(out.read.get(idx).and_then(|r| r.as_ref()), cp, now_ms);
+            let (mut yes, mut no) = (Vec::new(), Vec::new());
+            for r in regions {
+                match holders.iter().find(|(h, _)| *h == r) {
+                    Some(&(_, ts)) => {
+                        if let Some(o) = out.oldest_hit_ms.get_mut(r) {
+                            *o = Some(o.map_or(ts, |old: u64| old.min(ts)));
+                        }
+                        yes.push(r);
+                    }
+                    None => no.push(r),
+                }
+            }
+            tasks.push((mid, hi, yes));
+            tasks.push((lo, mid - 1, no));
+        }
+        for r in 0..self.regions {
+            let held = out.held.get(r).copied().unwrap_or(0);
+            let blocks = held
+                .checked_sub(1)
+                .and_then(|i| checkpoints.get(i))
+                .map_or(0, |c| c.blocks);
+            if let Some(b) = out.cached_blocks.get_mut(r) {
+                *b = blocks;
+            }
+        }
+        out
+    }
+
+    /// Record that `region` now holds every checkpoint of the prompt.
+    /// Returns the number of shared-data calls made.
+    pub fn record(
+        &self,
+        store: &mut dyn SharedStore,
+        lookup: &mut Lookup,
+        checkpoints: &[Checkpoint],
+        region: usize,
+        now_ms: u64,
+    ) -> u32 {
+        if region >= self.regions || now_ms == 0 {
+            return 0;
+        }
+        let mut calls = 0;
+        let held = lookup.held.get(region).copied().unwrap_or(0);
+        let stale = lookup
+            .oldest_hit_ms
+            .get(region)
+            .copied()
+            .flatten()
+            .is_some_and(|ts| now_ms.saturating_sub(ts) > self.ttl_ms / 2);
+        let start = if stale { 0 } else { held };
+        let held_by_anyone = lookup.held.iter().copied().max().unwrap_or(0);
+        for (idx, cp) in checkpoints.iter().enumerate().skip(start) {
+            let key = self.slot_key(cp.hash);
+            if idx >= held_by_anyone && lookup.read.get(idx).is_none_or(|r| r.is_none()) {
+                // Nobody holds it: write blind; a colliding older prefix is replaced.
+                let mut stamps = vec![0; self.regions];
+                if let Some(s) = stamps.get_mut(region) {
+                    *s = now_ms;
+                }
+                calls += 1;
+                let _ = store.set(&key, &self.encode(cp.hash, &stamps), None);
+                continue;
+            }
+            // Shared entry: read-modify-write under CAS, one retry.
+            let mut current = lookup.read.get_mut(idx).and_then(|r| r.take());
+            for _ in 0..2 {
+                let (value, cas) = match current.take() {
+                    Some(v) => v,
+                    None => {
+                        calls += 1;
+                        match store.get(&key) {
+                            Ok(Some(v)) => v,
+                            Ok(None) => (Vec::new(), 0),
+                            Err(_) => break,
+                        }
+                    }
+                };
+                let mut stamps = match self.decode(&value) {
+                    Some(e) if e.hash == cp.hash => e.stamps,
+                    _ => vec![0; self.regions],
+                };
+                if let Some(s) = stamps.get_mut(region) {
+                    *s = now_ms;
+                }
+                calls += 1;
+                let cas = (cas != 0).then_some(cas);
+                match store.set(&key, &self.encode(cp.hash, &stamps), cas) {
+                    Ok(SetOutcome::CasMismatch) => continue,
+                    _ => break,
+                }
+            }
+        }
+        lookup.calls += calls;
+        calls
+    }
+}
+
+/// An in-memory [`SharedStore`] with Envoy's CAS semantics, for tests, the
+/// CLI and benchmarks.
+#[derive(Debug, Default)]
+pub struct MemoryStore {
+    pub map: std::collections::HashMap<String, (Vec<u8>, u32)>,
+    pub gets: u64,
+    pub sets: u64,
+}
+
+impl SharedStore for MemoryStore {
+    fn get(&mut self, key: &str) -> Result<Option<(Vec<u8>, u32)>, String> {
+        self.gets += 1;
+        Ok(self.map.get(key).cloned())
+    }
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, String> {
+        self.sets += 1;
+        let current = self.map.get(key).map(|(_, c)| *c);
+        if let (Some(want), Some(have)) = (cas, current) {
+            if want != have {
+                return Ok(SetOutcome::CasMismatch);
+            }
+        }
+        let next = current.unwrap_or(0).wrapping_add(1).max(1);
+        self.map.insert(key.to_string(), (value.to_vec(), next));
+        Ok(SetOutcome::Stored)
+    }
+}
+
+/// Layout id of a region list.
+pub fn layout_of<'a>(names: impl Iterator<Item = &'a str>) -> u32 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for n in names {
+        h.update(n.as_bytes());
+        h.update(&[0]);
+    }
+    h.digest() as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prefix::PromptHasher;
+
+    fn dir(regions: usize) -> Directory {
+        Directory {
+            slots: 1 << 16,
+            ttl_ms: 60_000,
+            regions,
+            layout: 7,
+        }
+    }
+
+    fn cps(text: &[u8]) -> Vec<Checkpoint> {
+        let mut h = PromptHasher::new(64, 9);
+        h.feed(text);
+        h.finish().checkpoints
+    }
+
+    fn text(n: usize, salt: u8) -> Vec<u8> {
+        (0..n)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(salt))
+            .collect()
+    }
+
+    #[test]
+    fn empty_directory_knows_nothing() {
+        let d = dir(3);
+        let mut s = MemoryStore::default();
+        let c = cps(&text(64 * 100, 1));
+        let l = d.lookup(&mut s, &c, 1000);
+        assert_eq!(l.cached_blocks, vec![0, 0, 0]);
+        // One read: the first probe at the middle misses for every region, then
+        // the search narrows without new regions to place... bounded by log2.
+        assert!(l.calls <= 5, "{}", l.calls);
+    }
+
+    #[test]
+    fn finds_each_regions_longest_prefix() {
+        let d = dir(3);
+        let mut s = MemoryStore::default();
+        let long = text(64 * 600, 1);
+        let c_long = cps(&long);
+        // Region 1 served the first 100 blocks, region 2 the first 600.
+        let c100 = cps(&long[..64 * 100]);
+        let mut l = d.lookup(&mut s, &c100, 1000);
+        d.record(&mut s, &mut l, &c100, 1, 1000);
+        let mut l = d.lookup(&mut s, &c_long, 1000);
+        d.record(&mut s, &mut l, &c_long, 2, 1000);
+        let l = d.lookup(&mut s, &c_long, 2000);
+        // 100 blocks → the largest checkpoint ≤ 100 is 96.
+        assert_eq!(l.cached_blocks, vec![0, 96, 512]);
+        assert!(l.calls <= 2 * 5 + 2, "calls {}", l.calls);
+        // Another prompt sharing only the first 10 blocks.
+        let mut other = long[..640].to_vec();
+        other.extend(text(64 * 50, 2));
+        let l = d.lookup(&mut s, &cps(&other), 2000);
+        assert_eq!(l.cached_blocks, vec![0, 8, 8]);
+    }
+
+    #[test]
+    fn entries_expire_after_ttl_and_refresh_keeps_them() {
+        let d = dir(2);
+        let mut s = MemoryStore::default();
+        let c = cps(&text(64 * 40, 3));
+        let mut l = d.lookup(&mut s, &c, 1000);
+        d.record(&mut s, &mut l, &c, 0, 1000);
+        assert_eq!(d.lookup(&mut s, &c, 60_999).cached_blocks, vec![32, 0]);
+        assert_eq!(d.lookup(&mut s, &c, 61_000).cached_blocks, vec![0, 0]);
+        // Used past half the TTL: the whole chain is refreshed.
+        let mut l = d.lookup(&mut s, &c, 40_000);
+        d.record(&mut s, &mut l, &c, 0, 40_000);
+        assert_eq!(d.lookup(&mut s, &c, 95_000).cached_blocks, vec![32, 0]);
+    }
+
+    #[test]
+    fn steady_conversation_writes_little() {
+        let d = dir(3);
+        let mut s = MemoryStore::default();
+        let mut convo = text(64 * 300, 4);
+        let mut t = 1000;
+        let mut writes = vec![];
+        for _ in 0..6 {
+            let c = cps(&convo);
+            let mut l = d.lookup(&mut s, &c, t);
+            let before = s.sets;
+            d.record(&mut s, &mut l, &c, 0, t);
+            writes.push(s.sets - before);
+            convo.extend(text(64 * 5, 5));
+            t += 1000;
+        }
+        // The first turn writes all 16 checkpoints up to 300 blocks; later
+        // turns add at most one new checkpoint each.
+        assert_eq!(writes[0], 16);
+        assert!(writes[1..].iter().all(|&w| w <= 1), "{writes:?}");
+    }
+
+    #[test]
+    fn other_layout_and_garbage_are_ignored() {
+        let d = dir(2);
+        let mut s = MemoryStore::default();
+        let c = cps(&text(64 * 8, 6));
+        for cp in &c {
+            s.set(&d.slot_key(cp.hash), b"garbage", None).unwrap();
+        }
+        assert_eq!(d.lookup(&mut s, &c, 5).cached_blocks, vec![0, 0]);
+        let mut l = d.lookup(&mut s, &c, 5);
+        d.record(&mut s, &mut l, &c, 1, 5);
+        assert_eq!(d.lookup(&mut s, &c, 6).cached_blocks, vec![0, 8]);
+        let other = Directory { layout: 8, ..d };
+        assert_eq!(other.lookup(&mut s, &c, 6).cached_blocks, vec![0, 0]);
+    }
+
+    #[test]
+    fn cas_conflict_is_retried() {
+        struct Racy(MemoryStore, bool);
+        impl SharedStore for Racy {
+            fn get(&mut self, key: &str) -> Result<Option<(Vec<u8>, u32)>, String> {
+                self.0.get(key)
+            }
+            fn set(
+                &mut self,
+                key: &str,
+                value: &[u8],
+                cas: Option<u32>,
+            ) -> Result<SetOutcome, String> {
+                if cas.is_some() && std::mem::take(&mut self.1) {
+                    return Ok(SetOutcome::CasMismatch);
+                }
+                self.0.set(key, value, cas)
+            }
+        }
+        let d = dir(2);
+        let mut s = Racy(MemoryStore::default(), false);
+        let c = cps(&text(64 * 4, 7));
+        let mut l = d.lookup(&mut s, &c, 10);
+        d.record(&mut s, &mut l, &c, 0, 10);
+        s.1 = true;
+        let mut l = d.lookup(&mut s, &c, 20);
+        d.record(&mut s, &mut l, &c, 1, 20);
+        // Both regions end up holding the prompt despite the conflict.
+        assert_eq!(d.lookup(&mut s, &c, 30).cached_blocks, vec![4, 4]);
+    }
+}

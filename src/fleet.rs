@@ -1,0 +1,268 @@
+//! The probe's view of the fleet: per-region health with consecutive
+//! failure/success thresholds, EWMAs of RTT, the engines' queue counts, the
+//! measured demand, and the ladder. The host feeds it probe results and
+//! counter readings with explicit times; it produces the [`Snapshot`].
+
+use crate::config::Config;
+use crate::ladder::Ladder;
+use crate::metrics::EngineSample;
+use crate::snapshot::{RegionState, Snapshot};
+
+#[derive(Debug, Clone)]
+struct Region {
+    healthy: bool,
+    /// Consecutive failed (negative) or good (positive) health probes.
+    streak: i64,
+    rtt_ms: Option<f64>,
+    sample: EngineSample,
+    inflight_at_scrape: f64,
+    metrics_ok: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct Fleet {
+    regions: Vec<Region>,
+    ladder: Ladder,
+    demand_rps: Option<f64>,
+    last_arrivals: Option<(u64, u64)>,
+    version: u64,
+}
+
+/// What changed in a health transition, for the log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HealthChange {
+    None,
+    BecameHealthy,
+    BecameUnhealthy,
+}
+
+impl Fleet {
+    /// Regions start healthy: a fresh Envoy routes at once, and the first
+    /// failed probes take a region out within `unhealthy_after` ticks.
+    pub fn new(cfg: &Config, now_ms: u64) -> Self {
+        Fleet {
+            regions: cfg
+                .regions
+                .iter()
+                .map(|_| Region {
+                    healthy: true,
+                    streak: 0,
+                    rtt_ms: None,
+                    sample: EngineSample::default(),
+                    inflight_at_scrape: 0.0,
+                    metrics_ok: false,
+                })
+                .collect(),
+            ladder: Ladder::new(now_ms),
+            demand_rps: None,
+            last_arrivals: None,
+            version: 0,
+        }
+    }
+
+    /// A health probe finished: `rtt_ms` is `Some` on success.
+    pub fn on_health(&mut self, cfg: &Config, region: usize, rtt_ms: Option<f64>) -> HealthChange {
+        let p = &cfg.probe;
+        let Some(r) = self.regions.get_mut(region) else {
+            return HealthChange::None;
+        };
+        match rtt_ms {
+            Some(rtt) if rtt.is_finite() && rtt >= 0.0 => {
+                r.streak = r.streak.max(0) + 1;
+                r.rtt_ms = Some(match r.rtt_ms {
+                    Some(old) => old + p.rtt_alpha * (rtt - old),
+                    None => rtt,
+                });
+                if !r.healthy && r.streak >= i64::from(p.healthy_after) {
+                    r.healthy = true;
+                    return HealthChange::BecameHealthy;
+                }
+            }
+            _ => {
+                r.streak = r.streak.min(0) - 1;
+                if r.healthy && -r.streak >= i64::from(p.unhealthy_after) {
+                    r.healthy = false;
+                    return HealthChange::BecameUnhealthy;
+                }
+            }
+        }
+        HealthChange::None
+    }
+
+    /// A metrics scrape finished; `inflight` is this Envoy's in-flight count
+    /// to the region at the time the scrape was answered.
+    pub fn on_metrics(&mut self, region: usize, sample: Option<EngineSample>, inflight: f64) {
+        let Some(r) = self.regions.get_mut(region) else {
+            return;
+        };
+        match sample {
+            Some(s) => {
+                r.sample = s;
+                r.inflight_at_scrape = inflight.max(0.0);
+                r.metrics_ok = true;
+            }
+            None => r.metrics_ok = false,
+        }
+    }
+
+    /// Feed the process-wide arrivals counter; updates the demand EWMA.
+    pub fn on_arrivals(&mut self, cfg: &Config, arrivals_total: u64, now_ms: u64) {
+        if let Some((prev_total, prev_ms)) = self.last_arrivals {
+            let dt_s = now_ms.saturating_sub(prev_ms) as f64 / 1000.0;
+            if dt_s > 0.0 {
+                let rate = arrivals_total.saturating_sub(prev_total) as f64 / dt_s;
+                let a = cfg.probe.demand_alpha;
+                self.demand_rps = Some(match self.demand_rps {
+                    Some(old) => old + a * (rate - old),
+                    None => rate,
+                });
+            }
+        }
+        self.last_arrivals = Some((arrivals_total, now_ms));
+    }
+
+    pub fn is_healthy(&self, region: usize) -> bool {
+        self.regions.get(region).is_some_and(|r| r.healthy)
+    }
+
+    pub fn level(&self) -> u8 {
+        self.ladder.level
+    }
+
+    /// One controller step and a new snapshot. Returns the snapshot and
+    /// whether the ladder level changed.
+    pub fn publish(&mut self, cfg: &Config, now_ms: u64) -> (Snapshot, bool) {
+        let capacity: f64 = cfg
+            .regions
+            .iter()
+            .zip(&self.regions)
+            .filter(|(_, r)| r.healthy)
+            .map(|(c, _)| c.capacity_rps)
+            .sum();
+        let demand = self.demand_rps.unwrap_or(0.0);
+        // Below a hundredth of a request per second there is no demand to
+        // speak of; the ratio is then "plenty" and the ladder recovers.
+        let ratio = (demand > 0.01).then(|| capacity / demand);
+        let changed = self
+            .ladder
+            .step(&cfg.ladder, ratio.unwrap_or(f64::MAX), now_ms);
+        self.version += 1;
+        let regions = cfg
+            .regions
+            .iter()
+            .zip(&self.regions)
+            .map(|(c, r)| RegionState {
+                name: c.name.clone(),
+                healthy: r.healthy,
+                rtt_ms: r.rtt_ms,
+                waiting: r.sample.waiting.unwrap_or(0.0),
+                running: r.sample.running.unwrap_or(0.0),
+                kv_usage: r.sample.kv_usage,
+                prefix_hit_rate: r.sample.hit_rate.or_else(|| {
+                    match (r.sample.prefix_hits, r.sample.prefix_queries) {
+                        (Some(h), Some(q)) if q > 0.0 => Some((h / q).clamp(0.0, 1.0)),
+                        _ => None,
+                    }
+                }),
+                inflight_at_scrape: r.inflight_at_scrape,
+                metrics_ok: r.metrics_ok,
+            })
+            .collect();
+        let snap = Snapshot {
+            version: self.version,
+            generated_ms: now_ms,
+            level: self.ladder.level,
+            ratio,
+            demand_rps: demand,
+            capacity_rps: capacity,
+            level_changed_ms: self.ladder.changed_ms,
+            regions,
+        };
+        (snap, changed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> Config {
+        Config::parse(
+            br#"{"regions":[{"name":"a","cluster":"a","capacity_rps":2},{"name":"b","cluster":"b","capacity_rps":3}],
+                "probe":{"unhealthy_after":2,"healthy_after":3,"rtt_alpha":0.5},"ladder":{"dwell_s":5}}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn health_needs_consecutive_results() {
+        let c = cfg();
+        let mut f = Fleet::new(&c, 0);
+        assert_eq!(f.on_health(&c, 0, None), HealthChange::None);
+        assert_eq!(f.on_health(&c, 0, Some(5.0)), HealthChange::None);
+        assert_eq!(f.on_health(&c, 0, None), HealthChange::None);
+        assert_eq!(f.on_health(&c, 0, None), HealthChange::BecameUnhealthy);
+        assert!(!f.is_healthy(0));
+        assert_eq!(f.on_health(&c, 0, Some(5.0)), HealthChange::None);
+        assert_eq!(f.on_health(&c, 0, Some(5.0)), HealthChange::None);
+        assert_eq!(f.on_health(&c, 0, Some(5.0)), HealthChange::BecameHealthy);
+        assert_eq!(f.on_health(&c, 7, None), HealthChange::None);
+    }
+
+    #[test]
+    fn rtt_is_an_ewma() {
+        let c = cfg();
+        let mut f = Fleet::new(&c, 0);
+        f.on_health(&c, 1, Some(10.0));
+        f.on_health(&c, 1, Some(20.0));
+        let (s, _) = f.publish(&c, 1);
+        assert_eq!(s.regions[1].rtt_ms, Some(15.0));
+        assert_eq!(s.regions[0].rtt_ms, None);
+    }
+
+    #[test]
+    fn demand_over_capacity_raises_the_ladder_one_rung_per_tick() {
+        let c = cfg();
+        let mut f = Fleet::new(&c, 0);
+        let mut total = 0;
+        let mut levels = vec![];
+        for t in 0..8u64 {
+            f.on_arrivals(&c, total, t * 1000);
+            total += 25; // 25 rps against 5 rps of capacity: ratio 0.2
+            levels.push(f.publish(&c, t * 1000).0.level);
+        }
+        assert_eq!(levels, vec![0, 1, 2, 3, 4, 5, 5, 5]);
+        let (s, _) = f.publish(&c, 8000);
+        assert_eq!(s.capacity_rps, 5.0);
+        assert!((s.ratio.unwrap() - 0.2).abs() < 1e-9);
+        // Losing region b halves nothing but capacity.
+        f.on_health(&c, 1, None);
+        f.on_health(&c, 1, None);
+        assert_eq!(f.publish(&c, 9000).0.capacity_rps, 2.0);
+    }
+
+    #[test]
+    fn metrics_fill_the_snapshot() {
+        let c = cfg();
+        let mut f = Fleet::new(&c, 0);
+        f.on_metrics(
+            0,
+            Some(EngineSample {
+                waiting: Some(4.0),
+                running: Some(2.0),
+                prefix_queries: Some(100.0),
+                prefix_hits: Some(25.0),
+                ..EngineSample::default()
+            }),
+            3.0,
+        );
+        f.on_metrics(1, None, 0.0);
+        let (s, _) = f.publish(&c, 0);
+        assert_eq!((s.regions[0].waiting, s.regions[0].running), (4.0, 2.0));
+        assert_eq!(s.regions[0].prefix_hit_rate, Some(0.25));
+        assert_eq!(s.regions[0].inflight_at_scrape, 3.0);
+        assert!(s.regions[0].metrics_ok && !s.regions[1].metrics_ok);
+        assert_eq!(s.ratio, None);
+        assert_eq!(s.version, 1);
+    }
+}

@@ -1,0 +1,134 @@
+//! Host calls that cannot trap: every `proxy_wasm::hostcalls` status is
+//! mapped to an `Option`/`Result` here, instead of the SDK's `unwrap()`.
+
+use std::time::{Duration, UNIX_EPOCH};
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType};
+
+use crate::directory::{SetOutcome, SharedStore};
+
+pub fn log(level: LogLevel, msg: &str) {
+    let _ = hostcalls::log(level, msg);
+}
+
+pub fn now_ms() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+pub fn property(path: &[&str]) -> Option<Vec<u8>> {
+    hostcalls::get_property(path.to_vec()).ok().flatten()
+}
+
+pub fn plugin_configuration() -> Vec<u8> {
+    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+pub fn request_header(name: &str) -> Option<String> {
+    hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
+        .ok()
+        .flatten()
+}
+
+pub fn set_request_header(name: &str, value: Option<&str>) {
+    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value);
+}
+
+pub fn add_response_header(name: &str, value: &str) {
+    let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);
+}
+
+pub fn request_body(size: usize) -> Option<Vec<u8>> {
+    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
+        .ok()
+        .flatten()
+}
+
+pub fn replace_request_body(old_size: usize, body: &[u8]) -> bool {
+    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, old_size, body).is_ok()
+}
+
+pub fn call_response_header(name: &str) -> Option<String> {
+    hostcalls::get_map_value(MapType::HttpCallResponseHeaders, name)
+        .ok()
+        .flatten()
+}
+
+pub fn call_response_body(size: usize) -> Option<Vec<u8>> {
+    hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size)
+        .ok()
+        .flatten()
+}
+
+pub fn send_response(status: u32, headers: &[(&str, &str)], body: &[u8]) {
+    let _ = hostcalls::send_http_response(status, headers.to_vec(), Some(body));
+}
+
+/// Re-evaluate the route after changing the header it selects on.
+pub fn clear_route_cache() {
+    let _ = hostcalls::call_foreign_function("clear_route_cache", None);
+}
+
+pub fn dispatch(cluster: &str, headers: &[(&str, &str)], timeout: Duration) -> Result<u32, String> {
+    hostcalls::dispatch_http_call(cluster, headers.to_vec(), None, vec![], timeout)
+        .map_err(|s| format!("{s:?}"))
+}
+
+/// An Envoy stat; a failed definition yields a stat that does nothing.
+#[derive(Debug, Clone, Copy)]
+pub struct Metric(Option<u32>);
+
+impl Metric {
+    pub fn counter(name: &str) -> Metric {
+        Metric(hostcalls::define_metric(MetricType::Counter, name).ok())
+    }
+    pub fn gauge(name: &str) -> Metric {
+        Metric(hostcalls::define_metric(MetricType::Gauge, name).ok())
+    }
+    pub fn add(self, delta: i64) {
+        if let Some(id) = self.0 {
+            let _ = hostcalls::increment_metric(id, delta);
+        }
+    }
+    pub fn set(self, value: u64) {
+        if let Some(id) = self.0 {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+    pub fn get(self) -> u64 {
+        self.0
+            .and_then(|id| hostcalls::get_metric(id).ok())
+            .unwrap_or(0)
+    }
+}
+
+/// Envoy's shared data as the directory's store.
+pub struct HostStore;
+
+impl SharedStore for HostStore {
+    fn get(&mut self, key: &str) -> Result<Option<(Vec<u8>, u32)>, String> {
+        match hostcalls::get_shared_data(key) {
+            Ok((Some(v), Some(cas))) => Ok(Some((v, cas))),
+            Ok((Some(v), None)) => Ok(Some((v, 0))),
+            Ok((None, _)) => Ok(None),
+            Err(s) => Err(format!("{s:?}")),
+        }
+    }
+    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, String> {
+        match hostcalls::set_shared_data(key, Some(value), cas) {
+            Ok(()) => Ok(SetOutcome::Stored),
+            Err(proxy_wasm::types::Status::CasMismatch) => Ok(SetOutcome::CasMismatch),
+            Err(s) => Err(format!("{s:?}")),
+        }
+    }
+}
+
+pub fn set_tick(period: Duration) -> Result<(), String> {
+    hostcalls::set_tick_period(period).map_err(|s| format!("{s:?}"))
+}

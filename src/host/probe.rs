@@ -1,0 +1,307 @@
+//! The `probe` singleton service: every tick, one health and one `/metrics`
+//! callout per region through its Envoy cluster; results feed the pure
+//! [`Fleet`], which publishes the snapshot to shared data and Envoy gauges.
+//!
+//! Exactly one probe loop per Envoy process: Envoy may run `on_configure`
+//! for more than one root context of the singleton, so a lease in shared
+//! data (owner id + heartbeat) decides which of them acts; the others stay
+//! idle unless the owner stops renewing it for three ticks.
+
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::Duration;
+
+use proxy_wasm::types::LogLevel;
+
+use super::calls::{self, log, HostStore, Metric};
+use super::guard::ARRIVALS;
+use super::router::rq_active_name;
+use crate::config::Config;
+use crate::directory::SharedStore;
+use crate::fleet::{Fleet, HealthChange};
+use crate::metrics::parse_engine_metrics;
+use crate::snapshot::{Snapshot, SNAPSHOT_KEY};
+
+const LEASE_KEY: &str = "llm_geo_router.probe.lease";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Health,
+    Metrics,
+}
+
+struct RegionStats {
+    healthy: Metric,
+    rtt_ms: Metric,
+    waiting: Metric,
+    running: Metric,
+    kv_usage_pct: Metric,
+    probe_failures: Metric,
+    scrape_failures: Metric,
+    rq_active: Metric,
+}
+
+pub struct Probe {
+    cfg: Rc<Config>,
+    fleet: Fleet,
+    owner: String,
+    pending: HashMap<u32, (usize, Kind, u64)>,
+    regions: Vec<RegionStats>,
+    arrivals: Metric,
+    level: Metric,
+    ratio_pct: Metric,
+    demand_rps: Metric,
+    capacity_rps: Metric,
+    callouts: Metric,
+    snapshot_version: Metric,
+    metrics_warned: Vec<bool>,
+}
+
+impl Probe {
+    pub fn new(cfg: Rc<Config>, context_id: u32) -> Option<Probe> {
+        let now = calls::now_ms();
+        if calls::set_tick(Duration::from_millis(u64::from(cfg.probe.tick_ms))).is_err() {
+            log(
+                LogLevel::Error,
+                "llm-geo-router probe: the host refused a tick period; configuration refused",
+            );
+            return None;
+        }
+        let regions = cfg
+            .regions
+            .iter()
+            .map(|r| {
+                let m = |what: &str| format!("llm_geo_router.region.{}.{what}", r.name);
+                RegionStats {
+                    healthy: Metric::gauge(&m("healthy")),
+                    rtt_ms: Metric::gauge(&m("rtt_ms")),
+                    waiting: Metric::gauge(&m("engine_waiting")),
+                    running: Metric::gauge(&m("engine_running")),
+                    kv_usage_pct: Metric::gauge(&m("engine_kv_usage_pct")),
+                    probe_failures: Metric::counter(&m("health_probe_failure")),
+                    scrape_failures: Metric::counter(&m("metrics_scrape_failure")),
+                    rq_active: Metric::gauge(&rq_active_name(&r.name)),
+                }
+            })
+            .collect();
+        Some(Probe {
+            fleet: Fleet::new(&cfg, now),
+            owner: format!("{context_id}-{now}"),
+            pending: HashMap::new(),
+            regions,
+            arrivals: Metric::counter(ARRIVALS),
+            level: Metric::gauge("llm_geo_router.ladder.level"),
+            ratio_pct: Metric::gauge("llm_geo_router.ladder.capacity_ratio_pct"),
+            demand_rps: Metric::gauge("llm_geo_router.ladder.demand_rps"),
+            capacity_rps: Metric::gauge("llm_geo_router.ladder.capacity_rps"),
+            callouts: Metric::counter("llm_geo_router.probe.callouts"),
+            snapshot_version: Metric::gauge("llm_geo_router.probe.snapshot_version"),
+            metrics_warned: vec![false; cfg.regions.len()],
+            cfg,
+        })
+    }
+
+    /// Take or renew the lease; true when this root context runs the loop.
+    fn hold_lease(&self, now: u64) -> bool {
+        let stale_after = 3 * u64::from(self.cfg.probe.tick_ms);
+        let mut store = HostStore;
+        let (current, cas) = match store.get(LEASE_KEY) {
+            Ok(Some((v, cas))) => (Some(v), cas),
+            Ok(None) => (None, 0),
+            Err(_) => return false,
+        };
+        if let Some(v) = current {
+            let text = String::from_utf8_lossy(&v);
+            let (owner, beat) = text.rsplit_once(':').unwrap_or(("", "0"));
+            let beat: u64 = beat.parse().unwrap_or(0);
+            if owner != self.owner && now.saturating_sub(beat) <= stale_after {
+                return false;
+            }
+        }
+        let value = format!("{}:{now}", self.owner);
+        matches!(
+            store.set(LEASE_KEY, value.as_bytes(), (cas != 0).then_some(cas)),
+            Ok(crate::directory::SetOutcome::Stored)
+        )
+    }
+
+    pub fn on_tick(&mut self) {
+        let now = calls::now_ms();
+        if !self.hold_lease(now) {
+            return;
+        }
+        let timeout_ms = u64::from(self.cfg.probe.timeout_ms);
+        // A callout the host never answered is forgotten after two timeouts.
+        self.pending
+            .retain(|_, (_, _, sent)| now.saturating_sub(*sent) <= 2 * timeout_ms + 1000);
+        self.fleet.on_arrivals(&self.cfg, self.arrivals.get(), now);
+        let cfg = self.cfg.clone();
+        for (i, r) in cfg.regions.iter().enumerate() {
+            let authority = cfg.region_authority(i).unwrap_or(&r.cluster);
+            for (kind, path) in [
+                (Kind::Health, &r.health_path),
+                (Kind::Metrics, &r.metrics_path),
+            ] {
+                if self
+                    .pending
+                    .values()
+                    .any(|(ri, k, _)| *ri == i && *k == kind)
+                {
+                    continue;
+                }
+                let headers = [
+                    (":method", "GET"),
+                    (":path", path.as_str()),
+                    (":authority", authority),
+                    ("user-agent", "llm-geo-router-probe"),
+                ];
+                self.callouts.add(1);
+                match calls::dispatch(&r.cluster, &headers, Duration::from_millis(timeout_ms)) {
+                    Ok(token) => {
+                        self.pending.insert(token, (i, kind, now));
+                    }
+                    Err(status) => {
+                        log(
+                            LogLevel::Warn,
+                            &format!(
+                                "llm-geo-router probe: region {}: callout to cluster {:?} refused by the host ({status}); is the cluster defined?",
+                                r.name, r.cluster
+                            ),
+                        );
+                        if kind == Kind::Health {
+                            self.health(i, None);
+                        }
+                    }
+                }
+            }
+        }
+        self.publish(now);
+    }
+
+    pub fn on_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
+        let Some((region, kind, sent)) = self.pending.remove(&token) else {
+            return;
+        };
+        let now = calls::now_ms();
+        let status: Option<u32> = if num_headers == 0 {
+            None
+        } else {
+            calls::call_response_header(":status").and_then(|s| s.parse().ok())
+        };
+        let ok = status.is_some_and(|s| (200..300).contains(&s));
+        match kind {
+            Kind::Health => {
+                let rtt = ok.then(|| now.saturating_sub(sent) as f64);
+                if self.health(region, rtt) {
+                    self.publish(now);
+                }
+            }
+            Kind::Metrics => {
+                let name = self
+                    .cfg
+                    .regions
+                    .get(region)
+                    .map_or("?", |r| r.name.as_str())
+                    .to_string();
+                let engine = self.cfg.regions.get(region).map(|r| r.engine);
+                let parsed = match (ok, engine) {
+                    (true, Some(engine)) => {
+                        let body = calls::call_response_body(body_size).unwrap_or_default();
+                        parse_engine_metrics(engine, &body, None).map_err(|e| e.to_string())
+                    }
+                    _ => Err(format!(
+                        "status {}",
+                        status.map_or("none (no response)".to_string(), |s| s.to_string())
+                    )),
+                };
+                let stats = self.regions.get(region);
+                let inflight = stats.map_or(0, |s| s.rq_active.get()) as f64;
+                let warned = self.metrics_warned.get_mut(region);
+                match parsed {
+                    Ok(sample) => {
+                        if let Some(w) = warned {
+                            *w = false;
+                        }
+                        self.fleet.on_metrics(region, Some(sample), inflight);
+                    }
+                    Err(e) => {
+                        if let Some(s) = stats {
+                            s.scrape_failures.add(1);
+                        }
+                        if let Some(w) = warned {
+                            if !*w {
+                                *w = true;
+                                log(LogLevel::Warn, &format!("llm-geo-router probe: region {name}: metrics scrape failed: {e}"));
+                            }
+                        }
+                        self.fleet.on_metrics(region, None, inflight);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Feed one health result; true when the region's health changed.
+    fn health(&mut self, region: usize, rtt: Option<f64>) -> bool {
+        if rtt.is_none() {
+            if let Some(s) = self.regions.get(region) {
+                s.probe_failures.add(1);
+            }
+        }
+        let change = self.fleet.on_health(&self.cfg, region, rtt);
+        let name = self
+            .cfg
+            .regions
+            .get(region)
+            .map_or("?", |r| r.name.as_str());
+        match change {
+            HealthChange::None => false,
+            HealthChange::BecameHealthy => {
+                log(
+                    LogLevel::Info,
+                    &format!("llm-geo-router probe: region {name} is healthy again"),
+                );
+                true
+            }
+            HealthChange::BecameUnhealthy => {
+                log(LogLevel::Warn, &format!("llm-geo-router probe: region {name} is unhealthy; no new requests go there"));
+                true
+            }
+        }
+    }
+
+    fn publish(&mut self, now: u64) {
+        let (snap, level_changed) = self.fleet.publish(&self.cfg, now);
+        if level_changed {
+            log(
+                LogLevel::Warn,
+                &format!(
+                    "llm-geo-router probe: ladder level {} (capacity {:.1} rps, demand {:.1} rps)",
+                    snap.level, snap.capacity_rps, snap.demand_rps
+                ),
+            );
+        }
+        let _ = HostStore.set(SNAPSHOT_KEY, &snap.encode(), None);
+        self.export(&snap);
+    }
+
+    fn export(&self, snap: &Snapshot) {
+        self.level.set(u64::from(snap.level));
+        self.ratio_pct.set(
+            snap.ratio
+                .map_or(0, |r| (r * 100.0).round().min(1e12) as u64),
+        );
+        self.demand_rps.set(snap.demand_rps.round() as u64);
+        self.capacity_rps.set(snap.capacity_rps.round() as u64);
+        self.snapshot_version.set(snap.version);
+        for (stats, r) in self.regions.iter().zip(&snap.regions) {
+            stats.healthy.set(u64::from(r.healthy));
+            stats.rtt_ms.set(r.rtt_ms.map_or(0, |v| v.round() as u64));
+            stats.waiting.set(r.waiting.round() as u64);
+            stats.running.set(r.running.round() as u64);
+            stats
+                .kv_usage_pct
+                .set(r.kv_usage.map_or(0, |v| (v * 100.0).round() as u64));
+        }
+    }
+}

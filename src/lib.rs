@@ -1,0 +1,23 @@
+//! llm-geo-router: a proxy-wasm plugin for Envoy that routes OpenAI-style
+//! inference requests across complete model replicas in several regions by
+//! expected time-to-first-token.
+//!
+//! Everything but `host` is the pure core: plain functions and data over
+//! explicit inputs and time (`now_ms`), run identically by the .wasm, the
+//! native tests and the tools. `host` (wasm32 only) is the one module that
+//! talks to `proxy_wasm`.
+
+pub mod config;
+pub mod cost;
+pub mod directory;
+pub mod fleet;
+pub mod guard;
+pub mod ladder;
+pub mod metrics;
+pub mod openai;
+pub mod prefix;
+pub mod request;
+pub mod snapshot;
+
+#[cfg(target_arch = "wasm32")]
+mod host;

@@ -1,0 +1,1249 @@
+//! Engine load metrics: turns the Prometheus text exposition (format 0.0.4)
+//! that vLLM and SGLang serve on `/metrics` into the few numbers the router
+//! weighs (queue depth, running requests, KV-cache usage, prefix-cache
+//! counters or hit rate) and an optional release digest read from a label.
+//!
+//! This module owns the text-format parsing and the per-engine metric names.
+//! It does no I/O and keeps no state between scrapes; the probe fetches the
+//! payload and decides what a missing number means for routing.
+
+use std::borrow::Cow;
+use std::fmt;
+
+/// Largest payload parsed. A healthy engine prints tens of kilobytes; anything
+/// this big is a misconfigured endpoint, and parsing it would stall the
+/// proxy's worker thread.
+pub const MAX_PAYLOAD_BYTES: usize = 4 * 1024 * 1024;
+
+/// Which inference server exposes the endpoint; it decides the metric names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    Vllm,
+    Sglang,
+}
+
+impl EngineKind {
+    /// Every metric this module reads for the kind starts with this, so most
+    /// lines of a scrape are rejected by one prefix comparison.
+    fn metric_prefix(self) -> &'static [u8] {
+        match self {
+            EngineKind::Vllm => b"vllm:",
+            EngineKind::Sglang => b"sglang:",
+        }
+    }
+
+    fn wanted_series(self) -> &'static [(&'static str, Series)] {
+        match self {
+            EngineKind::Vllm => VLLM_SERIES,
+            EngineKind::Sglang => SGLANG_SERIES,
+        }
+    }
+}
+
+/// One scrape's worth of load numbers. `None` means the engine did not report
+/// the number (or reported it as NaN, infinite or, for counts, negative).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct EngineSample {
+    /// Requests queued and not yet scheduled, summed over all series.
+    pub waiting: Option<f64>,
+    /// Requests in the running batch, summed over all series.
+    pub running: Option<f64>,
+    /// KV-cache usage as a fraction in 0..=1, the mean over all series.
+    pub kv_usage: Option<f64>,
+    /// Cumulative prefix-cache lookups, in tokens, summed over all series.
+    pub prefix_queries: Option<f64>,
+    /// Cumulative prefix-cache hits, in tokens, summed over all series.
+    pub prefix_hits: Option<f64>,
+    /// Prefix-cache hit rate in 0..=1, when the engine reports a rate itself.
+    pub hit_rate: Option<f64>,
+    /// Value of the configured release label, from the first series of its
+    /// metric that carries that label.
+    pub release: Option<String>,
+}
+
+/// Why a scrape gave no sample. Messages name the line so an operator can
+/// find it in the engine's output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MetricsError {
+    /// The payload is over [`MAX_PAYLOAD_BYTES`]; nothing was parsed.
+    TooLarge { bytes: usize, limit: usize },
+    /// Not one line parsed as a sample: not a Prometheus endpoint, or empty.
+    NoSamples {
+        lines: usize,
+        first_malformed_line: Option<usize>,
+    },
+    /// A line of a metric this module reads is not UTF-8.
+    NotUtf8 { line: usize, metric: String },
+    /// The configured release label is not `metric_name/label_name`.
+    InvalidReleaseLabel { spec: String },
+}
+
+impl fmt::Display for MetricsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MetricsError::TooLarge { bytes, limit } => write!(
+                f,
+                "metrics payload of {bytes} bytes is over the {limit}-byte limit; not parsed"
+            ),
+            MetricsError::NoSamples { lines: 0, .. } => f.write_str("metrics payload is empty"),
+            MetricsError::NoSamples {
+                lines,
+                first_malformed_line: Some(line),
+            } => write!(
+                f,
+                "metrics payload has no parseable sample line in {lines} lines \
+                 (first malformed line: {line})"
+            ),
+            MetricsError::NoSamples {
+                lines,
+                first_malformed_line: None,
+            } => write!(
+                f,
+                "metrics payload has no sample line in {lines} lines (only blanks and comments)"
+            ),
+            MetricsError::NotUtf8 { line, metric } => {
+                write!(f, "metrics line {line} ({metric}) is not valid UTF-8")
+            }
+            MetricsError::InvalidReleaseLabel { spec } => write!(
+                f,
+                "release label {spec:?} is not of the form metric_name/label_name"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for MetricsError {}
+
+/// Reads the load numbers of one engine from its `/metrics` payload.
+///
+/// Malformed lines are skipped, so one bad series never hides the rest; the
+/// scrape fails only when nothing in it parses as a sample, when a line of a
+/// metric we read is not UTF-8, when it is over [`MAX_PAYLOAD_BYTES`], or when
+/// `release_label` is not `metric_name/label_name`. A valid payload that lacks
+/// every metric of `kind` yields a sample whose fields are all `None`.
+pub fn parse_engine_metrics(
+    kind: EngineKind,
+    text: &[u8],
+    release_label: Option<&str>,
+) -> Result<EngineSample, MetricsError> {
+    // A bad spec is a configuration error: report it whatever the payload.
+    let release_spec = release_label.map(ReleaseLabel::parse).transpose()?;
+    if text.len() > MAX_PAYLOAD_BYTES {
+        return Err(MetricsError::TooLarge {
+            bytes: text.len(),
+            limit: MAX_PAYLOAD_BYTES,
+        });
+    }
+
+    let prefix = kind.metric_prefix();
+    let wanted = kind.wanted_series();
+    let mut totals = Totals::default();
+    let mut release: Option<String> = None;
+    let mut saw_sample = false;
+    let mut first_malformed_line = None;
+    let mut line_count = 0;
+
+    for line in lines(text) {
+        line_count = line.number;
+        let name = leading_metric_name(line.bytes);
+        let series = if name.starts_with(prefix) {
+            wanted
+                .iter()
+                .find(|(wanted_name, _)| wanted_name.as_bytes() == name)
+                .map(|&(_, series)| series)
+        } else {
+            None
+        };
+        let wants_release =
+            release.is_none() && release_spec.is_some_and(|spec| spec.metric.as_bytes() == name);
+
+        if series.is_none() && !wants_release {
+            // Lines we do not read are only looked at until one of them proves
+            // the payload is an exposition at all; after that they cost one
+            // name scan each.
+            if !saw_sample {
+                match classify(line.bytes) {
+                    LineClass::Comment => {}
+                    LineClass::Sample => saw_sample = true,
+                    LineClass::Malformed => {
+                        first_malformed_line.get_or_insert(line.number);
+                    }
+                }
+            }
+            continue;
+        }
+
+        let Ok(line_text) = std::str::from_utf8(line.bytes) else {
+            return Err(MetricsError::NotUtf8 {
+                line: line.number,
+                metric: String::from_utf8_lossy(name).into_owned(),
+            });
+        };
+        let Some(sample) = Sample::parse(line_text) else {
+            first_malformed_line.get_or_insert(line.number);
+            continue;
+        };
+        saw_sample = true;
+        if let Some(series) = series {
+            totals.add(series, sample.value);
+        }
+        if wants_release {
+            if let Some(spec) = release_spec {
+                release = sample.label(spec.label).map(Cow::into_owned);
+            }
+        }
+    }
+
+    if !saw_sample {
+        return Err(MetricsError::NoSamples {
+            lines: line_count,
+            first_malformed_line,
+        });
+    }
+    Ok(totals.into_sample(release))
+}
+
+/// One physical line of a payload, without its `\n` or `\r\n`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Line<'a> {
+    /// 1-based, as an editor or `sed -n` counts.
+    pub number: usize,
+    pub bytes: &'a [u8],
+}
+
+/// Iterator over the lines of a payload; borrows, never allocates.
+#[derive(Debug, Clone)]
+pub struct Lines<'a> {
+    rest: Option<&'a [u8]>,
+    number: usize,
+}
+
+/// Splits a payload into numbered lines, accepting `\n` and `\r\n` endings.
+pub fn lines(text: &[u8]) -> Lines<'_> {
+    Lines {
+        rest: (!text.is_empty()).then_some(text),
+        number: 0,
+    }
+}
+
+impl<'a> Iterator for Lines<'a> {
+    type Item = Line<'a>;
+
+    fn next(&mut self) -> Option<Line<'a>> {
+        let rest = self.rest?;
+        let (line, tail) = match rest.iter().position(|&b| b == b'\n') {
+            Some(end) => (rest.get(..end).unwrap_or_default(), rest.get(end + 1..)),
+            None => (rest, None),
+        };
+        // A final newline ends the last line; it does not start an empty one.
+        self.rest = tail.filter(|tail| !tail.is_empty());
+        self.number += 1;
+        Some(Line {
+            number: self.number,
+            bytes: line.strip_suffix(b"\r").unwrap_or(line),
+        })
+    }
+}
+
+/// One sample line, parsed: `name{labels} value [timestamp]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample<'a> {
+    pub name: &'a str,
+    pub value: f64,
+    /// Milliseconds since the epoch, when the exporter printed one.
+    pub timestamp_ms: Option<i64>,
+    /// The text between the braces, already checked; label values stay
+    /// escaped until [`Sample::label`] asks for one.
+    labels: &'a str,
+}
+
+impl<'a> Sample<'a> {
+    /// Parses one line of the text format; `None` for comments, blank lines
+    /// and anything malformed. Blanks may surround every token.
+    pub fn parse(line: &'a str) -> Option<Self> {
+        let mut cursor = Cursor { rest: line };
+        cursor.skip_blanks();
+        let name = cursor.take_while(is_metric_name_byte);
+        if !is_metric_name(name) {
+            return None;
+        }
+        // The name must be followed by labels or a separator, not glued to
+        // another token.
+        if !matches!(cursor.peek(), Some(b'{' | b' ' | b'\t')) {
+            return None;
+        }
+        cursor.skip_blanks();
+
+        let mut labels = "";
+        if cursor.eat(b'{') {
+            let inside = cursor.rest;
+            loop {
+                cursor.skip_blanks();
+                if cursor.peek() == Some(b'}') {
+                    break;
+                }
+                cursor.label_pair()?;
+                // A trailing comma before `}` is allowed by the format.
+                if !cursor.eat(b',') && cursor.peek() != Some(b'}') {
+                    return None;
+                }
+            }
+            let inside_len = inside.len().checked_sub(cursor.rest.len())?;
+            labels = inside.get(..inside_len)?;
+            cursor.eat(b'}');
+            cursor.skip_blanks();
+        }
+
+        let value = parse_value(cursor.take_token())?;
+        cursor.skip_blanks();
+        let timestamp_ms = match cursor.take_token() {
+            "" => None,
+            token => Some(token.parse::<i64>().ok()?),
+        };
+        cursor.skip_blanks();
+        if !cursor.rest.is_empty() {
+            return None;
+        }
+        Some(Sample {
+            name,
+            value,
+            timestamp_ms,
+            labels,
+        })
+    }
+
+    /// The unescaped value of label `name`, if the series carries it.
+    /// Borrows unless the value holds an escape sequence.
+    pub fn label(&self, name: &str) -> Option<Cow<'a, str>> {
+        let mut cursor = Cursor { rest: self.labels };
+        loop {
+            let (label, raw_value) = cursor.label_pair()?;
+            if label == name {
+                return Some(unescape_label_value(raw_value));
+            }
+            cursor.eat(b',');
+        }
+    }
+}
+
+/// Where a number lands. Counts and counters are summed over series; usage
+/// and ratio gauges are averaged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Series {
+    Waiting,
+    Running,
+    KvUsage,
+    /// vLLM's pre-0.9 name, read only when the current one is absent.
+    KvUsageLegacy,
+    PrefixQueries(PrefixFamily),
+    PrefixHits(PrefixFamily),
+    HitRate,
+}
+
+/// The spellings vLLM has used for its prefix-cache counters, most preferred
+/// first. Queries and hits are always taken from the same spelling so their
+/// ratio compares like with like.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PrefixFamily {
+    /// `vllm:prefix_cache_*_total`, what prometheus_client prints.
+    Total = 0,
+    /// `vllm:prefix_cache_*`, from exporters that omit the suffix.
+    Bare = 1,
+    /// `vllm:gpu_prefix_cache_*_total`, deprecated in 0.9.
+    GpuTotal = 2,
+    /// `vllm:gpu_prefix_cache_*`.
+    GpuBare = 3,
+}
+
+impl PrefixFamily {
+    const BY_PREFERENCE: [PrefixFamily; 4] = [
+        PrefixFamily::Total,
+        PrefixFamily::Bare,
+        PrefixFamily::GpuTotal,
+        PrefixFamily::GpuBare,
+    ];
+}
+
+const VLLM_SERIES: &[(&str, Series)] = &[
+    ("vllm:num_requests_waiting", Series::Waiting),
+    ("vllm:num_requests_running", Series::Running),
+    ("vllm:kv_cache_usage_perc", Series::KvUsage),
+    ("vllm:gpu_cache_usage_perc", Series::KvUsageLegacy),
+    (
+        "vllm:prefix_cache_queries_total",
+        Series::PrefixQueries(PrefixFamily::Total),
+    ),
+    (
+        "vllm:prefix_cache_queries",
+        Series::PrefixQueries(PrefixFamily::Bare),
+    ),
+    (
+        "vllm:gpu_prefix_cache_queries_total",
+        Series::PrefixQueries(PrefixFamily::GpuTotal),
+    ),
+    (
+        "vllm:gpu_prefix_cache_queries",
+        Series::PrefixQueries(PrefixFamily::GpuBare),
+    ),
+    (
+        "vllm:prefix_cache_hits_total",
+        Series::PrefixHits(PrefixFamily::Total),
+    ),
+    (
+        "vllm:prefix_cache_hits",
+        Series::PrefixHits(PrefixFamily::Bare),
+    ),
+    (
+        "vllm:gpu_prefix_cache_hits_total",
+        Series::PrefixHits(PrefixFamily::GpuTotal),
+    ),
+    (
+        "vllm:gpu_prefix_cache_hits",
+        Series::PrefixHits(PrefixFamily::GpuBare),
+    ),
+    // The v0 engine (0.6 to 0.8) has no prefix counters, only this gauge.
+    // With prefix caching off it prints -1, which clamps to a 0 hit rate.
+    ("vllm:gpu_prefix_cache_hit_rate", Series::HitRate),
+];
+
+const SGLANG_SERIES: &[(&str, Series)] = &[
+    ("sglang:num_queue_reqs", Series::Waiting),
+    ("sglang:num_running_reqs", Series::Running),
+    ("sglang:token_usage", Series::KvUsage),
+    ("sglang:cache_hit_rate", Series::HitRate),
+];
+
+/// Running sum of the series of one name.
+#[derive(Debug, Clone, Copy, Default)]
+struct Accumulator {
+    sum: f64,
+    series: u32,
+}
+
+impl Accumulator {
+    fn add(&mut self, value: f64) {
+        self.sum += value;
+        self.series = self.series.saturating_add(1);
+    }
+
+    /// Counts add up across data-parallel engines (`engine="0"`, `"1"`, or
+    /// SGLang's `dp_rank`) and across models served by one endpoint: the
+    /// router cares about all the work queued behind the address.
+    fn total(self) -> Option<f64> {
+        (self.series > 0 && self.sum.is_finite()).then_some(self.sum)
+    }
+
+    /// Usage and ratios are averaged instead: data-parallel engines have
+    /// equal KV pools, so the mean is the endpoint's overall fill, while a
+    /// sum would exceed 1 and mean nothing.
+    fn mean(self) -> Option<f64> {
+        (self.series > 0).then(|| (self.sum / f64::from(self.series)).clamp(0.0, 1.0))
+    }
+}
+
+#[derive(Debug, Default)]
+struct Totals {
+    waiting: Accumulator,
+    running: Accumulator,
+    kv_usage: Accumulator,
+    kv_usage_legacy: Accumulator,
+    prefix_queries: [Accumulator; 4],
+    prefix_hits: [Accumulator; 4],
+    hit_rate: Accumulator,
+}
+
+impl Totals {
+    fn add(&mut self, series: Series, value: f64) {
+        // NaN or infinity is no measurement; a negative count is a broken
+        // exporter. Either way that series is left out, not zeroed.
+        if !value.is_finite() {
+            return;
+        }
+        let count = (value >= 0.0).then_some(value);
+        let ratio = value.clamp(0.0, 1.0);
+        let (accumulator, value) = match series {
+            Series::Waiting => (Some(&mut self.waiting), count),
+            Series::Running => (Some(&mut self.running), count),
+            Series::PrefixQueries(family) => (self.prefix_queries.get_mut(family as usize), count),
+            Series::PrefixHits(family) => (self.prefix_hits.get_mut(family as usize), count),
+            Series::KvUsage => (Some(&mut self.kv_usage), Some(ratio)),
+            Series::KvUsageLegacy => (Some(&mut self.kv_usage_legacy), Some(ratio)),
+            Series::HitRate => (Some(&mut self.hit_rate), Some(ratio)),
+        };
+        if let (Some(accumulator), Some(value)) = (accumulator, value) {
+            accumulator.add(value);
+        }
+    }
+
+    fn into_sample(self, release: Option<String>) -> EngineSample {
+        let (prefix_queries, prefix_hits) = PrefixFamily::BY_PREFERENCE
+            .iter()
+            .find_map(|&family| {
+                let queries = self.prefix_queries.get(family as usize)?;
+                let hits = self.prefix_hits.get(family as usize)?;
+                (queries.series > 0 || hits.series > 0).then(|| (queries.total(), hits.total()))
+            })
+            .unwrap_or((None, None));
+        EngineSample {
+            waiting: self.waiting.total(),
+            running: self.running.total(),
+            kv_usage: self.kv_usage.mean().or_else(|| self.kv_usage_legacy.mean()),
+            prefix_queries,
+            prefix_hits,
+            hit_rate: self.hit_rate.mean(),
+            release,
+        }
+    }
+}
+
+/// A parsed `metric_name/label_name` release spec.
+#[derive(Debug, Clone, Copy)]
+struct ReleaseLabel<'a> {
+    metric: &'a str,
+    label: &'a str,
+}
+
+impl<'a> ReleaseLabel<'a> {
+    fn parse(spec: &'a str) -> Result<Self, MetricsError> {
+        spec.split_once('/')
+            .filter(|(metric, label)| is_metric_name(metric) && is_label_name(label))
+            .map(|(metric, label)| ReleaseLabel { metric, label })
+            .ok_or_else(|| MetricsError::InvalidReleaseLabel {
+                spec: spec.to_owned(),
+            })
+    }
+}
+
+enum LineClass {
+    Comment,
+    Sample,
+    Malformed,
+}
+
+fn classify(line: &[u8]) -> LineClass {
+    match line.iter().find(|&&b| !is_blank(b)) {
+        None | Some(b'#') => LineClass::Comment,
+        Some(_) => match std::str::from_utf8(line).ok().and_then(Sample::parse) {
+            Some(_) => LineClass::Sample,
+            None => LineClass::Malformed,
+        },
+    }
+}
+
+/// The metric name a line starts with, or empty for comments, blank lines
+/// and lines that start with anything else. Names are ASCII, so this works
+/// on bytes before the line is known to be UTF-8.
+fn leading_metric_name(line: &[u8]) -> &[u8] {
+    let start = line
+        .iter()
+        .position(|&b| !is_blank(b))
+        .unwrap_or(line.len());
+    let rest = line.get(start..).unwrap_or_default();
+    let end = rest
+        .iter()
+        .position(|&b| !is_metric_name_byte(b))
+        .unwrap_or(rest.len());
+    rest.get(..end).unwrap_or_default()
+}
+
+/// A value as Go's ParseFloat reads it, which is what the format specifies.
+fn parse_value(token: &str) -> Option<f64> {
+    match token {
+        "NaN" => Some(f64::NAN),
+        "+Inf" | "Inf" => Some(f64::INFINITY),
+        "-Inf" => Some(f64::NEG_INFINITY),
+        _ => token.parse::<f64>().ok(),
+    }
+}
+
+/// Undoes the three escapes the format defines (`\\`, `\"`, `\n`); any
+/// other backslash is kept as written, as Prometheus itself does.
+fn unescape_label_value(raw: &str) -> Cow<'_, str> {
+    if !raw.contains('\\') {
+        return Cow::Borrowed(raw);
+    }
+    let mut value = String::with_capacity(raw.len());
+    let mut chars = raw.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            value.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('n') => value.push('\n'),
+            Some('\\') => value.push('\\'),
+            Some('"') => value.push('"'),
+            Some(other) => {
+                value.push('\\');
+                value.push(other);
+            }
+            None => value.push('\\'),
+        }
+    }
+    Cow::Owned(value)
+}
+
+fn is_blank(b: u8) -> bool {
+    b == b' ' || b == b'\t'
+}
+
+fn is_metric_name_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'_' || b == b':'
+}
+
+fn is_metric_name(name: &str) -> bool {
+    name.bytes().next().is_some_and(|b| !b.is_ascii_digit())
+        && name.bytes().all(is_metric_name_byte)
+}
+
+fn is_label_name(name: &str) -> bool {
+    name.bytes().next().is_some_and(|b| !b.is_ascii_digit())
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
+/// A read position in one line. Every split is at an ASCII delimiter, so it
+/// is a char boundary; `get` still guards it rather than trusting that.
+#[derive(Debug)]
+struct Cursor<'a> {
+    rest: &'a str,
+}
+
+impl<'a> Cursor<'a> {
+    fn peek(&self) -> Option<u8> {
+        self.rest.as_bytes().first().copied()
+    }
+
+    fn eat(&mut self, byte: u8) -> bool {
+        if self.peek() != Some(byte) {
+            return false;
+        }
+        self.rest = self.rest.get(1..).unwrap_or_default();
+        true
+    }
+
+    fn skip_blanks(&mut self) {
+        self.rest = self.rest.trim_start_matches([' ', '\t']);
+    }
+
+    fn take_while(&mut self, keep: impl Fn(u8) -> bool) -> &'a str {
+        let end = self
+            .rest
+            .bytes()
+            .position(|b| !keep(b))
+            .unwrap_or(self.rest.len());
+        self.split_at(end)
+    }
+
+    fn take_token(&mut self) -> &'a str {
+        self.take_while(|b| !is_blank(b))
+    }
+
+    fn split_at(&mut self, at: usize) -> &'a str {
+        match (self.rest.get(..at), self.rest.get(at..)) {
+            (Some(head), Some(tail)) => {
+                self.rest = tail;
+                head
+            }
+            _ => "",
+        }
+    }
+
+    /// `name = "value"` with optional blanks around each token; returns the
+    /// name and the still-escaped value, and leaves the cursor after any
+    /// blanks that follow the closing quote.
+    fn label_pair(&mut self) -> Option<(&'a str, &'a str)> {
+        self.skip_blanks();
+        let name = self.take_while(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if !is_label_name(name) {
+            return None;
+        }
+        self.skip_blanks();
+        if !self.eat(b'=') {
+            return None;
+        }
+        self.skip_blanks();
+        if !self.eat(b'"') {
+            return None;
+        }
+        let value = self.quoted_rest()?;
+        self.skip_blanks();
+        Some((name, value))
+    }
+
+    /// The text up to the next unescaped `"`, which is consumed.
+    fn quoted_rest(&mut self) -> Option<&'a str> {
+        let bytes = self.rest.as_bytes();
+        let mut end = 0;
+        loop {
+            match bytes.get(end)? {
+                b'\\' => end += 2,
+                b'"' => break,
+                _ => end += 1,
+            }
+        }
+        let value = self.rest.get(..end)?;
+        self.rest = self.rest.get(end + 1..)?;
+        Some(value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
+
+    /// Shaped like vLLM v1 (0.9+) with two data-parallel engines: labels in
+    /// prometheus_client's sorted order, `_total` counters with their
+    /// `_created` companions, deprecated names beside the current ones, and
+    /// series this module ignores.
+    fn vllm_v1_payload() -> String {
+        let m = MODEL;
+        format!(
+            "# HELP python_gc_objects_collected_total Objects collected during gc\n\
+# TYPE python_gc_objects_collected_total counter\n\
+python_gc_objects_collected_total{{generation=\"0\"}} 12345.0\n\
+# HELP process_resident_memory_bytes Resident memory size in bytes.\n\
+# TYPE process_resident_memory_bytes gauge\n\
+process_resident_memory_bytes 1.23456789e+09\n\
+# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+# TYPE vllm:num_requests_running gauge\n\
+vllm:num_requests_running{{engine=\"0\",model_name=\"{m}\"}} 3.0\n\
+vllm:num_requests_running{{engine=\"1\",model_name=\"{m}\"}} 5.0\n\
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
+# TYPE vllm:num_requests_waiting gauge\n\
+vllm:num_requests_waiting{{engine=\"0\",model_name=\"{m}\"}} 0.0\n\
+vllm:num_requests_waiting{{engine=\"1\",model_name=\"{m}\"}} 2.0\n\
+# HELP vllm:gpu_cache_usage_perc GPU KV-cache usage. 1 means 100 percent usage.DEPRECATED: Use vllm:kv_cache_usage_perc instead.\n\
+# TYPE vllm:gpu_cache_usage_perc gauge\n\
+vllm:gpu_cache_usage_perc{{engine=\"0\",model_name=\"{m}\"}} 0.9\n\
+vllm:gpu_cache_usage_perc{{engine=\"1\",model_name=\"{m}\"}} 0.9\n\
+# HELP vllm:gpu_prefix_cache_queries_total GPU prefix cache queries, in terms of number of queriedtokens. DEPRECATED: Use vllm:prefix_cache_queries instead.\n\
+# TYPE vllm:gpu_prefix_cache_queries_total counter\n\
+vllm:gpu_prefix_cache_queries_total{{engine=\"0\",model_name=\"{m}\"}} 99.0\n\
+vllm:gpu_prefix_cache_queries_total{{engine=\"1\",model_name=\"{m}\"}} 99.0\n\
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
+# TYPE vllm:kv_cache_usage_perc gauge\n\
+vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"{m}\"}} 0.25\n\
+vllm:kv_cache_usage_perc{{engine=\"1\",model_name=\"{m}\"}} 0.5\n\
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.\n\
+# TYPE vllm:prefix_cache_queries_total counter\n\
+vllm:prefix_cache_queries_total{{engine=\"0\",model_name=\"{m}\"}} 12800.0\n\
+vllm:prefix_cache_queries_total{{engine=\"1\",model_name=\"{m}\"}} 3200.0\n\
+# HELP vllm:prefix_cache_queries_created Prefix cache queries, in terms of number of queried tokens.\n\
+# TYPE vllm:prefix_cache_queries_created gauge\n\
+vllm:prefix_cache_queries_created{{engine=\"0\",model_name=\"{m}\"}} 1.7520632719876e+09\n\
+vllm:prefix_cache_queries_created{{engine=\"1\",model_name=\"{m}\"}} 1.7520632719877e+09\n\
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.\n\
+# TYPE vllm:prefix_cache_hits_total counter\n\
+vllm:prefix_cache_hits_total{{engine=\"0\",model_name=\"{m}\"}} 6400.0\n\
+vllm:prefix_cache_hits_total{{engine=\"1\",model_name=\"{m}\"}} 1.6e+03\n\
+# HELP vllm:request_success_total Count of successfully processed requests.\n\
+# TYPE vllm:request_success_total counter\n\
+vllm:request_success_total{{engine=\"0\",finished_reason=\"stop\",model_name=\"{m}\"}} 42.0\n\
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.\n\
+# TYPE vllm:time_to_first_token_seconds histogram\n\
+vllm:time_to_first_token_seconds_sum{{engine=\"0\",model_name=\"{m}\"}} 3.14\n\
+vllm:time_to_first_token_seconds_bucket{{engine=\"0\",le=\"0.001\",model_name=\"{m}\"}} 0.0\n\
+vllm:time_to_first_token_seconds_bucket{{engine=\"0\",le=\"+Inf\",model_name=\"{m}\"}} 42.0\n\
+vllm:time_to_first_token_seconds_count{{engine=\"0\",model_name=\"{m}\"}} 42.0\n"
+        )
+    }
+
+    #[test]
+    fn vllm_v1_sums_counts_and_averages_usage_across_engines() {
+        let sample =
+            parse_engine_metrics(EngineKind::Vllm, vllm_v1_payload().as_bytes(), None).unwrap();
+        assert_eq!(
+            sample,
+            EngineSample {
+                waiting: Some(2.0),
+                running: Some(8.0),
+                kv_usage: Some(0.375),
+                prefix_queries: Some(16000.0),
+                prefix_hits: Some(8000.0),
+                hit_rate: None,
+                release: None,
+            }
+        );
+    }
+
+    #[test]
+    fn older_vllm_falls_back_to_gpu_names_and_unsuffixed_counters() {
+        // Shaped like the v0 engine, labelled by model only, with
+        // timestamps as some relabelling exporters add them.
+        let text = "\
+# HELP vllm:num_requests_running Number of requests currently running on GPU.\n\
+# TYPE vllm:num_requests_running gauge\n\
+vllm:num_requests_running{model_name=\"qwen\"} 5.0 1712345678901\n\
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
+# TYPE vllm:num_requests_waiting gauge\n\
+vllm:num_requests_waiting{model_name=\"qwen\"} 2.0 1712345678901\n\
+# HELP vllm:gpu_cache_usage_perc GPU KV-cache usage. 1 means 100 percent usage.\n\
+# TYPE vllm:gpu_cache_usage_perc gauge\n\
+vllm:gpu_cache_usage_perc{model_name=\"qwen\"} 0.734\n\
+# HELP vllm:gpu_prefix_cache_hit_rate GPU prefix cache block hit rate.\n\
+# TYPE vllm:gpu_prefix_cache_hit_rate gauge\n\
+vllm:gpu_prefix_cache_hit_rate{model_name=\"qwen\"} 0.25\n\
+# TYPE vllm:gpu_prefix_cache_queries counter\n\
+vllm:gpu_prefix_cache_queries{model_name=\"qwen\"} 2048\n\
+# TYPE vllm:gpu_prefix_cache_hits counter\n\
+vllm:gpu_prefix_cache_hits{model_name=\"qwen\"} 512\n";
+        let sample = parse_engine_metrics(EngineKind::Vllm, text.as_bytes(), None).unwrap();
+        assert_eq!(
+            sample,
+            EngineSample {
+                waiting: Some(2.0),
+                running: Some(5.0),
+                kv_usage: Some(0.734),
+                prefix_queries: Some(2048.0),
+                prefix_hits: Some(512.0),
+                hit_rate: Some(0.25),
+                release: None,
+            }
+        );
+    }
+
+    #[test]
+    fn prefix_counters_come_from_one_spelling_in_preference_order() {
+        let text = "\
+vllm:prefix_cache_queries{engine=\"0\"} 10\n\
+vllm:prefix_cache_hits{engine=\"0\"} 4\n\
+vllm:prefix_cache_queries_total{engine=\"0\"} 100\n\
+vllm:gpu_prefix_cache_hits_total{engine=\"0\"} 77\n";
+        let sample = parse_engine_metrics(EngineKind::Vllm, text.as_bytes(), None).unwrap();
+        // `_total` wins; its hits are absent rather than borrowed from
+        // another spelling.
+        assert_eq!(sample.prefix_queries, Some(100.0));
+        assert_eq!(sample.prefix_hits, None);
+    }
+
+    #[test]
+    fn sglang_with_data_parallel_ranks() {
+        let labels0 =
+            "dp_rank=\"0\",engine_type=\"unified\",model_name=\"Qwen/Qwen2.5-7B-Instruct\",pp_rank=\"0\",tp_rank=\"0\"";
+        let labels1 =
+            "dp_rank=\"1\",engine_type=\"unified\",model_name=\"Qwen/Qwen2.5-7B-Instruct\",pp_rank=\"0\",tp_rank=\"0\"";
+        let text = format!(
+            "# HELP sglang:num_running_reqs The number of running requests.\n\
+# TYPE sglang:num_running_reqs gauge\n\
+sglang:num_running_reqs{{{labels0}}} 30.0\n\
+sglang:num_running_reqs{{{labels1}}} 28.0\n\
+# HELP sglang:num_used_tokens The number of used tokens.\n\
+# TYPE sglang:num_used_tokens gauge\n\
+sglang:num_used_tokens{{{labels0}}} 81234.0\n\
+# HELP sglang:token_usage The token usage.\n\
+# TYPE sglang:token_usage gauge\n\
+sglang:token_usage{{{labels0}}} 0.5\n\
+sglang:token_usage{{{labels1}}} 0.75\n\
+# HELP sglang:gen_throughput The generation throughput (token/s).\n\
+# TYPE sglang:gen_throughput gauge\n\
+sglang:gen_throughput{{{labels0}}} 86.50814177726902\n\
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.\n\
+# TYPE sglang:num_queue_reqs gauge\n\
+sglang:num_queue_reqs{{{labels0}}} 12.0\n\
+sglang:num_queue_reqs{{{labels1}}} 3.0\n\
+# HELP sglang:cache_hit_rate The prefix cache hit rate.\n\
+# TYPE sglang:cache_hit_rate gauge\n\
+sglang:cache_hit_rate{{{labels0}}} 0.25\n\
+sglang:cache_hit_rate{{{labels1}}} 0.5\n\
+# HELP sglang:prompt_tokens_total Number of prefill tokens processed.\n\
+# TYPE sglang:prompt_tokens_total counter\n\
+sglang:prompt_tokens_total{{{labels0}}} 8.128902e+06\n"
+        );
+        let sample = parse_engine_metrics(EngineKind::Sglang, text.as_bytes(), None).unwrap();
+        assert_eq!(
+            sample,
+            EngineSample {
+                waiting: Some(15.0),
+                running: Some(58.0),
+                kv_usage: Some(0.625),
+                prefix_queries: None,
+                prefix_hits: None,
+                hit_rate: Some(0.375),
+                release: None,
+            }
+        );
+    }
+
+    #[test]
+    fn wrong_engine_kind_gives_an_empty_sample_not_an_error() {
+        let sample =
+            parse_engine_metrics(EngineKind::Sglang, vllm_v1_payload().as_bytes(), None).unwrap();
+        assert_eq!(sample, EngineSample::default());
+    }
+
+    #[test]
+    fn nan_infinite_and_negative_series_are_left_out_and_ratios_clamped() {
+        let text = "\
+vllm:num_requests_waiting{engine=\"0\"} NaN\n\
+vllm:num_requests_waiting{engine=\"1\"} 4\n\
+vllm:num_requests_running{engine=\"0\"} +Inf\n\
+vllm:num_requests_running{engine=\"1\"} -1\n\
+vllm:kv_cache_usage_perc{engine=\"0\"} 1.7\n\
+vllm:kv_cache_usage_perc{engine=\"1\"} -0.2\n\
+vllm:kv_cache_usage_perc{engine=\"2\"} -Inf\n\
+vllm:prefix_cache_queries_total{engine=\"0\"} 1e308\n\
+vllm:prefix_cache_queries_total{engine=\"1\"} 1e308\n\
+vllm:gpu_prefix_cache_hit_rate{model_name=\"m\"} -1\n";
+        let sample = parse_engine_metrics(EngineKind::Vllm, text.as_bytes(), None).unwrap();
+        assert_eq!(sample.waiting, Some(4.0));
+        assert_eq!(sample.running, None);
+        assert_eq!(sample.kv_usage, Some(0.5));
+        // Two finite counters whose sum overflows are no usable total.
+        assert_eq!(sample.prefix_queries, None);
+        assert_eq!(sample.hit_rate, Some(0.0));
+    }
+
+    #[test]
+    fn only_nan_usage_falls_back_to_the_legacy_name() {
+        let text = "vllm:kv_cache_usage_perc NaN\nvllm:gpu_cache_usage_perc 0.5\n";
+        let sample = parse_engine_metrics(EngineKind::Vllm, text.as_bytes(), None).unwrap();
+        assert_eq!(sample.kv_usage, Some(0.5));
+    }
+
+    #[test]
+    fn tolerates_blanks_crlf_timestamps_exponents_and_odd_label_values() {
+        let text = "# a free comment\r\n\
+\r\n\
+   vllm:num_requests_running { engine = \"0\" , model_name = \"m\" , }   4   1712345678000  \r\n\
+vllm:num_requests_running{engine=\"1\",model_name=\"a,b}{\\\"x\\\" = y\"}\t6\r\n\
+vllm:num_requests_waiting{} 2.5E+1\r\n\
+vllm:num_requests_waiting 1e0\r\n\
+vllm:kv_cache_usage_perc{path=\"C:\\\\models\\\\llama\",note=\"line\\nbreak\"} 0.125\r\n";
+        let sample = parse_engine_metrics(EngineKind::Vllm, text.as_bytes(), None).unwrap();
+        assert_eq!(sample.running, Some(10.0));
+        assert_eq!(sample.waiting, Some(26.0));
+        assert_eq!(sample.kv_usage, Some(0.125));
+    }
+
+    #[test]
+    fn malformed_lines_are_skipped_without_failing_the_scrape() {
+        let text = "\
+vllm:num_requests_waiting{engine=\"0\" 5\n\
+vllm:num_requests_waiting{engine=\"0\"} 5 6 7\n\
+vllm:num_requests_waiting{engine=\"0\"} 5 12.5\n\
+vllm:num_requests_waiting{engine=0} 5\n\
+vllm:num_requests_waiting{engine=\"0\"}\n\
+vllm:num_requests_waiting{engine=\"unterminated\\\"} 5\n\
+vllm:num_requests_waiting{,} 5\n\
+vllm:num_requests_waiting{engine=\"0\"} five\n\
+vllm:num_requests_waiting{engine=\"1\"} 3\n";
+        let sample = parse_engine_metrics(EngineKind::Vllm, text.as_bytes(), None).unwrap();
+        assert_eq!(sample.waiting, Some(3.0));
+    }
+
+    #[test]
+    fn empty_payload_is_an_error() {
+        let err = parse_engine_metrics(EngineKind::Vllm, b"", None).unwrap_err();
+        assert_eq!(
+            err,
+            MetricsError::NoSamples {
+                lines: 0,
+                first_malformed_line: None
+            }
+        );
+        assert_eq!(err.to_string(), "metrics payload is empty");
+    }
+
+    #[test]
+    fn comments_only_is_an_error() {
+        let text = b"# HELP vllm:num_requests_waiting Waiting.\n# TYPE vllm:num_requests_waiting gauge\n\n";
+        let err = parse_engine_metrics(EngineKind::Vllm, text, None).unwrap_err();
+        assert_eq!(
+            err,
+            MetricsError::NoSamples {
+                lines: 3,
+                first_malformed_line: None
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            "metrics payload has no sample line in 3 lines (only blanks and comments)"
+        );
+    }
+
+    #[test]
+    fn garbage_bytes_are_an_error_naming_the_first_bad_line() {
+        let text = b"# looks like a comment\n\xff\xfe\x00\x9f{{{ \"\n\x80\x81 1 2 3\n<html><body>502 Bad Gateway</body></html>\n";
+        let err = parse_engine_metrics(EngineKind::Vllm, text, None).unwrap_err();
+        assert_eq!(
+            err,
+            MetricsError::NoSamples {
+                lines: 4,
+                first_malformed_line: Some(2)
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            "metrics payload has no parseable sample line in 4 lines (first malformed line: 2)"
+        );
+    }
+
+    #[test]
+    fn non_utf8_in_a_metric_we_read_is_an_error_elsewhere_skipped() {
+        let text = b"other_metric{x=\"\xff\"} 1\nvllm:num_requests_running 1\nvllm:num_requests_waiting{model_name=\"\xc3\x28\"} 1\n";
+        let err = parse_engine_metrics(EngineKind::Vllm, text, None).unwrap_err();
+        assert_eq!(
+            err,
+            MetricsError::NotUtf8 {
+                line: 3,
+                metric: "vllm:num_requests_waiting".to_owned()
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            "metrics line 3 (vllm:num_requests_waiting) is not valid UTF-8"
+        );
+        let before_bad_line =
+            text.len() - b"vllm:num_requests_waiting{model_name=\"\xc3\x28\"} 1\n".len();
+        let ok = parse_engine_metrics(EngineKind::Vllm, &text[..before_bad_line], None).unwrap();
+        assert_eq!(ok.running, Some(1.0));
+    }
+
+    #[test]
+    fn payload_over_the_cap_is_refused_unparsed() {
+        let mut text = vec![b'#'; MAX_PAYLOAD_BYTES + 1];
+        text.extend_from_slice(b"\nvllm:num_requests_waiting 1\n");
+        let err = parse_engine_metrics(EngineKind::Vllm, &text, None).unwrap_err();
+        assert_eq!(
+            err,
+            MetricsError::TooLarge {
+                bytes: MAX_PAYLOAD_BYTES + 30,
+                limit: MAX_PAYLOAD_BYTES
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            "metrics payload of 4194334 bytes is over the 4194304-byte limit; not parsed"
+        );
+
+        // Exactly at the cap is still parsed.
+        let line = b"vllm:num_requests_waiting 1\n";
+        let mut at_cap = vec![b'#'; MAX_PAYLOAD_BYTES - line.len() - 1];
+        at_cap.push(b'\n');
+        at_cap.extend_from_slice(line);
+        assert_eq!(at_cap.len(), MAX_PAYLOAD_BYTES);
+        let sample = parse_engine_metrics(EngineKind::Vllm, &at_cap, None).unwrap();
+        assert_eq!(sample.waiting, Some(1.0));
+    }
+
+    #[test]
+    fn release_label_comes_unescaped_from_the_first_series() {
+        let text = "\
+# HELP vllm:release_info Build of the serving image.\n\
+# TYPE vllm:release_info gauge\n\
+vllm:release_info{note=\"a,b{c} d\",digest=\"sha256:ab\\\"c\\\\d\\ne\"} 1\n\
+vllm:release_info{digest=\"sha256:second\"} 1\n\
+vllm:num_requests_waiting 0\n";
+        let sample = parse_engine_metrics(
+            EngineKind::Vllm,
+            text.as_bytes(),
+            Some("vllm:release_info/digest"),
+        )
+        .unwrap();
+        assert_eq!(sample.release.as_deref(), Some("sha256:ab\"c\\d\ne"));
+        assert_eq!(sample.waiting, Some(0.0));
+    }
+
+    #[test]
+    fn release_label_may_name_any_metric_and_may_be_missing() {
+        let text =
+            "build_info{revision=\"4f2a9c1\",version=\"0.10.2\"} 1\nvllm:num_requests_waiting 0\n";
+        let found = parse_engine_metrics(
+            EngineKind::Vllm,
+            text.as_bytes(),
+            Some("build_info/revision"),
+        )
+        .unwrap();
+        assert_eq!(found.release.as_deref(), Some("4f2a9c1"));
+        let other_label =
+            parse_engine_metrics(EngineKind::Vllm, text.as_bytes(), Some("build_info/digest"))
+                .unwrap();
+        assert_eq!(other_label.release, None);
+        let no_metric = parse_engine_metrics(
+            EngineKind::Vllm,
+            text.as_bytes(),
+            Some("vllm:release_info/digest"),
+        )
+        .unwrap();
+        assert_eq!(no_metric.release, None);
+        // A release metric is a sample in its own right.
+        let only_release = parse_engine_metrics(
+            EngineKind::Sglang,
+            b"build_info{revision=\"r1\"} 1\n",
+            Some("build_info/revision"),
+        )
+        .unwrap();
+        assert_eq!(only_release.release.as_deref(), Some("r1"));
+    }
+
+    #[test]
+    fn malformed_release_spec_is_an_error() {
+        for spec in [
+            "",
+            "/",
+            "vllm:release_info",
+            "/digest",
+            "vllm:release_info/",
+            "vllm:release_info/dig-est",
+            "vllm:release_info/a:b",
+            "9metric/digest",
+            "a/b/c",
+            "vllm release/digest",
+        ] {
+            let err = parse_engine_metrics(EngineKind::Vllm, b"x 1\n", Some(spec)).unwrap_err();
+            assert_eq!(
+                err,
+                MetricsError::InvalidReleaseLabel {
+                    spec: spec.to_owned()
+                },
+                "{spec}"
+            );
+        }
+        let err = parse_engine_metrics(EngineKind::Vllm, b"x 1\n", Some("release")).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "release label \"release\" is not of the form metric_name/label_name"
+        );
+    }
+
+    #[test]
+    fn sample_parse_reads_values_and_timestamps() {
+        let cases: [(&str, f64, Option<i64>); 7] = [
+            ("a 1", 1.0, None),
+            ("a 1.5e-3 -12", 0.0015, Some(-12)),
+            ("a{b=\"c\"} +Inf", f64::INFINITY, None),
+            ("a -Inf", f64::NEG_INFINITY, None),
+            ("a{} -0.5", -0.5, None),
+            ("a\t7\t8", 7.0, Some(8)),
+            ("a:b_c 1E3", 1000.0, None),
+        ];
+        for (line, value, timestamp) in cases {
+            let sample = Sample::parse(line).unwrap();
+            assert_eq!(sample.value, value, "{line}");
+            assert_eq!(sample.timestamp_ms, timestamp, "{line}");
+        }
+        assert!(Sample::parse("a NaN").unwrap().value.is_nan());
+        for bad in [
+            "",
+            "# HELP a b",
+            "a",
+            "a{",
+            "a{b=\"c\"",
+            "1a 1",
+            "a=1",
+            "a 1 2 3",
+        ] {
+            assert_eq!(Sample::parse(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn sample_label_lookup_borrows_unless_escaped() {
+        let sample = Sample::parse("m{a=\"plain\",b=\"q\\\"uote\"} 1").unwrap();
+        assert!(matches!(sample.label("a"), Some(Cow::Borrowed("plain"))));
+        assert_eq!(sample.label("b").as_deref(), Some("q\"uote"));
+        assert_eq!(sample.label("c"), None);
+        assert_eq!(unescape_label_value("x\\ty\\"), "x\\ty\\");
+    }
+
+    #[test]
+    fn lines_are_numbered_and_stripped_of_line_ends() {
+        let got: Vec<(usize, &[u8])> = lines(b"a\r\n\nb\rc\nd")
+            .map(|line| (line.number, line.bytes))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (1, &b"a"[..]),
+                (2, &b""[..]),
+                (3, &b"b\rc"[..]),
+                (4, &b"d"[..])
+            ]
+        );
+        assert_eq!(lines(b"x\n").count(), 1);
+        assert_eq!(lines(b"").count(), 0);
+        assert_eq!(lines(b"\n").count(), 1);
+    }
+
+    #[test]
+    fn engine_kind_serde_names_are_lowercase() {
+        // serde_json is a dependency of the crate but not of every scratch
+        // build, so check the attribute through the derived Deserialize with
+        // a minimal string deserializer.
+        use serde::de::value::{Error, StrDeserializer};
+        use serde::de::IntoDeserializer;
+        use serde::Deserialize;
+        let parse = |s: &'static str| {
+            let de: StrDeserializer<'_, Error> = s.into_deserializer();
+            EngineKind::deserialize(de)
+        };
+        assert_eq!(parse("vllm").unwrap(), EngineKind::Vllm);
+        assert_eq!(parse("sglang").unwrap(), EngineKind::Sglang);
+        assert!(parse("Vllm").is_err());
+    }
+
+    /// Tiny linear congruential generator (Knuth's MMIX constants); enough to
+    /// spray bytes without another crate.
+    struct Lcg(u64);
+
+    impl Lcg {
+        fn next(&mut self) -> u64 {
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            self.0 >> 33
+        }
+
+        fn below(&mut self, n: u64) -> usize {
+            (self.next() % n) as usize
+        }
+    }
+
+    #[test]
+    fn random_bytes_never_panic() {
+        // Bytes drawn mostly from the format's own alphabet so the parser is
+        // driven deep into labels and values, plus raw noise.
+        const ALPHABET: &[u8] =
+            b"vllm:sglang_num_requests_waiting{}=\",\\n# \t\r\n0123456789.eE+-InfNa\xff\xc3";
+        let mut rng = Lcg(0x5eed);
+        let base = vllm_v1_payload().into_bytes();
+        for round in 0..4000 {
+            let bytes: Vec<u8> = match round % 3 {
+                0 => (0..rng.below(300))
+                    .map(|_| ALPHABET[rng.below(ALPHABET.len() as u64)])
+                    .collect(),
+                1 => (0..rng.below(300)).map(|_| rng.next() as u8).collect(),
+                _ => {
+                    let mut mutated = base.clone();
+                    for _ in 0..1 + rng.below(20) {
+                        let at = rng.below(mutated.len() as u64);
+                        mutated[at] = ALPHABET[rng.below(ALPHABET.len() as u64)];
+                    }
+                    mutated
+                }
+            };
+            for kind in [EngineKind::Vllm, EngineKind::Sglang] {
+                if let Ok(sample) =
+                    parse_engine_metrics(kind, &bytes, Some("vllm:num_requests_waiting/engine"))
+                {
+                    for ratio in [sample.kv_usage, sample.hit_rate].into_iter().flatten() {
+                        assert!((0.0..=1.0).contains(&ratio), "{ratio}");
+                    }
+                    for count in [sample.waiting, sample.running, sample.prefix_queries]
+                        .into_iter()
+                        .flatten()
+                    {
+                        assert!(count.is_finite() && count >= 0.0, "{count}");
+                    }
+                }
+            }
+            if let Ok(spec) = std::str::from_utf8(&bytes) {
+                let _ = parse_engine_metrics(EngineKind::Vllm, b"x 1\n", Some(spec));
+            }
+        }
+    }
+}

@@ -1,0 +1,46 @@
+//! OpenAI-style error bodies, the format every client of these endpoints
+//! already parses: `{"error":{"message","type","param","code"}}`.
+
+use serde::Serialize;
+
+#[derive(Serialize)]
+struct Body<'a> {
+    error: Error<'a>,
+}
+
+#[derive(Serialize)]
+struct Error<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    param: Option<&'a str>,
+    code: Option<&'a str>,
+}
+
+/// An error body. `kind` is OpenAI's `type` (e.g. `invalid_request_error`).
+pub fn error_body(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> Vec<u8> {
+    serde_json::to_vec(&Body {
+        error: Error {
+            message,
+            kind,
+            param,
+            code,
+        },
+    })
+    .unwrap_or_else(|_| {
+        br#"{"error":{"message":"error","type":"server_error","param":null,"code":null}}"#.to_vec()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn shape() {
+        let b = super::error_body("bad \"x\"", "invalid_request_error", Some("messages"), None);
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["error"]["message"], "bad \"x\"");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["param"], "messages");
+        assert!(v["error"]["code"].is_null());
+    }
+}

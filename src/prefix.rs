@@ -1,0 +1,188 @@
+//! Prompt prefix hashing: the canonical prompt text is cut into fixed blocks
+//! and chain-hashed with xxh3 under a configured seed,
+//! `h_i = xxh3(h_{i-1} ‖ block_i)`, so a block's hash names the whole prefix
+//! up to and including it. Only full blocks are hashed (engines cache only
+//! full blocks too).
+//!
+//! Not every block hash is kept: the prefix directory records prefixes at
+//! *checkpoints*, block counts with at most two significant bits
+//! (1, 2, 3, 4, 6, 8, 12, 16, 24, …). They are the same positions for every
+//! prompt, so two prompts that share a prefix share its checkpoints; there are
+//! about 2·log2(blocks) of them, and a known cached prefix is never
+//! under-estimated by more than a third.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// A hashed prefix: `blocks` full blocks whose chain hash is `hash`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Checkpoint {
+    pub blocks: u32,
+    pub hash: u64,
+}
+
+/// What routing needs to know about a prompt's text.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PromptPrefix {
+    /// Bytes of canonical prompt text.
+    pub bytes: u64,
+    /// Number of full blocks.
+    pub blocks: u32,
+    /// Chain hash of the first block (the rendezvous key of a conversation).
+    pub first_block: Option<u64>,
+    /// Checkpoints in increasing block order.
+    pub checkpoints: Vec<Checkpoint>,
+}
+
+/// True for block counts with at most two significant bits.
+pub fn is_checkpoint(blocks: u32) -> bool {
+    if blocks == 0 {
+        return false;
+    }
+    let bits = 32 - blocks.leading_zeros();
+    if bits <= 2 {
+        return true;
+    }
+    blocks & ((1u32 << (bits - 2)) - 1) == 0
+}
+
+/// Streaming chain hasher: feed the canonical text in pieces, in order.
+pub struct PromptHasher {
+    seed: u64,
+    block_bytes: usize,
+    hashing: bool,
+    /// `prev_hash (8 bytes LE) ‖ partial block`.
+    buf: Vec<u8>,
+    prev: u64,
+    out: PromptPrefix,
+}
+
+impl PromptHasher {
+    pub fn new(block_bytes: u32, seed: u64) -> Self {
+        let block_bytes = block_bytes.max(1) as usize;
+        let mut buf = Vec::with_capacity(8 + block_bytes);
+        buf.extend_from_slice(&0u64.to_le_bytes());
+        PromptHasher {
+            seed,
+            block_bytes,
+            hashing: true,
+            buf,
+            prev: 0,
+            out: PromptPrefix::default(),
+        }
+    }
+
+    /// A hasher that only counts bytes (the guard needs lengths, not hashes).
+    pub fn counting_only() -> Self {
+        let mut h = PromptHasher::new(64, 0);
+        h.hashing = false;
+        h
+    }
+
+    pub fn feed(&mut self, mut bytes: &[u8]) {
+        self.out.bytes = self.out.bytes.saturating_add(bytes.len() as u64);
+        if !self.hashing {
+            return;
+        }
+        while !bytes.is_empty() {
+            let room = 8 + self.block_bytes - self.buf.len();
+            let take = room.min(bytes.len());
+            let (head, rest) = bytes.split_at(take);
+            self.buf.extend_from_slice(head);
+            bytes = rest;
+            if self.buf.len() == 8 + self.block_bytes {
+                self.finish_block();
+            }
+        }
+    }
+
+    fn finish_block(&mut self) {
+        let h = xxh3_64_with_seed(&self.buf, self.seed);
+        self.prev = h;
+        self.out.blocks = self.out.blocks.saturating_add(1);
+        let n = self.out.blocks;
+        if n == 1 {
+            self.out.first_block = Some(h);
+        }
+        if is_checkpoint(n) {
+            self.out.checkpoints.push(Checkpoint { blocks: n, hash: h });
+        }
+        self.buf.clear();
+        self.buf.extend_from_slice(&self.prev.to_le_bytes());
+    }
+
+    pub fn finish(self) -> PromptPrefix {
+        self.out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hash(text: &[u8], block: u32) -> PromptPrefix {
+        let mut h = PromptHasher::new(block, 7);
+        h.feed(text);
+        h.finish()
+    }
+
+    #[test]
+    fn checkpoints_have_two_significant_bits() {
+        let cps: Vec<u32> = (1..=64).filter(|&n| is_checkpoint(n)).collect();
+        assert_eq!(cps, vec![1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]);
+        // About 2·log2(n) checkpoints up to n.
+        assert_eq!((1..=512).filter(|&n| is_checkpoint(n)).count(), 18);
+        assert!(is_checkpoint(3 << 29) && is_checkpoint(1 << 31));
+    }
+
+    #[test]
+    fn chain_hash_is_prefix_closed_and_split_independent() {
+        let text: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8).collect();
+        let whole = hash(&text, 64);
+        let mut h = PromptHasher::new(64, 7);
+        for piece in text.chunks(7) {
+            h.feed(piece);
+        }
+        assert_eq!(h.finish(), whole);
+        assert_eq!(whole.blocks, 15);
+        assert_eq!(whole.bytes, 1000);
+        // A longer prompt with the same start shares every checkpoint of the shorter one.
+        let mut longer = text.clone();
+        longer.extend_from_slice(b"and then some more text that goes on for a while.....");
+        let l = hash(&longer, 64);
+        assert_eq!(
+            &l.checkpoints[..whole.checkpoints.len()],
+            &whole.checkpoints[..]
+        );
+        // A change in the first block changes every hash after it.
+        let mut other = text.clone();
+        other[3] ^= 1;
+        let o = hash(&other, 64);
+        assert!(o
+            .checkpoints
+            .iter()
+            .zip(&whole.checkpoints)
+            .all(|(a, b)| a.hash != b.hash));
+    }
+
+    #[test]
+    fn seed_changes_hashes_and_partial_blocks_are_not_hashed() {
+        let text = vec![b'x'; 100];
+        let mut a = PromptHasher::new(64, 1);
+        a.feed(&text);
+        let mut b = PromptHasher::new(64, 2);
+        b.feed(&text);
+        let (a, b) = (a.finish(), b.finish());
+        assert_eq!(a.blocks, 1);
+        assert_ne!(a.first_block, b.first_block);
+        assert_eq!(hash(&text[..63], 64).blocks, 0);
+    }
+
+    #[test]
+    fn counting_only_counts() {
+        let mut h = PromptHasher::counting_only();
+        h.feed(&[0; 500]);
+        let p = h.finish();
+        assert_eq!((p.bytes, p.blocks), (500, 0));
+        assert!(p.checkpoints.is_empty());
+    }
+}

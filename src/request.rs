@@ -1,0 +1,939 @@
+//! Request understanding: which requests are inference requests, and what an
+//! OpenAI-style body says that routing and the guard need. The body is read
+//! in one pass with serde visitors that stream the canonical prompt text into
+//! the prefix hasher, so nothing but the few scalars routing needs is
+//! allocated (escaped strings are decoded into serde's scratch buffer).
+//!
+//! Canonical prompt text: for chat, each message as `role "\n" text "\n"`,
+//! where text is `content` as a string, or the concatenation of its parts
+//! (`text` of text parts, the URL of image/audio/file parts, else the part's
+//! type); for completions, `prompt` as a string, or its elements joined by
+//! "\n" (token ids as 4 little-endian bytes each).
+
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use std::cell::Cell;
+use std::fmt;
+
+use crate::prefix::{PromptHasher, PromptPrefix};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    ChatCompletions,
+    Completions,
+}
+
+/// The inference endpoint a request goes to, if it is one: `POST` to
+/// `/v1/chat/completions` or `/v1/completions` (query string ignored).
+pub fn endpoint(method: &str, path: &str) -> Option<Endpoint> {
+    if method != "POST" {
+        return None;
+    }
+    let path = path.split_once('?').map_or(path, |(p, _)| p);
+    match path.strip_suffix('/').unwrap_or(path) {
+        "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
+        "/v1/completions" => Some(Endpoint::Completions),
+        _ => None,
+    }
+}
+
+/// True when a body is meant as a JSON object: its first non-blank byte is
+/// `{`. Clients often send JSON with a wrong or missing `content-type`
+/// (`curl -d` says form-urlencoded), so the body decides, not the header. A
+/// body that is not meant as JSON is not an inference request the router
+/// understands; one that is meant as JSON but is malformed is a client error.
+pub fn looks_like_json(body: &[u8]) -> bool {
+    body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{')
+}
+
+/// True when a `content-encoding` value means the body is compressed.
+pub fn is_encoded(content_encoding: Option<&str>) -> bool {
+    content_encoding
+        .is_some_and(|v| !v.trim().is_empty() && !v.trim().eq_ignore_ascii_case("identity"))
+}
+
+/// What the router and the guard know about one inference request.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct InferenceRequest {
+    pub model: Option<String>,
+    pub max_tokens: Option<u64>,
+    pub max_completion_tokens: Option<u64>,
+    pub stream: bool,
+    pub user: Option<String>,
+    pub prompt: PromptPrefix,
+}
+
+impl InferenceRequest {
+    /// Estimated prompt tokens from the canonical text's length.
+    pub fn prompt_tokens(&self, bytes_per_token: f64) -> u64 {
+        if bytes_per_token <= 0.0 {
+            return self.prompt.bytes;
+        }
+        (self.prompt.bytes as f64 / bytes_per_token).ceil() as u64
+    }
+}
+
+/// A request body that is not a valid request; rendered as an OpenAI error.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestError {
+    pub param: Option<&'static str>,
+    pub message: String,
+}
+
+/// Parse a body for `endpoint`. `hasher` receives the canonical prompt text.
+pub fn parse(
+    endpoint: Endpoint,
+    body: &[u8],
+    hasher: PromptHasher,
+) -> Result<InferenceRequest, RequestError> {
+    if body.iter().all(|b| b.is_ascii_whitespace()) {
+        return Err(RequestError {
+            param: None,
+            message: "request body is empty; expected a JSON object".into(),
+        });
+    }
+    let param = Cell::new(None);
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let top = TopSeed {
+        endpoint,
+        hasher,
+        param: &param,
+    };
+    let result = top.deserialize(&mut de).and_then(|r| de.end().map(|_| r));
+    match result {
+        Ok(r) => Ok(r),
+        Err(e) => Err(RequestError {
+            param: param.get(),
+            message: describe(&e),
+        }),
+    }
+}
+
+fn describe(e: &serde_json::Error) -> String {
+    use serde_json::error::Category;
+    match e.classify() {
+        Category::Syntax | Category::Eof => format!("request body is not valid JSON: {e}"),
+        _ => format!("invalid request: {e}"),
+    }
+}
+
+struct TopSeed<'p> {
+    endpoint: Endpoint,
+    hasher: PromptHasher,
+    param: &'p Cell<Option<&'static str>>,
+}
+
+enum Key {
+    Model,
+    Messages,
+    Prompt,
+    MaxTokens,
+    MaxCompletionTokens,
+    Stream,
+    User,
+    Other,
+}
+
+impl<'de> de::Deserialize<'de> for Key {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Key;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Key, E> {
+                Ok(match v {
+                    "model" => Key::Model,
+                    "messages" => Key::Messages,
+                    "prompt" => Key::Prompt,
+                    "max_tokens" => Key::MaxTokens,
+                    "max_completion_tokens" => Key::MaxCompletionTokens,
+                    "stream" => Key::Stream,
+                    "user" => Key::User,
+                    _ => Key::Other,
+                })
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+impl<'de> DeserializeSeed<'de> for TopSeed<'_> {
+    type Value = InferenceRequest;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+fn duplicate<E: de::Error>(field: &'static str) -> E {
+    E::custom(format_args!("duplicate field `{field}`"))
+}
+
+impl<'de> Visitor<'de> for TopSeed<'_> {
+    type Value = InferenceRequest;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let TopSeed {
+            endpoint,
+            mut hasher,
+            param,
+        } = self;
+        let mut out = InferenceRequest::default();
+        let (mut seen_model, mut seen_prompt, mut seen_max, mut seen_mct) =
+            (false, false, false, false);
+        let (mut seen_stream, mut seen_user) = (false, false);
+        while let Some(key) = map.next_key::<Key>()? {
+            match key {
+                Key::Model => {
+                    param.set(Some("model"));
+                    if std::mem::replace(&mut seen_model, true) {
+                        return Err(duplicate("model"));
+                    }
+                    out.model = Some(map.next_value::<String>()?);
+                }
+                Key::Messages if endpoint == Endpoint::ChatCompletions => {
+                    param.set(Some("messages"));
+                    if std::mem::replace(&mut seen_prompt, true) {
+                        return Err(duplicate("messages"));
+                    }
+                    map.next_value_seed(MessagesSeed(&mut hasher))?;
+                }
+                Key::Prompt if endpoint == Endpoint::Completions => {
+                    param.set(Some("prompt"));
+                    if std::mem::replace(&mut seen_prompt, true) {
+                        return Err(duplicate("prompt"));
+                    }
+                    map.next_value_seed(PromptSeed(&mut hasher))?;
+                }
+                Key::MaxTokens => {
+                    param.set(Some("max_tokens"));
+                    if std::mem::replace(&mut seen_max, true) {
+                        return Err(duplicate("max_tokens"));
+                    }
+                    out.max_tokens = map.next_value::<Option<u64>>()?;
+                }
+                Key::MaxCompletionTokens => {
+                    param.set(Some("max_completion_tokens"));
+                    if std::mem::replace(&mut seen_mct, true) {
+                        return Err(duplicate("max_completion_tokens"));
+                    }
+                    out.max_completion_tokens = map.next_value::<Option<u64>>()?;
+                }
+                Key::Stream => {
+                    param.set(Some("stream"));
+                    if std::mem::replace(&mut seen_stream, true) {
+                        return Err(duplicate("stream"));
+                    }
+                    out.stream = map.next_value::<Option<bool>>()?.unwrap_or(false);
+                }
+                Key::User => {
+                    param.set(Some("user"));
+                    if std::mem::replace(&mut seen_user, true) {
+                        return Err(duplicate("user"));
+                    }
+                    out.user = map.next_value::<Option<String>>()?;
+                }
+                Key::Messages | Key::Prompt | Key::Other => {
+                    param.set(None);
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        param.set(None);
+        if !seen_prompt {
+            let (field, name) = match endpoint {
+                Endpoint::ChatCompletions => ("messages", "`messages`"),
+                Endpoint::Completions => ("prompt", "`prompt`"),
+            };
+            param.set(Some(field));
+            return Err(de::Error::custom(format_args!(
+                "missing required field {name}"
+            )));
+        }
+        out.prompt = hasher.finish();
+        Ok(out)
+    }
+}
+
+struct MessagesSeed<'h>(&'h mut PromptHasher);
+
+impl<'de> DeserializeSeed<'de> for MessagesSeed<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for MessagesSeed<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an array of message objects")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let mut n = 0usize;
+        while seq.next_element_seed(MessageSeed(&mut *self.0))?.is_some() {
+            n += 1;
+        }
+        if n == 0 {
+            return Err(de::Error::custom(
+                "`messages` must contain at least one message",
+            ));
+        }
+        Ok(())
+    }
+}
+
+struct MessageSeed<'h>(&'h mut PromptHasher);
+
+impl<'de> DeserializeSeed<'de> for MessageSeed<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+enum MessageKey {
+    Role,
+    Content,
+    Other,
+}
+
+impl<'de> de::Deserialize<'de> for MessageKey {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = MessageKey;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<MessageKey, E> {
+                Ok(match v {
+                    "role" => MessageKey::Role,
+                    "content" => MessageKey::Content,
+                    _ => MessageKey::Other,
+                })
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+/// Sink for text: straight into the hasher, or into a buffer when a
+/// message's `content` comes before its `role` (rare, but valid JSON).
+enum Sink<'h> {
+    Hasher(&'h mut PromptHasher),
+    Buffer(&'h mut Vec<u8>),
+}
+
+impl Sink<'_> {
+    fn feed(&mut self, bytes: &[u8]) {
+        match self {
+            Sink::Hasher(h) => h.feed(bytes),
+            Sink::Buffer(b) => b.extend_from_slice(bytes),
+        }
+    }
+}
+
+impl<'de> Visitor<'de> for MessageSeed<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a message object with `role` and `content`")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let hasher = self.0;
+        let mut role_seen = false;
+        let mut content_seen = false;
+        let mut pending: Option<Vec<u8>> = None;
+        while let Some(key) = map.next_key::<MessageKey>()? {
+            match key {
+                MessageKey::Role => {
+                    if std::mem::replace(&mut role_seen, true) {
+                        return Err(duplicate("role"));
+                    }
+                    map.next_value_seed(TextSeed(&mut Sink::Hasher(&mut *hasher)))?;
+                    hasher.feed(b"\n");
+                    if let Some(buf) = pending.take() {
+                        hasher.feed(&buf);
+                        hasher.feed(b"\n");
+                    }
+                }
+                MessageKey::Content => {
+                    if std::mem::replace(&mut content_seen, true) {
+                        return Err(duplicate("content"));
+                    }
+                    if role_seen {
+                        map.next_value_seed(ContentSeed(Sink::Hasher(&mut *hasher)))?;
+                        hasher.feed(b"\n");
+                    } else {
+                        let mut buf = Vec::new();
+                        map.next_value_seed(ContentSeed(Sink::Buffer(&mut buf)))?;
+                        pending = Some(buf);
+                    }
+                }
+                MessageKey::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        if !role_seen {
+            return Err(de::Error::custom("every message needs a `role`"));
+        }
+        if !content_seen {
+            hasher.feed(b"\n");
+        }
+        Ok(())
+    }
+}
+
+/// A string, streamed into the sink.
+struct TextSeed<'s, 'h>(&'s mut Sink<'h>);
+
+impl<'de> DeserializeSeed<'de> for TextSeed<'_, '_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for TextSeed<'_, '_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
+        self.0.feed(v.as_bytes());
+        Ok(())
+    }
+}
+
+/// `content`: a string, null, or an array of content parts.
+struct ContentSeed<'h>(Sink<'h>);
+
+impl<'de> DeserializeSeed<'de> for ContentSeed<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ContentSeed<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("`content` as a string, null, or an array of content parts")
+    }
+    fn visit_str<E: de::Error>(mut self, v: &str) -> Result<(), E> {
+        self.0.feed(v.as_bytes());
+        Ok(())
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_none<E: de::Error>(self) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(PartSeed(&mut self.0))?.is_some() {}
+        Ok(())
+    }
+}
+
+struct PartSeed<'s, 'h>(&'s mut Sink<'h>);
+
+impl<'de> DeserializeSeed<'de> for PartSeed<'_, '_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+enum PartKey {
+    Type,
+    Text,
+    Media,
+    Other,
+}
+
+impl<'de> de::Deserialize<'de> for PartKey {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = PartKey;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<PartKey, E> {
+                Ok(match v {
+                    "type" => PartKey::Type,
+                    "text" => PartKey::Text,
+                    "image_url" | "input_audio" | "file" | "video_url" | "audio_url" => {
+                        PartKey::Media
+                    }
+                    _ => PartKey::Other,
+                })
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+impl<'de> Visitor<'de> for PartSeed<'_, '_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a content part object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut kind: Option<String> = None;
+        let mut fed = false;
+        while let Some(key) = map.next_key::<PartKey>()? {
+            match key {
+                PartKey::Type => kind = Some(map.next_value::<String>()?),
+                PartKey::Text => {
+                    map.next_value_seed(TextSeed(&mut *self.0))?;
+                    fed = true;
+                }
+                PartKey::Media => {
+                    // The media's identity (URL or inline data) is part of the
+                    // prefix the engine caches; hash it, do not keep it.
+                    map.next_value_seed(MediaSeed(&mut *self.0))?;
+                    fed = true;
+                }
+                PartKey::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        if !fed {
+            if let Some(k) = kind {
+                self.0.feed(k.as_bytes());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A media reference: a string, or an object whose string fields are hashed
+/// in order (e.g. `{"url": …}` or `{"data": …, "format": …}`).
+struct MediaSeed<'s, 'h>(&'s mut Sink<'h>);
+
+impl<'de> DeserializeSeed<'de> for MediaSeed<'_, '_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for MediaSeed<'_, '_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a media reference")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
+        self.0.feed(v.as_bytes());
+        Ok(())
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while map.next_key::<IgnoredAny>()?.is_some() {
+            map.next_value_seed(MediaSeed(&mut *self.0))?;
+        }
+        Ok(())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(MediaSeed(&mut *self.0))?.is_some() {}
+        Ok(())
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        Ok(())
+    }
+}
+
+/// `prompt`: a string, an array of strings, an array of token ids, or an
+/// array of arrays of token ids.
+struct PromptSeed<'h>(&'h mut PromptHasher);
+
+impl<'de> DeserializeSeed<'de> for PromptSeed<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for PromptSeed<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("`prompt` as a string, an array of strings, or an array of token ids")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
+        self.0.feed(v.as_bytes());
+        Ok(())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let mut first = true;
+        while seq
+            .next_element_seed(PromptElementSeed {
+                hasher: &mut *self.0,
+                first,
+            })?
+            .is_some()
+        {
+            first = false;
+        }
+        if first {
+            return Err(de::Error::custom("`prompt` must not be an empty array"));
+        }
+        Ok(())
+    }
+}
+
+struct PromptElementSeed<'h> {
+    hasher: &'h mut PromptHasher,
+    first: bool,
+}
+
+impl<'de> DeserializeSeed<'de> for PromptElementSeed<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl PromptElementSeed<'_> {
+    fn separate(&mut self) {
+        if !self.first {
+            self.hasher.feed(b"\n");
+        }
+    }
+}
+
+impl<'de> Visitor<'de> for PromptElementSeed<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string, a token id, or an array of token ids")
+    }
+    fn visit_str<E: de::Error>(mut self, v: &str) -> Result<(), E> {
+        self.separate();
+        self.hasher.feed(v.as_bytes());
+        Ok(())
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<(), E> {
+        let id = u32::try_from(v).map_err(|_| E::custom("token id out of range"))?;
+        self.hasher.feed(&id.to_le_bytes());
+        Ok(())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<(), A::Error> {
+        self.separate();
+        while let Some(id) = seq.next_element::<u32>()? {
+            self.hasher.feed(&id.to_le_bytes());
+        }
+        Ok(())
+    }
+}
+
+/// Byte range of the value of top-level member `key` in a JSON object that
+/// has already been validated by [`parse`]. Keys are compared after decoding
+/// escapes, so `"max\u005ftokens"` cannot hide from the guard.
+pub fn top_level_value_span(body: &[u8], key: &str) -> Option<std::ops::Range<usize>> {
+    let mut s = Scanner { b: body, i: 0 };
+    s.ws();
+    s.eat(b'{')?;
+    loop {
+        s.ws();
+        if s.peek()? == b'}' {
+            return None;
+        }
+        let (ks, ke, escaped) = s.string()?;
+        let k = body.get(ks..ke)?;
+        let matches = if escaped {
+            serde_json::from_slice::<String>(body.get(ks - 1..ke + 1)?)
+                .map(|d| d == key)
+                .unwrap_or(false)
+        } else {
+            k == key.as_bytes()
+        };
+        s.ws();
+        s.eat(b':')?;
+        s.ws();
+        let vs = s.i;
+        s.value()?;
+        if matches {
+            return Some(vs..s.i);
+        }
+        s.ws();
+        match s.peek()? {
+            b',' => s.i += 1,
+            _ => return None,
+        }
+    }
+}
+
+struct Scanner<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+impl Scanner<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.b.get(self.i).copied()
+    }
+    fn ws(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            self.i += 1;
+        }
+    }
+    fn eat(&mut self, c: u8) -> Option<()> {
+        (self.peek()? == c).then(|| self.i += 1)
+    }
+    /// A string starting at `"`; returns the content range and whether it
+    /// holds escapes.
+    fn string(&mut self) -> Option<(usize, usize, bool)> {
+        self.eat(b'"')?;
+        let start = self.i;
+        let mut escaped = false;
+        loop {
+            match self.peek()? {
+                b'"' => {
+                    let end = self.i;
+                    self.i += 1;
+                    return Some((start, end, escaped));
+                }
+                b'\\' => {
+                    escaped = true;
+                    self.i += 2;
+                }
+                _ => self.i += 1,
+            }
+        }
+    }
+    fn value(&mut self) -> Option<()> {
+        let mut depth = 0usize;
+        loop {
+            self.ws();
+            match self.peek()? {
+                b'"' => {
+                    self.string()?;
+                }
+                b'{' | b'[' => {
+                    depth += 1;
+                    self.i += 1;
+                    continue;
+                }
+                b'}' | b']' => {
+                    depth = depth.checked_sub(1)?;
+                    self.i += 1;
+                }
+                b',' | b':' if depth > 0 => {
+                    self.i += 1;
+                    continue;
+                }
+                _ => {
+                    while !matches!(
+                        self.peek()?,
+                        b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'
+                    ) {
+                        self.i += 1;
+                    }
+                }
+            }
+            if depth == 0 {
+                return Some(());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: &str) -> Result<InferenceRequest, RequestError> {
+        parse(
+            Endpoint::ChatCompletions,
+            body.as_bytes(),
+            PromptHasher::new(64, 1),
+        )
+    }
+
+    fn canon(endpoint: Endpoint, body: &str) -> PromptPrefix {
+        parse(endpoint, body.as_bytes(), PromptHasher::new(16, 1))
+            .unwrap()
+            .prompt
+    }
+
+    fn text_prefix(text: &str) -> PromptPrefix {
+        let mut h = PromptHasher::new(16, 1);
+        h.feed(text.as_bytes());
+        h.finish()
+    }
+
+    #[test]
+    fn endpoints() {
+        assert_eq!(
+            endpoint("POST", "/v1/chat/completions"),
+            Some(Endpoint::ChatCompletions)
+        );
+        assert_eq!(
+            endpoint("POST", "/v1/completions?x=1"),
+            Some(Endpoint::Completions)
+        );
+        assert_eq!(endpoint("GET", "/v1/completions"), None);
+        assert_eq!(endpoint("POST", "/v1/embeddings"), None);
+        assert!(looks_like_json(b"  {}"));
+        assert!(!looks_like_json(b"a=1"));
+        assert!(!looks_like_json(b""));
+        assert!(is_encoded(Some("gzip")));
+        assert!(!is_encoded(Some("identity")) && !is_encoded(None));
+    }
+
+    #[test]
+    fn chat_fields_and_canonical_text() {
+        let r = chat(
+            r#"{"model":"m","messages":[{"role":"system","content":"be brief"},
+            {"content":"hi \"there\"","role":"user","name":"x"}],"max_tokens":7,"stream":true,
+            "user":"u1","temperature":0.2,"tools":[{"a":[1,2,{"b":null}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(r.model.as_deref(), Some("m"));
+        assert_eq!(r.max_tokens, Some(7));
+        assert!(r.stream);
+        assert_eq!(r.user.as_deref(), Some("u1"));
+        let expected = "system\nbe brief\nuser\nhi \"there\"\n";
+        assert_eq!(r.prompt.bytes, expected.len() as u64);
+        let p = parse(
+            Endpoint::ChatCompletions,
+            br#"{"messages":[{"role":"system","content":"be brief"},{"content":"hi \"there\"","role":"user"}]}"#,
+            PromptHasher::new(16, 1),
+        )
+        .unwrap();
+        assert_eq!(p.prompt, text_prefix(expected));
+    }
+
+    #[test]
+    fn content_parts_are_canonicalised() {
+        let p = canon(
+            Endpoint::ChatCompletions,
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"look at "},
+            {"type":"image_url","image_url":{"url":"https://x/img.png","detail":"low"}},
+            {"type":"text","text":"this"}]}]}"#,
+        );
+        assert_eq!(p, text_prefix("user\nlook at https://x/img.pnglowthis\n"));
+    }
+
+    #[test]
+    fn completions_prompt_shapes() {
+        let p = canon(
+            Endpoint::Completions,
+            r#"{"prompt":"abc","max_tokens":null}"#,
+        );
+        assert_eq!(p, text_prefix("abc"));
+        let p = canon(Endpoint::Completions, r#"{"prompt":["a","b"]}"#);
+        assert_eq!(p, text_prefix("a\nb"));
+        let p = canon(Endpoint::Completions, r#"{"prompt":[1,2]}"#);
+        assert_eq!(p.bytes, 8);
+        let p = canon(Endpoint::Completions, r#"{"prompt":[[1,2],[3]]}"#);
+        assert_eq!(p.bytes, 13);
+    }
+
+    #[test]
+    fn invalid_bodies_name_the_param() {
+        let e = chat("{not json").unwrap_err();
+        assert!(
+            e.message.starts_with("request body is not valid JSON"),
+            "{}",
+            e.message
+        );
+        assert_eq!(chat("").unwrap_err().param, None);
+        assert_eq!(
+            chat(r#"{"model":"m"}"#).unwrap_err().param,
+            Some("messages")
+        );
+        assert_eq!(
+            chat(r#"{"messages":[]}"#).unwrap_err().param,
+            Some("messages")
+        );
+        assert_eq!(
+            chat(r#"{"messages":"hi"}"#).unwrap_err().param,
+            Some("messages")
+        );
+        assert_eq!(
+            chat(r#"{"messages":[{"content":"x"}]}"#).unwrap_err().param,
+            Some("messages")
+        );
+        assert_eq!(
+            chat(r#"{"messages":[{"role":"user","content":5}]}"#)
+                .unwrap_err()
+                .param,
+            Some("messages")
+        );
+        let e =
+            chat(r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":"9"}"#).unwrap_err();
+        assert_eq!(e.param, Some("max_tokens"));
+        let e =
+            chat(r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":-1}"#).unwrap_err();
+        assert_eq!(e.param, Some("max_tokens"));
+        let e = chat(r#"{"messages":[{"role":"user","content":"x"}],"stream":"yes"}"#).unwrap_err();
+        assert_eq!(e.param, Some("stream"));
+        let e = chat(r#"{"messages":[{"role":"user","content":"a"}],"messages":[{"role":"user","content":"b"}]}"#)
+            .unwrap_err();
+        assert!(e.message.contains("duplicate field `messages`"));
+        assert!(chat(r#"[1,2]"#).is_err());
+        assert!(chat(r#"{"messages":[{"role":"user","content":"x"}]} trailing"#).is_err());
+        let deep = "[".repeat(10_000);
+        assert!(chat(&format!(
+            r#"{{"messages":[{{"role":"user","content":"x"}}],"x":{deep}}}"#
+        ))
+        .is_err());
+        assert!(parse(
+            Endpoint::ChatCompletions,
+            b"{\"messages\":[{\"role\":\"u\",\"content\":\"\xff\"}]}",
+            PromptHasher::new(64, 1)
+        )
+        .is_err());
+        let e = parse(
+            Endpoint::Completions,
+            br#"{"prompt":[]}"#,
+            PromptHasher::new(64, 1),
+        )
+        .unwrap_err();
+        assert_eq!(e.param, Some("prompt"));
+    }
+
+    #[test]
+    fn prompt_tokens_estimate() {
+        let r = parse(
+            Endpoint::Completions,
+            br#"{"prompt":"abcdefghi"}"#,
+            PromptHasher::counting_only(),
+        )
+        .unwrap();
+        assert_eq!(r.prompt_tokens(4.0), 3);
+    }
+
+    #[test]
+    fn value_spans() {
+        let b = br#" { "a" : {"x":[1,"}"]}, "max\u005ftokens": 123 , "b":"q"}"#;
+        let span = top_level_value_span(b, "max_tokens").unwrap();
+        assert_eq!(&b[span], b"123");
+        let span = top_level_value_span(b, "a").unwrap();
+        assert_eq!(&b[span], br#"{"x":[1,"}"]}"#);
+        let span = top_level_value_span(b, "b").unwrap();
+        assert_eq!(&b[span], br#""q""#);
+        assert_eq!(top_level_value_span(b, "zz"), None);
+        assert_eq!(top_level_value_span(b"{}", "a"), None);
+        let b = br#"{"m":null,"max_tokens":null}"#;
+        assert_eq!(&b[top_level_value_span(b, "max_tokens").unwrap()], b"null");
+    }
+}

@@ -1,0 +1,101 @@
+//! The fleet snapshot: what `probe` publishes to shared data once per tick
+//! and the filters read. JSON, versioned; the filters re-parse it only when
+//! its shared-data CAS changes, so per request it costs one host call.
+
+use serde::{Deserialize, Serialize};
+
+/// Shared-data key of the snapshot (one per `vm_id`).
+pub const SNAPSHOT_KEY: &str = "llm_geo_router.snapshot";
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct Snapshot {
+    /// Increases by one with every publication.
+    pub version: u64,
+    /// When the probe built it (ms since the Unix epoch).
+    pub generated_ms: u64,
+    /// Degraded-mode ladder level, 0..=5.
+    pub level: u8,
+    /// Healthy capacity over measured demand; absent while there is no demand.
+    pub ratio: Option<f64>,
+    /// Measured arrival rate of inference requests (EWMA, requests/s).
+    pub demand_rps: f64,
+    /// Sum of `capacity_rps` over healthy regions.
+    pub capacity_rps: f64,
+    /// When the level last changed.
+    pub level_changed_ms: u64,
+    pub regions: Vec<RegionState>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct RegionState {
+    pub name: String,
+    pub healthy: bool,
+    /// Measured round trip of the health probe (EWMA, ms); absent until the
+    /// first success.
+    pub rtt_ms: Option<f64>,
+    /// Engine-reported requests waiting and running at the last good scrape.
+    pub waiting: f64,
+    pub running: f64,
+    /// Engine KV-cache usage 0..1, when reported.
+    pub kv_usage: Option<f64>,
+    /// Engine prefix-cache hit ratio 0..1, when reported.
+    pub prefix_hit_rate: Option<f64>,
+    /// This Envoy's in-flight requests to the region when the engine counts
+    /// were scraped: the router adds only what changed since then, so its own
+    /// requests are not counted twice.
+    pub inflight_at_scrape: f64,
+    /// Whether the last `/metrics` scrape succeeded.
+    pub metrics_ok: bool,
+}
+
+impl Snapshot {
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Snapshot, String> {
+        let s: Snapshot = serde_json::from_slice(bytes)
+            .map_err(|e| format!("fleet snapshot is not valid: {e}"))?;
+        if s.level > crate::ladder::MAX_LEVEL {
+            return Err(format!("fleet snapshot level {} is out of range", s.level));
+        }
+        Ok(s)
+    }
+
+    pub fn region(&self, name: &str) -> Option<&RegionState> {
+        self.regions.iter().find(|r| r.name == name)
+    }
+
+    pub fn is_fresh(&self, now_ms: u64, max_age_ms: u64) -> bool {
+        now_ms.saturating_sub(self.generated_ms) <= max_age_ms
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_garbage() {
+        let s = Snapshot {
+            version: 3,
+            generated_ms: 10,
+            level: 2,
+            ratio: Some(0.8),
+            regions: vec![RegionState {
+                name: "a".into(),
+                healthy: true,
+                rtt_ms: Some(4.5),
+                ..RegionState::default()
+            }],
+            ..Snapshot::default()
+        };
+        assert_eq!(Snapshot::decode(&s.encode()).unwrap(), s);
+        assert!(Snapshot::decode(b"\x00garbage").is_err());
+        assert!(Snapshot::decode(br#"{"version":1}"#).is_err());
+        let mut bad = s.clone();
+        bad.level = 9;
+        assert!(Snapshot::decode(&bad.encode()).is_err());
+        assert!(s.is_fresh(1010, 1000) && !s.is_fresh(1011, 1000));
+    }
+}

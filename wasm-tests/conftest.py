@@ -1,0 +1,42 @@
+"""pytest fixtures for the real-Envoy suite. `scripts/test` builds the .wasm
+and the emulator before pytest runs; these fixtures start and always stop
+the processes a test needs."""
+
+import pytest
+
+import harness
+
+
+def pytest_sessionstart(session):
+    missing = [p for p in (harness.WASM, harness.EMULATOR, harness.ENVOY) if not p.exists()]
+    if missing:
+        raise pytest.UsageError(f"missing {', '.join(map(str, missing))}: run scripts/test (it builds them)")
+
+
+@pytest.fixture
+def run_dir(request):
+    return harness.fresh_run_dir(request.node.name)
+
+
+@pytest.fixture
+def fleet_factory(run_dir):
+    started = []
+
+    def make(overrides=None, engine_extra=None, envoys=1):
+        f = harness.Fleet(run_dir)
+        started.append(f)
+        try:
+            return f.start(overrides, engine_extra, envoys)
+        except Exception:
+            f.stop()
+            raise
+
+    yield make
+    for f in started:
+        f.stop()
+
+
+@pytest.fixture
+def fleet(fleet_factory):
+    """The demo fleet with a faster probe tick (300 ms) so tests run quickly."""
+    return fleet_factory({"probe": {"tick_ms": 300, "timeout_ms": 300, "snapshot_max_age_ms": 3000}})

@@ -1,0 +1,355 @@
+"""Real-Envoy test harness: builds nothing itself (scripts/test builds first),
+starts engine emulators and a real Envoy 1.40 on free loopback ports, waits
+until they are ready, and tears everything down even when a test fails.
+
+The Envoy configuration is the repository's own `envoy/envoy.yaml`, loaded
+with PyYAML and rewritten only where a test must differ: ports, the .wasm
+path, and plugin-configuration overrides merged into the JSON all three
+roots share.
+"""
+
+from __future__ import annotations
+
+import copy
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+WASM = ROOT / "target" / "wasm32-wasip1" / "release" / "llm_geo_router.wasm"
+EMULATOR = ROOT / "target" / "release" / "engine-emulator"
+ENVOY = ROOT / ".venv" / "bin" / "envoy"
+DEMO_CONFIG = ROOT / "envoy" / "envoy.yaml"
+RUNS = ROOT / "wasm-tests" / "_runs"
+
+# The demo's three regions: name -> (cluster, emulated network delay ms, engine kind).
+DEMO_REGIONS = {
+    "near": ("region_near", 5, "vllm"),
+    "mid": ("region_mid", 40, "vllm"),
+    "far": ("region_far", 120, "sglang"),
+}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in override.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def wasm_plugins(cfg: dict):
+    """Every wasm plugin config (singleton and filters) in an Envoy bootstrap."""
+    for ext in cfg.get("bootstrap_extensions", []):
+        tc = ext.get("typed_config", {})
+        if "WasmService" in tc.get("@type", ""):
+            yield tc["config"]
+    for lis in cfg.get("static_resources", {}).get("listeners", []):
+        for chain in lis.get("filter_chains", []):
+            for f in chain.get("filters", []):
+                hcm = f.get("typed_config", {})
+                for hf in hcm.get("http_filters", []):
+                    tc = hf.get("typed_config", {})
+                    if tc.get("@type", "").endswith("filters.http.wasm.v3.Wasm"):
+                        yield tc["config"]
+
+
+def plugin_config(cfg: dict) -> dict:
+    return json.loads(next(wasm_plugins(cfg))["configuration"]["value"])
+
+
+@dataclass
+class Engine:
+    name: str
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+    args: list
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def admin(self, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method="POST" if data else "GET")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    def stats(self) -> dict:
+        return self.admin("/admin/stats")
+
+    def set_state(self, **state) -> dict:
+        return self.admin("/admin/state", state)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def start_engine(name: str, run_dir: Path, delay_ms: float, mode: str = "vllm", extra: list | None = None,
+                 port: int = 0) -> Engine:
+    log_path = run_dir / f"engine-{name}.log"
+    args = [
+        str(EMULATOR), "--listen", f"127.0.0.1:{port}", "--name", name, "--mode", mode,
+        "--network-delay-ms", str(delay_ms), "--max-concurrency", "8", "--prefill-ms-per-token", "0.2",
+        "--decode-ms-per-token", "1", "--echo-header", "x-llm-tier", "--echo-header", "x-llm-cluster",
+        *(extra or []),
+    ]
+    out = open(log_path, "w")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=out, text=True)
+    deadline = time.time() + 15
+    line = ""
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if line or proc.poll() is not None:
+            break
+    m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line or "")
+    if not m:
+        proc.kill()
+        raise RuntimeError(f"emulator {name} did not start: {line!r}; see {log_path}")
+    # Keep draining stdout so the emulator never blocks on a full pipe.
+    threading_drain(proc.stdout, out)
+    return Engine(name, int(m.group(1)), proc, log_path, args)
+
+
+def threading_drain(stream, sink) -> None:
+    import threading
+
+    def run():
+        for line in stream:
+            sink.write(line)
+            sink.flush()
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+@dataclass
+class Envoy:
+    proc: subprocess.Popen
+    admin_port: int
+    port: int
+    log_path: Path
+    config_path: Path
+
+    def stats(self, pattern: str = "llm_geo_router") -> dict[str, int]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/stats?filter={pattern}", timeout=10) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(": ")
+            try:
+                out[name.strip()] = int(value)
+            except ValueError:
+                pass
+        return out
+
+    def stat(self, name: str) -> int:
+        return self.stats(re.escape(name) + "$").get(name, 0)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def render_config(engines: dict[str, Engine] | None, admin_port: int, port: int,
+                  overrides: dict | None = None, base: Path = DEMO_CONFIG) -> dict:
+    cfg = yaml.safe_load(base.read_text())
+    cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    for lis in cfg["static_resources"]["listeners"]:
+        lis["address"]["socket_address"]["port_value"] = port
+    if engines is not None:
+        by_cluster = {c: e for n, (c, _, _) in DEMO_REGIONS.items() if (e := engines.get(n))}
+        for cl in cfg["static_resources"]["clusters"]:
+            e = by_cluster.get(cl["name"])
+            if e is not None:
+                ep = cl["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+                ep["address"]["socket_address"]["port_value"] = e.port
+    plugin = deep_merge(plugin_config(cfg), overrides or {})
+    for p in wasm_plugins(cfg):
+        p["vm_config"]["code"]["local"]["filename"] = str(WASM)
+        p["configuration"]["value"] = json.dumps(plugin)
+    return cfg
+
+
+def validate(config_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(ENVOY), "--mode", "validate", "-c", str(config_path), "-l", "info"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def start_envoy(run_dir: Path, cfg: dict, name: str = "envoy", concurrency: int = 2) -> Envoy:
+    config_path = run_dir / f"{name}.yaml"
+    config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    log_path = run_dir / f"{name}.log"
+    admin_port = cfg["admin"]["address"]["socket_address"]["port_value"]
+    port = cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
+    proc = subprocess.Popen(
+        [str(ENVOY), "-c", str(config_path), "--concurrency", str(concurrency), "-l", "info",
+         "--base-id", str(admin_port), "--log-path", str(log_path), "--disable-hot-restart"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    env = Envoy(proc, admin_port, port, log_path, config_path)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"envoy exited with {proc.returncode}; see {log_path}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/ready", timeout=2) as r:
+                if r.status == 200:
+                    return env
+        except OSError:
+            pass
+        time.sleep(0.1)
+    env.stop()
+    raise RuntimeError(f"envoy not ready in 60 s; see {log_path}")
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict
+    body: bytes
+    ttfb_ms: float
+    total_ms: float
+
+    def json(self):
+        return json.loads(self.body)
+
+    @property
+    def replica(self) -> str | None:
+        return self.headers.get("x-engine-replica")
+
+    @property
+    def route(self) -> dict:
+        raw = self.headers.get("x-llm-route", "")
+        return dict(p.strip().split("=", 1) for p in raw.split(";") if "=" in p)
+
+
+def request(port: int, method: str, path: str, body: bytes | str | dict | None = None,
+            headers: dict | None = None, timeout: float = 30.0) -> Response:
+    if isinstance(body, dict):
+        body = json.dumps(body)
+    if isinstance(body, str):
+        body = body.encode()
+    h = {"content-type": "application/json"}
+    h.update(headers or {})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.monotonic()
+    try:
+        conn.request(method, path, body=body, headers=h)
+        resp = conn.getresponse()
+        t1 = time.monotonic()
+        data = resp.read()
+        t2 = time.monotonic()
+        return Response(resp.status, {k.lower(): v for k, v in resp.getheaders()}, data,
+                        (t1 - t0) * 1000, (t2 - t0) * 1000)
+    finally:
+        conn.close()
+
+
+def chat(port: int, messages: list, headers: dict | None = None, timeout: float = 30.0, **fields) -> Response:
+    body = {"model": "emulated-model", "messages": messages, "max_tokens": 4, **fields}
+    return request(port, "POST", "/v1/chat/completions", body, headers, timeout)
+
+
+def filler(seed: str, n_bytes: int) -> str:
+    """Deterministic prompt text of about n_bytes (distinct per seed)."""
+    words = []
+    i = 0
+    total = 0
+    while total < n_bytes:
+        w = f"{seed}-{i * 2654435761 % 100003:05d}"
+        words.append(w)
+        total += len(w) + 1
+        i += 1
+    return " ".join(words)[:n_bytes]
+
+
+@dataclass
+class Fleet:
+    """Three emulated regions and one Envoy, as in the demo."""
+
+    run_dir: Path
+    engines: dict[str, Engine] = field(default_factory=dict)
+    envoys: list[Envoy] = field(default_factory=list)
+
+    @property
+    def envoy(self) -> Envoy:
+        return self.envoys[0]
+
+    @property
+    def port(self) -> int:
+        return self.envoy.port
+
+    def start(self, overrides: dict | None = None, engine_extra: dict | None = None, envoys: int = 1) -> "Fleet":
+        for name, (_, delay, mode) in DEMO_REGIONS.items():
+            self.engines[name] = start_engine(name, self.run_dir, delay, mode, (engine_extra or {}).get(name))
+        for i in range(envoys):
+            cfg = render_config(self.engines, free_port(), free_port(), overrides)
+            self.envoys.append(start_envoy(self.run_dir, cfg, name=f"envoy{i}"))
+        for e in self.envoys:
+            self.wait_snapshot(e)
+        return self
+
+    def wait_snapshot(self, envoy: Envoy, versions: int = 2, timeout: float = 20.0) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if envoy.stat("wasmcustom.llm_geo_router.probe.snapshot_version") >= versions:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"no fleet snapshot after {timeout} s; see {envoy.log_path}")
+
+    def restart_engine(self, name: str) -> Engine:
+        old = self.engines[name]
+        old.kill()
+        _, delay, mode = DEMO_REGIONS[name]
+        self.engines[name] = start_engine(name, self.run_dir, delay, mode, port=old.port)
+        return self.engines[name]
+
+    def stop(self) -> None:
+        for e in self.envoys:
+            e.stop()
+        for e in self.engines.values():
+            e.kill()
+
+
+TRAP_PATTERNS = re.compile(r"(panic|Uncaught|Function: proxy_on_\S+ failed|wasm trap|VM failed|out of bounds)", re.I)
+
+
+def traps(envoy: Envoy) -> list[str]:
+    """Log lines that show a VM trap or panic (Envoy logs each one)."""
+    return [l for l in envoy.log().splitlines() if TRAP_PATTERNS.search(l)]
+
+
+def fresh_run_dir(name: str) -> Path:
+    d = RUNS / re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    return d

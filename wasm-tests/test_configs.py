@@ -1,0 +1,80 @@
+"""Every Envoy configuration in the repository loads in a real Envoy, and an
+invalid plugin configuration is refused with a log line naming the field."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+import harness
+
+CONFIGS = sorted(p for p in (harness.ROOT / "envoy").rglob("*.yaml") if "kind:" not in p.read_text())
+
+
+def localised(path: Path, run_dir: Path) -> Path:
+    """The config with its .wasm path pointed at the local build (the compose
+    file names the path inside the container)."""
+    cfg = yaml.safe_load(path.read_text())
+    for p in harness.wasm_plugins(cfg):
+        p["vm_config"]["code"]["local"]["filename"] = str(harness.WASM)
+    out = run_dir / path.name
+    out.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return out
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(harness.ROOT)))
+def test_repository_config_validates(path, run_dir):
+    r = harness.validate(localised(path, run_dir))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "OK" in r.stdout + r.stderr
+
+
+def test_demo_config_validates_as_written():
+    # As the demo runs it: from the repository root, relative .wasm path.
+    r = harness.validate(harness.DEMO_CONFIG)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    # The bootstrap singleton (probe) is not started in validate mode.
+    for role in ("guard", "router"):
+        assert f"llm-geo-router {role}: configured" in out
+
+
+BAD = [
+    ({"regions": []}, "regions: must name at least one region"),
+    ({"probe": {"tick_ms": 10}}, "probe.tick_ms: must be at least 50"),
+    ({"ladder": {"down_at": [1.1, 0.5, 0.85, 0.7, 0.55]}}, "ladder.down_at[1]"),
+    ({"headers": {"cluster": "Bad Header"}}, "headers.cluster"),
+    ({"tiers": {"default": "gold"}}, "tiers.default"),
+    ({"cost": {"w_queue": 0}}, "cost.w_queue"),
+    ({"typo_field": 1}, "unknown field `typo_field`"),
+]
+
+
+@pytest.mark.parametrize("override,expected", BAD, ids=[e for _, e in BAD])
+def test_invalid_plugin_config_is_refused_with_the_field(override, expected, run_dir):
+    cfg = harness.render_config(None, harness.free_port(), harness.free_port())
+    plugin = harness.plugin_config(cfg)
+    plugin.update(override)
+    for p in harness.wasm_plugins(cfg):
+        p["configuration"]["value"] = json.dumps(plugin)
+    path = run_dir / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    r = harness.validate(path)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, "Envoy accepted an invalid plugin configuration"
+    lines = [l for l in out.splitlines() if "invalid configuration" in l]
+    assert lines, out[-3000:]
+    assert expected in lines[0], lines[0]
+    assert "configuration refused" in lines[0]
+
+
+def test_non_json_configuration_is_refused(run_dir):
+    cfg = harness.render_config(None, harness.free_port(), harness.free_port())
+    for p in harness.wasm_plugins(cfg):
+        p["configuration"]["value"] = "regions: [near]"
+    path = run_dir / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    r = harness.validate(path)
+    assert r.returncode != 0
+    assert "invalid configuration: configuration: is not valid for this plugin" in r.stdout + r.stderr
