@@ -211,10 +211,12 @@ def start_envoy(run_dir: Path, cfg: dict, name: str = "envoy", concurrency: int 
     log_path = run_dir / f"{name}.log"
     admin_port = cfg["admin"]["address"]["socket_address"]["port_value"]
     port = cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
+    # Logs go to stderr (unbuffered), not --log-path (flushed late), so a
+    # test can read a line right after the event.
     proc = subprocess.Popen(
         [str(ENVOY), "-c", str(config_path), "--concurrency", str(concurrency), "-l", "info",
-         "--base-id", str(admin_port), "--log-path", str(log_path), "--disable-hot-restart"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+         "--base-id", str(admin_port), "--disable-hot-restart"],
+        stdout=subprocess.DEVNULL, stderr=open(log_path, "w"), cwd=ROOT)
     env = Envoy(proc, admin_port, port, log_path, config_path)
     deadline = time.time() + 60
     while time.time() < deadline:

@@ -2,6 +2,7 @@
 invalid plugin configuration is refused with a log line naming the field."""
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,18 @@ def test_non_json_configuration_is_refused(run_dir):
     r = harness.validate(path)
     assert r.returncode != 0
     assert "invalid configuration: configuration: is not valid for this plugin" in r.stdout + r.stderr
+
+
+def test_envoy_refuses_to_start_with_an_invalid_probe_config(run_dir):
+    # Validate mode does not start the bootstrap singleton; a real start does.
+    cfg = harness.render_config(None, harness.free_port(), harness.free_port())
+    probe = next(harness.wasm_plugins(cfg))
+    probe["configuration"]["value"] = json.dumps({"regions": [{"name": "x", "cluster": "c", "capacity_rps": -1}]})
+    path = run_dir / "bad-probe.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    r = subprocess.run([str(harness.ENVOY), "-c", str(path), "--disable-hot-restart", "--base-id",
+                        str(harness.free_port())], capture_output=True, text=True, timeout=60)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert ("llm-geo-router probe: invalid configuration: regions[0].capacity_rps: "
+            "-1 must be a finite number > 0; configuration refused") in out, out[-3000:]

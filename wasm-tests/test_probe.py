@@ -1,0 +1,72 @@
+"""The probe singleton inside a real Envoy: one loop per process, RTTs
+measured through the regions' clusters, vLLM and SGLang /metrics read, and
+garbage /metrics survived. Probe tick 300 ms."""
+
+import threading
+import time
+import urllib.request
+
+from test_routing import TICK_S, wait_stat
+
+
+def test_exactly_one_probe_loop_per_envoy(fleet):
+    before = {n: e.stats()["requests"] for n, e in fleet.engines.items()}
+    t0 = time.time()
+    time.sleep(3.0)
+    elapsed = time.time() - t0
+    ticks = elapsed / TICK_S
+    for name, engine in fleet.engines.items():
+        after = engine.stats()["requests"]
+        health = after.get("/health", 0) - before[name].get("/health", 0)
+        metrics = after.get("/metrics", 0) - before[name].get("/metrics", 0)
+        # One health and one metrics callout per tick (two loops would double it).
+        assert abs(health - ticks) <= 2, (name, health, ticks)
+        assert abs(metrics - ticks) <= 2, (name, metrics, ticks)
+
+
+
+def test_rtt_and_engine_metrics_reach_the_snapshot(fleet):
+    envoy = fleet.envoy
+    rtt = {n: envoy.stat(f"wasmcustom.llm_geo_router.region.{n}.rtt_ms") for n in fleet.engines}
+    # Emulated network delays 5 / 40 / 120 ms plus loopback overhead.
+    assert 5 <= rtt["near"] < 30, rtt
+    assert 40 <= rtt["mid"] < 70, rtt
+    assert 120 <= rtt["far"] < 160, rtt
+    # Queue depth from /metrics: vLLM (mid) and SGLang (far) names.
+    threads = []
+    for name in ("mid", "far"):
+        engine = fleet.engines[name]
+        engine.set_state(paused=True)
+        for i in range(12):
+            body = ('{"messages":[{"role":"user","content":"q %d"}],"max_tokens":1}' % i).encode()
+            req = urllib.request.Request(engine.url + "/v1/chat/completions", data=body,
+                                         headers={"content-type": "application/json"})
+            t = threading.Thread(target=lambda r=req: urllib.request.urlopen(r, timeout=30).read())
+            t.start()
+            threads.append(t)
+    try:
+        for name in ("mid", "far"):
+            wait_stat(envoy, f"region.{name}.engine_waiting", lambda v: v == 12)
+    finally:
+        for name in ("mid", "far"):
+            fleet.engines[name].set_state(paused=False)
+        for t in threads:
+            t.join(timeout=30)
+    for name in ("mid", "far"):
+        wait_stat(envoy, f"region.{name}.engine_waiting", lambda v: v == 0)
+        assert envoy.stat(f"wasmcustom.llm_geo_router.region.{name}.metrics_scrape_failure") == 0
+
+
+def test_garbage_metrics_are_survived_and_reported_once(fleet):
+    envoy = fleet.envoy
+    fleet.engines["far"].set_state(garbage_metrics=True)
+    wait_stat(envoy, "region.far.metrics_scrape_failure", lambda v: v >= 3)
+    # Health is judged by the health probe, not by the scrape.
+    assert envoy.stat("wasmcustom.llm_geo_router.region.far.healthy") == 1
+    warnings = [l for l in envoy.log().splitlines() if "region far: metrics scrape failed" in l]
+    assert len(warnings) == 1, warnings
+    fleet.engines["far"].set_state(garbage_metrics=False)
+    time.sleep(3 * TICK_S)
+    failures = envoy.stat("wasmcustom.llm_geo_router.region.far.metrics_scrape_failure")
+    time.sleep(3 * TICK_S)
+    assert envoy.stat("wasmcustom.llm_geo_router.region.far.metrics_scrape_failure") == failures
