@@ -66,6 +66,10 @@ pub struct Config {
     pub ladder: LadderConfig,
     #[serde(default)]
     pub tiers: TierConfig,
+    #[serde(default)]
+    pub residency: ResidencyConfig,
+    #[serde(default)]
+    pub tuning: crate::tuning::TuningConfig,
     /// What to do with a request to an inference path whose body is not a
     /// valid request: `reject` (400, OpenAI error JSON) or `pass_through`
     /// (send it untouched to the default region and let the engine answer).
@@ -215,6 +219,17 @@ pub struct CostConfig {
     /// Regions whose costs are within this many milliseconds of the best are
     /// a tie, broken by rendezvous hashing of the prompt's first block.
     pub tie_ms: f64,
+    /// Bounded load: no region takes more than `(1 + epsilon)` times its fair
+    /// share (by `max_concurrency`) of the in-flight work while another
+    /// candidate region has room, whatever its cache says.
+    pub bounded_load_epsilon: f64,
+    /// Below this fraction of its `max_concurrency` a region is never over
+    /// its bound: at low load, spreading would only add network distance.
+    pub bounded_load_floor: f64,
+    /// The region that served a session's previous turn also holds that
+    /// turn's output in its cache, which the directory does not know; it is
+    /// kept when its cost is within this many milliseconds of the best.
+    pub session_slack_ms: f64,
 }
 
 impl Default for CostConfig {
@@ -223,8 +238,23 @@ impl Default for CostConfig {
             w_rtt: 1.0,
             w_queue: 1.0,
             tie_ms: 2.0,
+            bounded_load_epsilon: 0.25,
+            bounded_load_floor: 0.5,
+            session_slack_ms: 25.0,
         }
     }
+}
+
+/// Data residency: a request header whose value names an allow-listed set of
+/// regions; the request may only go to one of them (a hard constraint).
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct ResidencyConfig {
+    /// Request header carrying the residency (e.g. `x-llm-residency`).
+    /// Absent: no residency constraints.
+    pub header: Option<String>,
+    /// Residency value → the names of the regions it allows.
+    pub allowed: BTreeMap<String, Vec<String>>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -503,6 +533,19 @@ impl Config {
         non_negative("cost.w_rtt", self.cost.w_rtt)?;
         positive("cost.w_queue", self.cost.w_queue)?;
         non_negative("cost.tie_ms", self.cost.tie_ms)?;
+        non_negative("cost.bounded_load_epsilon", self.cost.bounded_load_epsilon)?;
+        let floor = self.cost.bounded_load_floor;
+        if !(floor.is_finite() && (0.0..=1.0).contains(&floor)) {
+            return Err(ConfigError::new(
+                "cost.bounded_load_floor",
+                format!("{floor} must be within 0..=1"),
+            ));
+        }
+        non_negative("cost.session_slack_ms", self.cost.session_slack_ms)?;
+        self.validate_residency()?;
+        self.tuning
+            .validate()
+            .map_err(|(f, r)| ConfigError::new(f, r))?;
         let p = &self.probe;
         if p.tick_ms < 50 {
             return Err(ConfigError::new("probe.tick_ms", "must be at least 50"));
@@ -609,6 +652,51 @@ impl Config {
             ));
         }
         Ok(())
+    }
+
+    fn validate_residency(&self) -> Result<(), ConfigError> {
+        let r = &self.residency;
+        if let Some(h) = &r.header {
+            if !valid_header_name(h) {
+                return Err(ConfigError::new(
+                    "residency.header",
+                    format!("{h:?} is not a lowercase HTTP header name"),
+                ));
+            }
+            if r.allowed.is_empty() {
+                return Err(ConfigError::new(
+                    "residency.allowed",
+                    "must list at least one residency when residency.header is set",
+                ));
+            }
+        }
+        for (value, regions) in &r.allowed {
+            let at = format!("residency.allowed.{value}");
+            if regions.is_empty() {
+                return Err(ConfigError::new(at, "must name at least one region"));
+            }
+            for name in regions {
+                if !self.regions.iter().any(|x| &x.name == name) {
+                    return Err(ConfigError::new(
+                        at,
+                        format!("{name:?} is not the name of a configured region"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Per configured region, whether `residency` allows it; `None` when the
+    /// value is not allow-listed.
+    pub fn residency_mask(&self, residency: &str) -> Option<Vec<bool>> {
+        let names = self.residency.allowed.get(residency.trim())?;
+        Some(
+            self.regions
+                .iter()
+                .map(|r| names.contains(&r.name))
+                .collect(),
+        )
     }
 
     fn validate_tiers(&self) -> Result<(), ConfigError> {

@@ -30,7 +30,11 @@ pub enum Reason {
     Load,
     /// Nothing cached decided it: the lowest network + queue cost won.
     Rtt,
-    /// No usable snapshot, or no healthy region: nearest configured region.
+    /// The cheapest region was over its bounded-load share; the next one won.
+    LoadOverride,
+    /// The residency pin excluded the cheapest region.
+    Pin,
+    /// No usable snapshot, or no healthy candidate: nearest region.
     Fallback,
 }
 
@@ -40,10 +44,26 @@ impl Reason {
             Reason::Cache => "cache",
             Reason::Load => "load",
             Reason::Rtt => "rtt",
+            Reason::LoadOverride => "load-override",
+            Reason::Pin => "pin",
             Reason::Fallback => "fallback",
         }
     }
-    pub const ALL: [Reason; 4] = [Reason::Cache, Reason::Load, Reason::Rtt, Reason::Fallback];
+    /// The name in stats (`llm_geo_router.router.decision.<stat_name>`).
+    pub fn stat_name(self) -> &'static str {
+        match self {
+            Reason::LoadOverride => "load_override",
+            other => other.as_str(),
+        }
+    }
+    pub const ALL: [Reason; 6] = [
+        Reason::Cache,
+        Reason::Load,
+        Reason::Rtt,
+        Reason::LoadOverride,
+        Reason::Pin,
+        Reason::Fallback,
+    ];
 }
 
 /// The terms of one region's expected TTFT, in milliseconds.
@@ -54,7 +74,12 @@ pub struct Cost {
     pub queue_ms: f64,
     pub total_ms: f64,
     pub cached_tokens: u64,
+    /// Requests at the engine counting this Envoy's since the scrape.
+    pub occupancy: f64,
+    /// Healthy (and allowed by the residency pin, if any).
     pub candidate: bool,
+    /// A candidate left out for being over its bounded-load share.
+    pub over_bound: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -78,7 +103,30 @@ pub struct Inputs<'a> {
     /// Per configured region: this Envoy's in-flight requests now.
     pub inflight: &'a [f64],
     pub prompt_tokens: u64,
+    /// Rendezvous key for ties (the first block's hash, else the session's).
     pub first_block: Option<u64>,
+    /// Residency pin: per configured region, whether it is allowed.
+    pub allowed: Option<&'a [bool]>,
+    /// The region that served this session's previous request.
+    pub session_region: Option<usize>,
+    /// Cost weights in force (configured, or tuned by the probe).
+    pub weights: Weights,
+}
+
+/// The tunable weights of the cost.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Weights {
+    pub w_rtt: f64,
+    pub w_queue: f64,
+}
+
+impl Weights {
+    pub fn configured(cfg: &Config) -> Self {
+        Weights {
+            w_rtt: cfg.cost.w_rtt,
+            w_queue: cfg.cost.w_queue,
+        }
+    }
 }
 
 /// Expected queueing wait for one more request at `occupancy` requests.
@@ -90,93 +138,51 @@ pub fn queue_ms(occupancy: f64, max_concurrency: u32, service_ms: f64) -> f64 {
 
 pub fn decide(inp: &Inputs) -> Decision {
     let cfg = inp.config;
-    let block_tokens = f64::from(cfg.prefix.block_bytes) / cfg.prefix.bytes_per_token;
     let Some(snap) = inp.snapshot else {
-        return fallback(inp, None);
+        return fallback(inp, Vec::new());
     };
-    let mut costs = Vec::with_capacity(cfg.regions.len());
-    for (i, region) in cfg.regions.iter().enumerate() {
-        let state = inp
-            .snapshot_index
-            .get(i)
-            .copied()
-            .flatten()
-            .and_then(|j| snap.regions.get(j));
-        // A region the probe does not report on is assumed healthy with its
-        // configured figures: the probe's configuration may lag the filters'.
-        let healthy = state.is_none_or(|s| s.healthy);
-        let rtt = state.and_then(|s| s.rtt_ms).unwrap_or(region.rtt_ms);
-        let inflight_now = inp.inflight.get(i).copied().unwrap_or(0.0);
-        let occupancy = state.map_or(inflight_now, |s| {
-            (s.waiting + s.running + inflight_now - s.inflight_at_scrape).max(0.0)
-        });
-        let cached_blocks = inp.cached_blocks.get(i).copied().unwrap_or(0);
-        let cached_tokens =
-            ((f64::from(cached_blocks) * block_tokens).floor() as u64).min(inp.prompt_tokens);
-        let uncached = inp.prompt_tokens - cached_tokens;
-        let rtt_ms = cfg.cost.w_rtt * rtt;
-        let prefill_ms = region.prefill_ms_per_token * uncached as f64;
-        let queue =
-            cfg.cost.w_queue * queue_ms(occupancy, region.max_concurrency, region.service_ms);
-        costs.push(Cost {
-            rtt_ms,
-            prefill_ms,
-            queue_ms: queue,
-            total_ms: rtt_ms + prefill_ms + queue,
-            cached_tokens,
-            candidate: healthy,
-        });
+    let mut costs = region_costs(inp, snap);
+    let allowed = |i: usize| {
+        inp.allowed
+            .is_none_or(|a| a.get(i).copied().unwrap_or(false))
+    };
+    for (i, c) in costs.iter_mut().enumerate() {
+        c.candidate = c.candidate && allowed(i);
     }
-    let best = costs
-        .iter()
-        .filter(|c| c.candidate)
-        .map(|c| c.total_ms)
-        .fold(f64::INFINITY, f64::min);
-    if !best.is_finite() {
-        return fallback(inp, Some(costs));
+    if !costs.iter().any(|c| c.candidate) {
+        return fallback(inp, costs);
     }
-    let tied = |c: &Cost| c.candidate && c.total_ms <= best + cfg.cost.tie_ms;
-    let key = inp.first_block.unwrap_or(0);
-    let mut region = 0;
-    let mut top = None;
-    for (i, c) in costs.iter().enumerate() {
-        if !tied(c) {
-            continue;
-        }
-        let score = rendezvous(key, cfg.regions.get(i).map_or("", |r| r.name.as_str()));
-        if top.is_none_or(|t| score > t) {
-            top = Some(score);
-            region = i;
-        }
-    }
+    apply_bounded_load(cfg, &mut costs);
+    let eligible = |c: &Cost| c.candidate && !c.over_bound;
+    let Some(region) = pick(inp, &costs, eligible) else {
+        return fallback(inp, costs);
+    };
     let runner_up = costs
         .iter()
         .enumerate()
-        .filter(|(i, c)| *i != region && c.candidate)
+        .filter(|(i, c)| *i != region && eligible(c))
         .min_by(|a, b| a.1.total_ms.total_cmp(&b.1.total_ms))
         .map(|(i, _)| i);
-    let chosen_cached = costs.get(region).map_or(0, |c| c.cached_tokens);
-    let most_cached = costs
+    // What would have won without the pin and without the load bound.
+    let healthy = |c: &Cost, i: usize| state_healthy(inp, snap, i) && c.total_ms.is_finite();
+    let unpinned = costs
         .iter()
-        .filter(|c| c.candidate)
-        .map(|c| c.cached_tokens)
-        .max()
-        .unwrap_or(0);
-    let reason = if most_cached > chosen_cached {
-        // A better-cached region lost: to its queue, or to its distance.
-        let holder = costs
-            .iter()
-            .filter(|c| c.candidate && c.cached_tokens == most_cached)
-            .min_by(|a, b| a.total_ms.total_cmp(&b.total_ms));
-        let chosen = costs.get(region);
-        match (holder, chosen) {
-            (Some(h), Some(c)) if h.queue_ms - c.queue_ms > h.rtt_ms - c.rtt_ms => Reason::Load,
-            _ => Reason::Rtt,
-        }
-    } else if chosen_cached > 0 {
-        Reason::Cache
+        .enumerate()
+        .filter(|(i, c)| healthy(c, *i))
+        .min_by(|a, b| a.1.total_ms.total_cmp(&b.1.total_ms))
+        .map(|(i, _)| i);
+    let unbounded = pick(inp, &costs, |c| c.candidate);
+    let reason = if unpinned.is_some_and(|u| !allowed(u) && u != region)
+        && costs
+            .get(region)
+            .zip(unpinned.and_then(|u| costs.get(u)))
+            .is_some_and(|(c, u)| u.total_ms < c.total_ms)
+    {
+        Reason::Pin
+    } else if unbounded.is_some_and(|u| u != region) {
+        Reason::LoadOverride
     } else {
-        Reason::Rtt
+        cost_reason(&costs, region, |c| c.candidate)
     };
     Decision {
         region,
@@ -186,31 +192,193 @@ pub fn decide(inp: &Inputs) -> Decision {
     }
 }
 
-/// No usable snapshot, or no healthy region: nearest configured region
-/// among those last known healthy, else nearest configured region.
-fn fallback(inp: &Inputs, costs: Option<Vec<Cost>>) -> Decision {
+fn state_healthy(inp: &Inputs, snap: &Snapshot, i: usize) -> bool {
+    inp.snapshot_index
+        .get(i)
+        .copied()
+        .flatten()
+        .and_then(|j| snap.regions.get(j))
+        .is_none_or(|s| s.healthy)
+}
+
+fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
     let cfg = inp.config;
-    let known_healthy = |i: usize| {
-        inp.snapshot
-            .zip(inp.snapshot_index.get(i).copied().flatten())
-            .and_then(|(s, j)| s.regions.get(j))
-            .is_none_or(|r| r.healthy)
-    };
-    let mut best: Option<usize> = None;
-    for (i, r) in cfg.regions.iter().enumerate() {
-        if known_healthy(i)
-            && best
-                .and_then(|b| cfg.regions.get(b))
-                .is_none_or(|b| r.rtt_ms < b.rtt_ms)
-        {
-            best = Some(i);
+    let block_tokens = f64::from(cfg.prefix.block_bytes) / cfg.prefix.bytes_per_token;
+    let w = inp.weights;
+    cfg.regions
+        .iter()
+        .enumerate()
+        .map(|(i, region)| {
+            let state = inp
+                .snapshot_index
+                .get(i)
+                .copied()
+                .flatten()
+                .and_then(|j| snap.regions.get(j));
+            // A region the probe does not report on is assumed healthy with its
+            // configured figures: the probe's configuration may lag the filters'.
+            let healthy = state.is_none_or(|s| s.healthy);
+            let rtt = state.and_then(|s| s.rtt_ms).unwrap_or(region.rtt_ms);
+            let prefill_rate = state
+                .and_then(|s| s.prefill_ms_per_token)
+                .unwrap_or(region.prefill_ms_per_token);
+            let inflight_now = inp.inflight.get(i).copied().unwrap_or(0.0);
+            let occupancy = state.map_or(inflight_now, |s| {
+                (s.waiting + s.running + inflight_now - s.inflight_at_scrape).max(0.0)
+            });
+            let cached_blocks = inp.cached_blocks.get(i).copied().unwrap_or(0);
+            let cached_tokens =
+                ((f64::from(cached_blocks) * block_tokens).floor() as u64).min(inp.prompt_tokens);
+            let uncached = inp.prompt_tokens - cached_tokens;
+            let rtt_ms = w.w_rtt * rtt;
+            let prefill_ms = prefill_rate * uncached as f64;
+            let queue = w.w_queue * queue_ms(occupancy, region.max_concurrency, region.service_ms);
+            Cost {
+                rtt_ms,
+                prefill_ms,
+                queue_ms: queue,
+                total_ms: rtt_ms + prefill_ms + queue,
+                cached_tokens,
+                occupancy,
+                candidate: healthy,
+                over_bound: false,
+            }
+        })
+        .collect()
+}
+
+/// Marks candidates whose occupancy, with this request, would exceed
+/// `(1 + ε)` times their fair share (by `max_concurrency`) of all candidates'
+/// occupancy, and above `floor × max_concurrency`. Nothing is marked when no
+/// candidate would be left.
+fn apply_bounded_load(cfg: &Config, costs: &mut [Cost]) {
+    let eps = cfg.cost.bounded_load_epsilon;
+    let slots = |i: usize| f64::from(cfg.regions.get(i).map_or(1, |r| r.max_concurrency.max(1)));
+    let total_slots: f64 = costs
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.candidate)
+        .map(|(i, _)| slots(i))
+        .sum();
+    let total_load: f64 = costs
+        .iter()
+        .filter(|c| c.candidate)
+        .map(|c| c.occupancy)
+        .sum::<f64>()
+        + 1.0;
+    if total_slots <= 0.0 {
+        return;
+    }
+    let over: Vec<bool> = costs
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let fair = total_load * slots(i) / total_slots;
+            let bound = ((1.0 + eps) * fair).max(cfg.cost.bounded_load_floor * slots(i));
+            c.candidate && c.occupancy + 1.0 > bound
+        })
+        .collect();
+    let room = costs.iter().zip(&over).any(|(c, o)| c.candidate && !o);
+    if room {
+        for (c, o) in costs.iter_mut().zip(over) {
+            c.over_bound = o;
         }
     }
+}
+
+/// The cheapest region among those `eligible`; regions within `tie_ms` of it
+/// are a tie: the session's region if among them, else rendezvous.
+fn pick(inp: &Inputs, costs: &[Cost], eligible: impl Fn(&Cost) -> bool) -> Option<usize> {
+    let cfg = inp.config;
+    let best = costs
+        .iter()
+        .filter(|c| eligible(c))
+        .map(|c| c.total_ms)
+        .fold(f64::INFINITY, f64::min);
+    if !best.is_finite() {
+        return None;
+    }
+    if let Some(s) = inp.session_region {
+        if costs
+            .get(s)
+            .is_some_and(|c| eligible(c) && c.total_ms <= best + cfg.cost.session_slack_ms)
+        {
+            return Some(s);
+        }
+    }
+    let key = inp.first_block.unwrap_or(0);
+    let mut chosen = None;
+    let mut top = 0u64;
+    for (i, c) in costs.iter().enumerate() {
+        if !eligible(c) || c.total_ms > best + cfg.cost.tie_ms {
+            continue;
+        }
+        let score = rendezvous(key, cfg.regions.get(i).map_or("", |r| r.name.as_str()));
+        if chosen.is_none() || score > top {
+            top = score;
+            chosen = Some(i);
+        }
+    }
+    chosen
+}
+
+/// Among cost-driven choices: did the cache win, did a queue push the request
+/// away from the region holding more of it, or did distance decide?
+fn cost_reason(costs: &[Cost], region: usize, eligible: impl Fn(&Cost) -> bool) -> Reason {
+    let chosen_cached = costs.get(region).map_or(0, |c| c.cached_tokens);
+    let most_cached = costs
+        .iter()
+        .filter(|c| eligible(c))
+        .map(|c| c.cached_tokens)
+        .max()
+        .unwrap_or(0);
+    if most_cached > chosen_cached {
+        let holder = costs
+            .iter()
+            .filter(|c| eligible(c) && c.cached_tokens == most_cached)
+            .min_by(|a, b| a.total_ms.total_cmp(&b.total_ms));
+        match (holder, costs.get(region)) {
+            (Some(h), Some(c)) if h.queue_ms - c.queue_ms > h.rtt_ms - c.rtt_ms => Reason::Load,
+            _ => Reason::Rtt,
+        }
+    } else if chosen_cached > 0 {
+        Reason::Cache
+    } else {
+        Reason::Rtt
+    }
+}
+
+/// No usable snapshot, or no healthy candidate: the nearest configured
+/// region among those allowed and last known healthy; else the nearest
+/// allowed; else the nearest.
+fn fallback(inp: &Inputs, costs: Vec<Cost>) -> Decision {
+    let cfg = inp.config;
+    let allowed = |i: usize| {
+        inp.allowed
+            .is_none_or(|a| a.get(i).copied().unwrap_or(false))
+    };
+    let known_healthy = |i: usize| inp.snapshot.is_none_or(|s| state_healthy(inp, s, i));
+    let nearest = |ok: &dyn Fn(usize) -> bool| {
+        let mut best: Option<usize> = None;
+        for (i, r) in cfg.regions.iter().enumerate() {
+            if ok(i)
+                && best
+                    .and_then(|b| cfg.regions.get(b))
+                    .is_none_or(|b| r.rtt_ms < b.rtt_ms)
+            {
+                best = Some(i);
+            }
+        }
+        best
+    };
+    let region = nearest(&|i| allowed(i) && known_healthy(i))
+        .or_else(|| nearest(&allowed))
+        .unwrap_or_else(|| cfg.nearest_configured_region());
     Decision {
-        region: best.unwrap_or_else(|| cfg.nearest_configured_region()),
+        region,
         runner_up: None,
         reason: Reason::Fallback,
-        costs: costs.unwrap_or_default(),
+        costs,
     }
 }
 
@@ -265,6 +433,9 @@ mod tests {
             inflight: &inflight,
             prompt_tokens: tokens,
             first_block: Some(42),
+            allowed: None,
+            session_region: None,
+            weights: Weights::configured(c),
         })
     }
 
@@ -310,9 +481,9 @@ mod tests {
         assert_eq!(d.region, 1);
         // Already counted by the engine at the scrape: not counted twice.
         let mut s2 = snap(&c);
-        s2.regions[0].running = 2.0;
-        s2.regions[0].inflight_at_scrape = 2.0;
-        let d = run(&c, Some(&s2), [0, 0, 0], [2.0, 0.0, 0.0], 100);
+        s2.regions[0].running = 1.0;
+        s2.regions[0].inflight_at_scrape = 1.0;
+        let d = run(&c, Some(&s2), [0, 0, 0], [1.0, 0.0, 0.0], 100);
         assert_eq!(d.region, 0);
         assert_eq!(d.costs[0].queue_ms, 0.0);
     }
@@ -350,6 +521,9 @@ mod tests {
                 inflight: &[0.0; 3],
                 prompt_tokens: 10,
                 first_block: Some(key),
+                allowed: None,
+                session_region: None,
+                weights: Weights::configured(&c),
             };
             let a = decide(&inp).region;
             assert_eq!(a, decide(&inp).region);
@@ -373,5 +547,94 @@ mod tests {
         }
         assert!(queue_ms(10.0, 4, 100.0) > queue_ms(5.0, 4, 100.0));
         assert_eq!(queue_ms(2.0, 4, 100.0), 0.0);
+    }
+
+    fn inputs<'a>(
+        c: &'a Config,
+        s: &'a Snapshot,
+        cached: &'a [u32],
+        allowed: Option<&'a [bool]>,
+        session: Option<usize>,
+    ) -> Inputs<'a> {
+        Inputs {
+            config: c,
+            snapshot: Some(s),
+            snapshot_index: &[Some(0), Some(1), Some(2)],
+            cached_blocks: cached,
+            inflight: &[0.0; 3],
+            prompt_tokens: 1000,
+            first_block: Some(7),
+            allowed,
+            session_region: session,
+            weights: Weights::configured(c),
+        }
+    }
+
+    #[test]
+    fn bounded_load_overrides_the_cache_when_a_region_is_over_its_share() {
+        let c = cfg();
+        let mut s = snap(&c);
+        // mid holds the prompt and is still the cheapest (queue 250 ms), but
+        // it runs 4 of 10 in-flight requests: fair share (10+1)/3 = 3.67,
+        // bound 1.25 x 3.67 = 4.58 < 5.
+        s.regions[0].running = 3.0;
+        s.regions[1].running = 4.0;
+        s.regions[2].running = 3.0;
+        let d = decide(&inputs(&c, &s, &[0, 62, 0], None, None));
+        assert!(d.costs[1].over_bound);
+        assert_eq!(d.reason, Reason::LoadOverride);
+        assert_ne!(d.region, 1);
+        // Under its share, the cache wins again.
+        s.regions[1].running = 3.0;
+        let d = decide(&inputs(&c, &s, &[0, 62, 0], None, None));
+        assert_eq!((d.region, d.reason), (1, Reason::Cache));
+    }
+
+    #[test]
+    fn bounded_load_never_leaves_no_candidate_and_respects_the_floor() {
+        let c = cfg();
+        let mut s = snap(&c);
+        for r in &mut s.regions {
+            r.running = 4.0;
+            r.waiting = 20.0;
+        }
+        let d = decide(&inputs(&c, &s, &[0, 62, 0], None, None));
+        assert!(d.costs.iter().all(|c| !c.over_bound));
+        // Low load: one request in flight at near is below the floor (2 of 4 slots).
+        let mut s = snap(&c);
+        s.regions[0].running = 1.0;
+        let d = decide(&inputs(&c, &s, &[0, 0, 0], None, None));
+        assert_eq!((d.region, d.reason), (0, Reason::Rtt));
+    }
+
+    #[test]
+    fn residency_pin_is_a_hard_constraint() {
+        let c = cfg();
+        let mut s = snap(&c);
+        let only_far = [false, false, true];
+        let d = decide(&inputs(&c, &s, &[0, 62, 0], Some(&only_far), None));
+        assert_eq!((d.region, d.reason), (2, Reason::Pin));
+        // Even when the pinned region is unhealthy, the request stays inside the pin.
+        s.regions[2].healthy = false;
+        let d = decide(&inputs(&c, &s, &[0, 0, 0], Some(&only_far), None));
+        assert_eq!((d.region, d.reason), (2, Reason::Fallback));
+        // A pin that allows the best region changes nothing.
+        let s = snap(&c);
+        let near_mid = [true, true, false];
+        let d = decide(&inputs(&c, &s, &[0, 62, 0], Some(&near_mid), None));
+        assert_eq!((d.region, d.reason), (1, Reason::Cache));
+    }
+
+    #[test]
+    fn session_region_is_kept_within_the_slack() {
+        let c = cfg();
+        let s = snap(&c);
+        // near costs 505, mid 540: within 25 ms? no (35 ms apart).
+        let d = decide(&inputs(&c, &s, &[0, 0, 0], None, Some(1)));
+        assert_eq!(d.region, 0);
+        let mut c2 = cfg();
+        c2.cost.session_slack_ms = 40.0;
+        let d = decide(&inputs(&c2, &s, &[0, 0, 0], None, Some(1)));
+        assert_eq!(d.region, 1);
     }
 }

@@ -6,7 +6,8 @@
 use crate::config::Config;
 use crate::ladder::Ladder;
 use crate::metrics::EngineSample;
-use crate::snapshot::{RegionState, Snapshot};
+use crate::snapshot::{RegionState, Snapshot, TunedWeights};
+use crate::tuning::{Fit, Observation, Tuner};
 
 #[derive(Debug, Clone)]
 struct Region {
@@ -26,6 +27,9 @@ pub struct Fleet {
     demand_rps: Option<f64>,
     last_arrivals: Option<(u64, u64)>,
     version: u64,
+    tuner: Tuner,
+    fit: Option<Fit>,
+    observations: u64,
 }
 
 /// What changed in a health transition, for the log.
@@ -57,6 +61,9 @@ impl Fleet {
             demand_rps: None,
             last_arrivals: None,
             version: 0,
+            tuner: Tuner::new(&cfg.tuning),
+            fit: None,
+            observations: 0,
         }
     }
 
@@ -121,6 +128,19 @@ impl Fleet {
         self.last_arrivals = Some((arrivals_total, now_ms));
     }
 
+    /// A TTFT observation reported by a router.
+    pub fn on_observation(&mut self, cfg: &Config, o: Observation) {
+        if cfg.tuning.enabled && usize::from(o.region) < cfg.regions.len() {
+            self.tuner.push(o);
+            self.observations += 1;
+        }
+    }
+
+    /// Observations received since start.
+    pub fn observations(&self) -> u64 {
+        self.observations
+    }
+
     pub fn is_healthy(&self, region: usize) -> bool {
         self.regions.get(region).is_some_and(|r| r.healthy)
     }
@@ -147,11 +167,22 @@ impl Fleet {
             .ladder
             .step(&cfg.ladder, ratio.unwrap_or(f64::MAX), now_ms);
         self.version += 1;
+        if cfg.tuning.enabled {
+            let configured: Vec<f64> = cfg.regions.iter().map(|r| r.prefill_ms_per_token).collect();
+            if let Some(fit) =
+                self.tuner
+                    .fit(&cfg.tuning, (cfg.cost.w_rtt, cfg.cost.w_queue), &configured)
+            {
+                self.fit = Some(fit);
+            }
+        }
+        let fit = self.fit.as_ref();
         let regions = cfg
             .regions
             .iter()
             .zip(&self.regions)
-            .map(|(c, r)| RegionState {
+            .enumerate()
+            .map(|(i, (c, r))| RegionState {
                 name: c.name.clone(),
                 healthy: r.healthy,
                 rtt_ms: r.rtt_ms,
@@ -166,6 +197,8 @@ impl Fleet {
                 }),
                 inflight_at_scrape: r.inflight_at_scrape,
                 metrics_ok: r.metrics_ok,
+                prefill_ms_per_token: fit
+                    .and_then(|f| f.prefill_ms_per_token.get(i).copied().flatten()),
             })
             .collect();
         let snap = Snapshot {
@@ -176,6 +209,10 @@ impl Fleet {
             demand_rps: demand,
             capacity_rps: capacity,
             level_changed_ms: self.ladder.changed_ms,
+            weights: fit.map(|f| TunedWeights {
+                w_rtt: f.w_rtt,
+                w_queue: f.w_queue,
+            }),
             regions,
         };
         (snap, changed)
@@ -264,5 +301,36 @@ mod tests {
         assert!(s.regions[0].metrics_ok && !s.regions[1].metrics_ok);
         assert_eq!(s.ratio, None);
         assert_eq!(s.version, 1);
+    }
+
+    #[test]
+    fn observations_tune_the_snapshot_unless_disabled() {
+        let mut c = cfg();
+        let o = |region: u16, uncached: u32| Observation {
+            region,
+            rtt_ms: 10.0,
+            queue_ms: 0.0,
+            uncached_tokens: uncached,
+            prefill_ms: 0.0,
+            observed_ms: 10.0 + 0.5 * uncached as f32,
+        };
+        let mut f = Fleet::new(&c, 0);
+        for i in 0..64 {
+            f.on_observation(&c, o(0, 200 + i));
+        }
+        f.on_observation(&c, o(9, 100)); // unknown region: ignored
+        assert_eq!(f.observations(), 64);
+        let (s, _) = f.publish(&c, 1);
+        let rate = s.regions[0].prefill_ms_per_token.unwrap();
+        assert!(rate > 0.3, "{rate}");
+        assert_eq!(s.regions[1].prefill_ms_per_token, None);
+        assert!(s.weights.is_some());
+        c.tuning.enabled = false;
+        let mut f = Fleet::new(&c, 0);
+        for i in 0..64 {
+            f.on_observation(&c, o(0, 200 + i));
+        }
+        let (s, _) = f.publish(&c, 1);
+        assert_eq!((s.weights, s.regions[0].prefill_ms_per_token), (None, None));
     }
 }

@@ -17,7 +17,9 @@ pub mod metrics;
 pub mod openai;
 pub mod prefix;
 pub mod request;
+pub mod session;
 pub mod snapshot;
+pub mod tuning;
 
 #[cfg(target_arch = "wasm32")]
 mod host;

@@ -23,7 +23,16 @@ pub struct Snapshot {
     pub capacity_rps: f64,
     /// When the level last changed.
     pub level_changed_ms: u64,
+    /// Cost weights tuned online from observed TTFT; absent: configured ones.
+    #[serde(default)]
+    pub weights: Option<TunedWeights>,
     pub regions: Vec<RegionState>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct TunedWeights {
+    pub w_rtt: f64,
+    pub w_queue: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -46,6 +55,9 @@ pub struct RegionState {
     pub inflight_at_scrape: f64,
     /// Whether the last `/metrics` scrape succeeded.
     pub metrics_ok: bool,
+    /// Prefill rate refined from observed TTFT; absent: the configured one.
+    #[serde(default)]
+    pub prefill_ms_per_token: Option<f64>,
 }
 
 impl Snapshot {

@@ -132,3 +132,25 @@ impl SharedStore for HostStore {
 pub fn set_tick(period: Duration) -> Result<(), String> {
     hostcalls::set_tick_period(period).map_err(|s| format!("{s:?}"))
 }
+
+pub fn response_header(name: &str) -> Option<String> {
+    hostcalls::get_map_value(MapType::HttpResponseHeaders, name)
+        .ok()
+        .flatten()
+}
+
+pub fn register_queue(name: &str) -> Option<u32> {
+    hostcalls::register_shared_queue(name).ok()
+}
+
+pub fn resolve_queue(vm_id: &str, name: &str) -> Option<u32> {
+    hostcalls::resolve_shared_queue(vm_id, name).ok().flatten()
+}
+
+pub fn enqueue(queue: u32, value: &[u8]) {
+    let _ = hostcalls::enqueue_shared_queue(queue, Some(value));
+}
+
+pub fn dequeue(queue: u32) -> Option<Vec<u8>> {
+    hostcalls::dequeue_shared_queue(queue).ok().flatten()
+}

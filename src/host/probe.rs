@@ -15,12 +15,13 @@ use proxy_wasm::types::LogLevel;
 
 use super::calls::{self, log, HostStore, Metric};
 use super::guard::ARRIVALS;
-use super::router::rq_active_name;
+use super::router::{rq_active_name, OBSERVATIONS_QUEUE};
 use crate::config::Config;
 use crate::directory::SharedStore;
 use crate::fleet::{Fleet, HealthChange};
 use crate::metrics::parse_engine_metrics;
 use crate::snapshot::{Snapshot, SNAPSHOT_KEY};
+use crate::tuning::Observation;
 
 const LEASE_KEY: &str = "llm_geo_router.probe.lease";
 
@@ -39,6 +40,7 @@ struct RegionStats {
     probe_failures: Metric,
     scrape_failures: Metric,
     rq_active: Metric,
+    prefill_us_per_token: Metric,
 }
 
 pub struct Probe {
@@ -54,8 +56,15 @@ pub struct Probe {
     capacity_rps: Metric,
     callouts: Metric,
     snapshot_version: Metric,
+    observations: Metric,
+    w_rtt_milli: Metric,
+    w_queue_milli: Metric,
     metrics_warned: Vec<bool>,
+    queue: Option<u32>,
 }
+
+/// Observations drained per tick at most: a bound on the work one tick does.
+const MAX_OBSERVATIONS_PER_TICK: usize = 10_000;
 
 impl Probe {
     pub fn new(cfg: Rc<Config>, context_id: u32) -> Option<Probe> {
@@ -81,6 +90,7 @@ impl Probe {
                     probe_failures: Metric::counter(&m("health_probe_failure")),
                     scrape_failures: Metric::counter(&m("metrics_scrape_failure")),
                     rq_active: Metric::gauge(&rq_active_name(&r.name)),
+                    prefill_us_per_token: Metric::gauge(&m("prefill_us_per_token")),
                 }
             })
             .collect();
@@ -96,7 +106,15 @@ impl Probe {
             capacity_rps: Metric::gauge("llm_geo_router.ladder.capacity_rps"),
             callouts: Metric::counter("llm_geo_router.probe.callouts"),
             snapshot_version: Metric::gauge("llm_geo_router.probe.snapshot_version"),
+            observations: Metric::counter("llm_geo_router.tuning.observations"),
+            w_rtt_milli: Metric::gauge("llm_geo_router.tuning.w_rtt_milli"),
+            w_queue_milli: Metric::gauge("llm_geo_router.tuning.w_queue_milli"),
             metrics_warned: vec![false; cfg.regions.len()],
+            queue: if cfg.tuning.enabled {
+                calls::register_queue(OBSERVATIONS_QUEUE)
+            } else {
+                None
+            },
             cfg,
         })
     }
@@ -135,6 +153,7 @@ impl Probe {
         self.pending
             .retain(|_, (_, _, sent)| now.saturating_sub(*sent) <= 2 * timeout_ms + 1000);
         self.fleet.on_arrivals(&self.cfg, self.arrivals.get(), now);
+        self.drain_observations();
         let cfg = self.cfg.clone();
         for (i, r) in cfg.regions.iter().enumerate() {
             let authority = cfg.region_authority(i).unwrap_or(&r.cluster);
@@ -241,6 +260,21 @@ impl Probe {
         }
     }
 
+    fn drain_observations(&mut self) {
+        let Some(q) = self.queue else {
+            return;
+        };
+        for _ in 0..MAX_OBSERVATIONS_PER_TICK {
+            let Some(bytes) = calls::dequeue(q) else {
+                break;
+            };
+            if let Some(o) = Observation::decode(&bytes) {
+                self.fleet.on_observation(&self.cfg, o);
+                self.observations.add(1);
+            }
+        }
+    }
+
     /// Feed one health result; true when the region's health changed.
     fn health(&mut self, region: usize, rtt: Option<f64>) -> bool {
         if rtt.is_none() {
@@ -294,6 +328,13 @@ impl Probe {
         self.demand_rps.set(snap.demand_rps.round() as u64);
         self.capacity_rps.set(snap.capacity_rps.round() as u64);
         self.snapshot_version.set(snap.version);
+        let w = snap
+            .weights
+            .map_or((self.cfg.cost.w_rtt, self.cfg.cost.w_queue), |w| {
+                (w.w_rtt, w.w_queue)
+            });
+        self.w_rtt_milli.set((w.0 * 1000.0).round() as u64);
+        self.w_queue_milli.set((w.1 * 1000.0).round() as u64);
         for (stats, r) in self.regions.iter().zip(&snap.regions) {
             stats.healthy.set(u64::from(r.healthy));
             stats.rtt_ms.set(r.rtt_ms.map_or(0, |v| v.round() as u64));
@@ -302,6 +343,19 @@ impl Probe {
             stats
                 .kv_usage_pct
                 .set(r.kv_usage.map_or(0, |v| (v * 100.0).round() as u64));
+            let rate = r
+                .prefill_ms_per_token
+                .unwrap_or(cfg_rate(&self.cfg, &r.name));
+            stats
+                .prefill_us_per_token
+                .set((rate * 1000.0).round() as u64);
         }
     }
+}
+
+fn cfg_rate(cfg: &Config, region: &str) -> f64 {
+    cfg.regions
+        .iter()
+        .find(|r| r.name == region)
+        .map_or(0.0, |r| r.prefill_ms_per_token)
 }

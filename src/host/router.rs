@@ -2,8 +2,12 @@
 //! core for the region with the lowest expected TTFT, sets the cluster
 //! header and clears the route cache. Everything else goes to the default
 //! region untouched. A client-sent cluster header is always removed.
+//!
+//! For streamed requests it measures the TTFT it can see (request routed →
+//! first response body byte) and reports it with the predicted cost terms to
+//! the probe over a shared queue, which tunes the cost model.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 use proxy_wasm::traits::{Context, HttpContext};
@@ -12,11 +16,16 @@ use proxy_wasm::types::Action;
 use super::calls::{self, HostStore, Metric};
 use super::view::View;
 use crate::config::{Config, InvalidRequests};
-use crate::cost::{self, Decision, Reason};
+use crate::cost::{self, Decision, Reason, Weights};
 use crate::directory::{layout_of, Directory};
 use crate::openai;
 use crate::prefix::PromptHasher;
 use crate::request::{self, Endpoint, RequestError};
+use crate::session::Sessions;
+use crate::tuning::Observation;
+
+/// Shared queue that carries TTFT observations to the probe.
+pub const OBSERVATIONS_QUEUE: &str = "llm_geo_router.observations";
 
 struct Stats {
     /// Per region: requests in flight from this Envoy (one stat shared by
@@ -28,13 +37,17 @@ struct Stats {
     decisions: Vec<Metric>,
     invalid: Metric,
     passthrough: Metric,
+    residency_rejected: Metric,
 }
 
 pub struct RouterShared {
     cfg: Rc<Config>,
     dir: Directory,
+    sessions: Sessions,
     view: RefCell<View>,
     stats: Stats,
+    vm_id: String,
+    queue: Cell<Option<u32>>,
 }
 
 /// Name of the per-region in-flight gauge; the probe reads the same stat.
@@ -57,24 +70,56 @@ impl RouterShared {
                 .collect(),
             decisions: Reason::ALL
                 .iter()
-                .map(|r| Metric::counter(&format!("llm_geo_router.router.decision.{}", r.as_str())))
+                .map(|r| {
+                    Metric::counter(&format!("llm_geo_router.router.decision.{}", r.stat_name()))
+                })
                 .collect(),
             invalid: Metric::counter("llm_geo_router.router.invalid_request"),
             passthrough: Metric::counter("llm_geo_router.router.passthrough"),
+            residency_rejected: Metric::counter("llm_geo_router.router.residency_rejected"),
         };
+        let layout = layout_of(cfg.regions.iter().map(|r| r.name.as_str()));
+        let ttl_ms = u64::from(cfg.directory.ttl_s) * 1000;
         let dir = Directory {
             slots: cfg.directory.slots,
-            ttl_ms: u64::from(cfg.directory.ttl_s) * 1000,
+            ttl_ms,
             regions: cfg.regions.len(),
-            layout: layout_of(cfg.regions.iter().map(|r| r.name.as_str())),
+            layout,
         };
+        let sessions = Sessions {
+            slots: cfg.directory.slots,
+            ttl_ms,
+            layout,
+            seed: cfg.prefix.hash_seed,
+        };
+        let vm_id = calls::property(&["plugin_vm_id"])
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default();
         RouterShared {
             cfg,
             dir,
+            sessions,
             view: View::new(),
             stats,
+            vm_id,
+            queue: Cell::new(None),
         }
     }
+
+    /// The probe's observation queue, once the probe has registered it.
+    fn queue(&self) -> Option<u32> {
+        if self.queue.get().is_none() && self.cfg.tuning.enabled {
+            self.queue
+                .set(calls::resolve_queue(&self.vm_id, OBSERVATIONS_QUEUE));
+        }
+        self.queue.get()
+    }
+}
+
+/// What to report about a streamed request once its first byte arrives.
+struct Pending {
+    routed_ms: u64,
+    observation: Observation,
 }
 
 pub struct RouterFilter {
@@ -82,6 +127,7 @@ pub struct RouterFilter {
     endpoint: Option<Endpoint>,
     routed: Option<usize>,
     decision_header: Option<String>,
+    pending: Option<Pending>,
 }
 
 impl RouterFilter {
@@ -91,6 +137,7 @@ impl RouterFilter {
             endpoint: None,
             routed: None,
             decision_header: None,
+            pending: None,
         }
     }
 
@@ -127,6 +174,12 @@ impl RouterFilter {
         }
     }
 
+    fn reject(&self, code: &str, message: &str, param: Option<&str>) -> Action {
+        let body = openai::error_body(message, "invalid_request_error", param, Some(code));
+        calls::send_response(400, &[("content-type", "application/json")], &body);
+        Action::Pause
+    }
+
     /// An invalid inference request: reject with 400, or pass it through to
     /// the default region, as configured.
     fn invalid(&mut self, e: &RequestError) -> Action {
@@ -135,14 +188,7 @@ impl RouterFilter {
             self.route_default();
             return Action::Continue;
         }
-        let body = openai::error_body(
-            &e.message,
-            "invalid_request_error",
-            e.param,
-            Some("invalid_request"),
-        );
-        calls::send_response(400, &[("content-type", "application/json")], &body);
-        Action::Pause
+        self.reject("invalid_request", &e.message, e.param)
     }
 
     fn route(&mut self, body: &[u8]) -> Action {
@@ -152,6 +198,29 @@ impl RouterFilter {
         };
         let shared = self.shared.clone();
         let cfg = &shared.cfg;
+        // The residency pin is a hard constraint: an unknown value is refused
+        // rather than routed somewhere it may not go.
+        let allowed = match cfg
+            .residency
+            .header
+            .as_deref()
+            .and_then(calls::request_header)
+        {
+            None => None,
+            Some(value) => match cfg.residency_mask(&value) {
+                Some(mask) => Some(mask),
+                None => {
+                    shared.stats.residency_rejected.add(1);
+                    let known: Vec<&str> =
+                        cfg.residency.allowed.keys().map(String::as_str).collect();
+                    let msg = format!(
+                        "unknown data residency {value:?}; known: {}",
+                        known.join(", ")
+                    );
+                    return self.reject("invalid_residency", &msg, None);
+                }
+            },
+        };
         let hasher = PromptHasher::new(cfg.prefix.block_bytes, cfg.prefix.hash_seed);
         let req = match request::parse(endpoint, body, hasher) {
             Ok(r) => r,
@@ -167,21 +236,33 @@ impl RouterFilter {
             .iter()
             .map(|m| m.get() as f64)
             .collect();
-        // Short prompts have no full block: the session key (header, else
-        // `user`) keeps a conversation's first turns together.
-        let first_block = req.prompt.first_block.or_else(|| {
-            calls::request_header(&cfg.headers.session)
-                .or_else(|| req.user.clone())
-                .map(|s| xxhash_rust::xxh3::xxh3_64_with_seed(s.as_bytes(), cfg.prefix.hash_seed))
-        });
+        let session_key = calls::request_header(&cfg.headers.session).or_else(|| req.user.clone());
+        let session = session_key
+            .as_deref()
+            .map(|k| shared.sessions.lookup(&mut store, k, now));
+        // Short prompts have no full block: the session key keeps a
+        // conversation's first turns together.
+        let first_block = req.prompt.first_block.or(session.map(|s| s.hash));
+        let snapshot = fresh.as_ref().map(|(s, _)| s.as_ref());
+        let weights = snapshot.and_then(|s| s.weights).map_or_else(
+            || Weights::configured(cfg),
+            |w| Weights {
+                w_rtt: w.w_rtt,
+                w_queue: w.w_queue,
+            },
+        );
+        let prompt_tokens = req.prompt_tokens(cfg.prefix.bytes_per_token);
         let decision = cost::decide(&cost::Inputs {
             config: cfg,
-            snapshot: fresh.as_ref().map(|(s, _)| s.as_ref()),
+            snapshot,
             snapshot_index: fresh.as_ref().map_or(&[][..], |(_, i)| i.as_slice()),
             cached_blocks: &lookup.cached_blocks,
             inflight: &inflight,
-            prompt_tokens: req.prompt_tokens(cfg.prefix.bytes_per_token),
+            prompt_tokens,
             first_block,
+            allowed: allowed.as_deref(),
+            session_region: session.and_then(|s| s.last).map(|(r, _)| r),
+            weights,
         });
         shared.dir.record(
             &mut store,
@@ -190,6 +271,9 @@ impl RouterFilter {
             decision.region,
             now,
         );
+        if let Some(s) = session {
+            shared.sessions.record(&mut store, s, decision.region, now);
+        }
         if let Some(m) = Reason::ALL
             .iter()
             .position(|r| *r == decision.reason)
@@ -198,15 +282,33 @@ impl RouterFilter {
             m.add(1);
         }
         if cfg.headers.decision.is_some() {
-            self.decision_header = Some(describe(
-                cfg,
-                &decision,
-                fresh.as_ref().map_or(0, |(s, _)| s.level),
-            ));
+            self.decision_header = Some(describe(cfg, &decision, snapshot.map_or(0, |s| s.level)));
+        }
+        if req.stream && decision.reason != Reason::Fallback {
+            self.pending =
+                observation(&decision, weights, prompt_tokens).map(|observation| Pending {
+                    routed_ms: now,
+                    observation,
+                });
         }
         self.set_region(decision.region, true);
         Action::Continue
     }
+}
+
+/// The unweighted terms the decision predicted for the chosen region.
+fn observation(d: &Decision, w: Weights, prompt_tokens: u64) -> Option<Observation> {
+    let c = d.costs.get(d.region)?;
+    let unweight = |v: f64, weight: f64| if weight > 0.0 { v / weight } else { 0.0 };
+    Some(Observation {
+        region: u16::try_from(d.region).ok()?,
+        rtt_ms: unweight(c.rtt_ms, w.w_rtt) as f32,
+        queue_ms: unweight(c.queue_ms, w.w_queue) as f32,
+        uncached_tokens: u32::try_from(prompt_tokens.saturating_sub(c.cached_tokens))
+            .unwrap_or(u32::MAX),
+        prefill_ms: c.prefill_ms as f32,
+        observed_ms: 0.0,
+    })
 }
 
 fn describe(cfg: &Config, d: &Decision, level: u8) -> String {
@@ -274,6 +376,24 @@ impl HttpContext for RouterFilter {
             (&self.shared.cfg.headers.decision, &self.decision_header)
         {
             calls::add_response_header(name, value);
+        }
+        // Only a successful stream's first byte is a time to first token.
+        let ok = calls::response_header(":status").is_some_and(|s| s.starts_with('2'));
+        if !ok {
+            self.pending = None;
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+        if body_size > 0 {
+            if let Some(p) = self.pending.take() {
+                let mut o = p.observation;
+                o.observed_ms = calls::now_ms().saturating_sub(p.routed_ms) as f32;
+                if let Some(q) = self.shared.queue() {
+                    calls::enqueue(q, &o.encode());
+                }
+            }
         }
         Action::Continue
     }

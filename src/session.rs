@@ -1,0 +1,116 @@
+//! Session affinity records: which region served a session's previous
+//! request. A soft signal for the cost (the region that served the last turn
+//! also caches that turn's output, which the prefix directory cannot know).
+//! Stored in shared data like the directory: fixed slots
+//! (`llm_geo_router.session.<slot>`, the directory's slot count), a TTL, the
+//! newest session winning a slot; the key is a seeded hash, never the
+//! session id itself.
+
+use crate::directory::SharedStore;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+pub const KEY_PREFIX: &str = "llm_geo_router.session.";
+
+#[derive(Debug, Clone, Copy)]
+pub struct Sessions {
+    pub slots: u32,
+    pub ttl_ms: u64,
+    pub layout: u32,
+    pub seed: u64,
+}
+
+/// A looked-up session: its hash, and the region and time of its last
+/// request if known and fresh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionEntry {
+    pub hash: u64,
+    pub last: Option<(usize, u64)>,
+}
+
+impl Sessions {
+    fn key(&self, hash: u64) -> String {
+        format!("{KEY_PREFIX}{}", hash % u64::from(self.slots.max(1)))
+    }
+
+    fn encode(&self, hash: u64, region: usize, now_ms: u64) -> Vec<u8> {
+        let mut v = Vec::with_capacity(24);
+        v.extend_from_slice(&self.layout.to_le_bytes());
+        v.extend_from_slice(&hash.to_le_bytes());
+        v.extend_from_slice(&(region as u32).to_le_bytes());
+        v.extend_from_slice(&now_ms.to_le_bytes());
+        v
+    }
+
+    fn decode(&self, v: &[u8]) -> Option<(u64, usize, u64)> {
+        if v.len() != 24 || u32::from_le_bytes(v.get(0..4)?.try_into().ok()?) != self.layout {
+            return None;
+        }
+        let hash = u64::from_le_bytes(v.get(4..12)?.try_into().ok()?);
+        let region = u32::from_le_bytes(v.get(12..16)?.try_into().ok()?) as usize;
+        let ts = u64::from_le_bytes(v.get(16..24)?.try_into().ok()?);
+        Some((hash, region, ts))
+    }
+
+    /// One shared-data read.
+    pub fn lookup(&self, store: &mut dyn SharedStore, session: &str, now_ms: u64) -> SessionEntry {
+        let hash = xxh3_64_with_seed(session.as_bytes(), self.seed);
+        let last = store
+            .get(&self.key(hash))
+            .ok()
+            .flatten()
+            .and_then(|(v, _)| self.decode(&v))
+            .filter(|(h, _, ts)| *h == hash && now_ms.saturating_sub(*ts) < self.ttl_ms)
+            .map(|(_, r, ts)| (r, ts));
+        SessionEntry { hash, last }
+    }
+
+    /// Record the region that now serves the session; skipped (no call) when
+    /// the record already says so and is younger than half the TTL.
+    pub fn record(
+        &self,
+        store: &mut dyn SharedStore,
+        entry: SessionEntry,
+        region: usize,
+        now_ms: u64,
+    ) -> u32 {
+        if let Some((r, ts)) = entry.last {
+            if r == region && now_ms.saturating_sub(ts) < self.ttl_ms / 2 {
+                return 0;
+            }
+        }
+        let _ = store.set(
+            &self.key(entry.hash),
+            &self.encode(entry.hash, region, now_ms),
+            None,
+        );
+        1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::directory::MemoryStore;
+
+    #[test]
+    fn remembers_the_last_region_within_the_ttl() {
+        let s = Sessions {
+            slots: 128,
+            ttl_ms: 10_000,
+            layout: 1,
+            seed: 3,
+        };
+        let mut m = MemoryStore::default();
+        let e = s.lookup(&mut m, "conv-1", 1000);
+        assert_eq!(e.last, None);
+        assert_eq!(s.record(&mut m, e, 2, 1000), 1);
+        let e = s.lookup(&mut m, "conv-1", 2000);
+        assert_eq!(e.last, Some((2, 1000)));
+        // Same region, fresh: no write.
+        assert_eq!(s.record(&mut m, e, 2, 2000), 0);
+        assert_eq!(s.lookup(&mut m, "conv-1", 11_000).last, None);
+        assert_eq!(s.lookup(&mut m, "conv-2", 2000).last, None);
+        // The key is not the session id.
+        assert!(m.map.keys().all(|k| !k.contains("conv")));
+    }
+}

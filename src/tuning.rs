@@ -1,0 +1,407 @@
+//! Online tuning of the cost model from observed time-to-first-token.
+//!
+//! The router reports, for each streamed request, the cost terms it
+//! predicted and the TTFT it then observed (request sent → first response
+//! body byte). The probe keeps a rolling window of these and fits:
+//!
+//! * per region, the prefill rate (ms per uncached token), by least squares
+//!   on `observed − rtt − queue ≈ rate · uncached_tokens`, shrunk towards the
+//!   configured rate and kept within [¼×, 4×] of it;
+//! * the weights `w_rtt` and `w_queue`, by ridge regression of
+//!   `observed − prefill ≈ w_rtt · rtt + w_queue · queue` towards the
+//!   configured weights, within configured bounds.
+//!
+//! Why a calibration rather than GORGO's (1+1)-ES on p95: the weights are
+//! physical (a round trip is one round trip), so a model that predicts TTFT
+//! correctly also ranks regions correctly; a regression uses every
+//! observation instead of judging one noisy candidate per window, and it
+//! cannot drift without evidence. The queue weight's lower bound is what
+//! stops the known collapse: a window without queueing carries no evidence
+//! about `w_queue` (its column is zero), so the ridge keeps it at its prior,
+//! and no fit can take it below `w_queue_min`.
+
+use serde::Deserialize;
+
+/// One observation, as the router sends it over the shared queue.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Observation {
+    pub region: u16,
+    /// Unweighted terms as predicted at routing time.
+    pub rtt_ms: f32,
+    pub queue_ms: f32,
+    pub uncached_tokens: u32,
+    pub prefill_ms: f32,
+    pub observed_ms: f32,
+}
+
+impl Observation {
+    pub const BYTES: usize = 22;
+
+    pub fn encode(&self) -> [u8; Self::BYTES] {
+        let mut b = [0u8; Self::BYTES];
+        let parts: [&[u8]; 6] = [
+            &self.region.to_le_bytes(),
+            &self.rtt_ms.to_le_bytes(),
+            &self.queue_ms.to_le_bytes(),
+            &self.uncached_tokens.to_le_bytes(),
+            &self.prefill_ms.to_le_bytes(),
+            &self.observed_ms.to_le_bytes(),
+        ];
+        let mut at = 0;
+        for p in parts {
+            if let Some(dst) = b.get_mut(at..at + p.len()) {
+                dst.copy_from_slice(p);
+            }
+            at += p.len();
+        }
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Option<Observation> {
+        if b.len() != Self::BYTES {
+            return None;
+        }
+        let f = |at: usize| -> Option<f32> {
+            Some(f32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
+        };
+        let o = Observation {
+            region: u16::from_le_bytes(b.get(0..2)?.try_into().ok()?),
+            rtt_ms: f(2)?,
+            queue_ms: f(6)?,
+            uncached_tokens: u32::from_le_bytes(b.get(10..14)?.try_into().ok()?),
+            prefill_ms: f(14)?,
+            observed_ms: f(18)?,
+        };
+        let sane = |v: f32| v.is_finite() && (0.0..1.0e7).contains(&v);
+        (sane(o.rtt_ms) && sane(o.queue_ms) && sane(o.prefill_ms) && sane(o.observed_ms))
+            .then_some(o)
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TuningConfig {
+    /// Turn online tuning on or off (off: the configured weights and rates
+    /// are used as they are).
+    pub enabled: bool,
+    /// Observations kept (the rolling window).
+    pub window: u32,
+    /// Observations needed before anything is fitted.
+    pub min_samples: u32,
+    /// Bounds on the tuned weights. `w_queue_min` > 0 is what prevents the
+    /// queue weight from collapsing.
+    pub w_rtt_min: f64,
+    pub w_rtt_max: f64,
+    pub w_queue_min: f64,
+    pub w_queue_max: f64,
+}
+
+impl Default for TuningConfig {
+    fn default() -> Self {
+        TuningConfig {
+            enabled: true,
+            window: 512,
+            min_samples: 32,
+            w_rtt_min: 0.5,
+            w_rtt_max: 2.0,
+            w_queue_min: 0.5,
+            w_queue_max: 4.0,
+        }
+    }
+}
+
+impl TuningConfig {
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        let e = |f: &str, r: String| Err((format!("tuning.{f}"), r));
+        if !(16..=65536).contains(&self.window) {
+            return e(
+                "window",
+                format!("{} must be within 16..=65536", self.window),
+            );
+        }
+        if self.min_samples == 0 || self.min_samples > self.window {
+            return e(
+                "min_samples",
+                format!("{} must be within 1..=tuning.window", self.min_samples),
+            );
+        }
+        for (f, lo, hi) in [
+            ("w_rtt_min", self.w_rtt_min, self.w_rtt_max),
+            ("w_queue_min", self.w_queue_min, self.w_queue_max),
+        ] {
+            if !(lo.is_finite() && hi.is_finite() && lo > 0.0 && hi >= lo) {
+                return e(
+                    f,
+                    format!("[{lo}, {hi}] must be finite with 0 < min <= max"),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The rolling window and the fitted values.
+#[derive(Debug, Clone)]
+pub struct Tuner {
+    window: Vec<Observation>,
+    next: usize,
+    cap: usize,
+}
+
+/// What a fit produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fit {
+    pub w_rtt: f64,
+    pub w_queue: f64,
+    /// Per region; `None` where there was too little evidence.
+    pub prefill_ms_per_token: Vec<Option<f64>>,
+    pub samples: usize,
+}
+
+/// Observations of a region needed before its prefill rate is refined.
+const MIN_REGION_SAMPLES: usize = 8;
+/// Prompts with fewer uncached tokens say little about the prefill rate.
+const MIN_UNCACHED_TOKENS: u32 = 64;
+
+impl Tuner {
+    pub fn new(cfg: &TuningConfig) -> Self {
+        let cap = cfg.window.max(1) as usize;
+        Tuner {
+            window: Vec::with_capacity(cap),
+            next: 0,
+            cap,
+        }
+    }
+
+    pub fn push(&mut self, o: Observation) {
+        if self.window.len() < self.cap {
+            self.window.push(o);
+        } else if let Some(slot) = self.window.get_mut(self.next) {
+            *slot = o;
+        }
+        self.next = (self.next + 1) % self.cap;
+    }
+
+    pub fn len(&self) -> usize {
+        self.window.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.window.is_empty()
+    }
+
+    /// Fit weights and per-region prefill rates. `configured` gives, per
+    /// region, the configured prefill rate; `prior` the configured weights.
+    /// The two fits depend on each other, so they alternate a few rounds
+    /// (coordinate descent), starting from the prior.
+    pub fn fit(&self, cfg: &TuningConfig, prior: (f64, f64), configured: &[f64]) -> Option<Fit> {
+        if self.window.len() < cfg.min_samples as usize {
+            return None;
+        }
+        let mut weights = prior;
+        let mut prefill: Vec<Option<f64>> = vec![None; configured.len()];
+        for _ in 0..4 {
+            prefill = configured
+                .iter()
+                .enumerate()
+                .map(|(r, &rate0)| self.fit_prefill(r, rate0, weights))
+                .collect();
+            weights = self.fit_weights(cfg, prior, configured, &prefill)?;
+        }
+        Some(Fit {
+            w_rtt: weights.0,
+            w_queue: weights.1,
+            prefill_ms_per_token: prefill,
+            samples: self.window.len(),
+        })
+    }
+
+    /// Ridge regression of `observed − prefill` on (rtt, queue), with the
+    /// prior weights as the ridge centre; the ridge counts as one virtual
+    /// observation per 16 real ones at the typical scale.
+    fn fit_weights(
+        &self,
+        cfg: &TuningConfig,
+        prior: (f64, f64),
+        configured: &[f64],
+        prefill: &[Option<f64>],
+    ) -> Option<(f64, f64)> {
+        let rate = |r: u16| {
+            prefill
+                .get(usize::from(r))
+                .copied()
+                .flatten()
+                .or_else(|| configured.get(usize::from(r)).copied())
+                .unwrap_or(0.0)
+        };
+        let (mut sxx, mut sxz, mut szz, mut sxy, mut szy) = (0.0, 0.0, 0.0, 0.0, 0.0);
+        for o in &self.window {
+            let x = f64::from(o.rtt_ms);
+            let z = f64::from(o.queue_ms);
+            let y = f64::from(o.observed_ms) - rate(o.region) * f64::from(o.uncached_tokens);
+            sxx += x * x;
+            sxz += x * z;
+            szz += z * z;
+            sxy += x * y;
+            szy += z * y;
+        }
+        let n = self.window.len() as f64;
+        let scale = ((sxx + szz) / n).max(1.0);
+        let lambda = scale * (n / 16.0).max(1.0) / 16.0;
+        let (a0, b0) = prior;
+        // Solve [[sxx+λ, sxz], [sxz, szz+λ]] · [a, b] = [sxy+λa0, szy+λb0].
+        let (m11, m12, m22) = (sxx + lambda, sxz, szz + lambda);
+        let (r1, r2) = (sxy + lambda * a0, szy + lambda * b0);
+        let det = m11 * m22 - m12 * m12;
+        if !det.is_finite() || det.abs() < 1e-12 {
+            return None;
+        }
+        let a = (r1 * m22 - m12 * r2) / det;
+        let b = (m11 * r2 - m12 * r1) / det;
+        if !(a.is_finite() && b.is_finite()) {
+            return None;
+        }
+        Some((
+            a.clamp(cfg.w_rtt_min, cfg.w_rtt_max),
+            b.clamp(cfg.w_queue_min, cfg.w_queue_max),
+        ))
+    }
+
+    fn fit_prefill(&self, region: usize, rate0: f64, (w_rtt, w_queue): (f64, f64)) -> Option<f64> {
+        let (mut suy, mut suu, mut n) = (0.0, 0.0, 0usize);
+        for o in self
+            .window
+            .iter()
+            .filter(|o| usize::from(o.region) == region)
+        {
+            if o.uncached_tokens < MIN_UNCACHED_TOKENS {
+                continue;
+            }
+            let u = f64::from(o.uncached_tokens);
+            let y = (f64::from(o.observed_ms)
+                - w_rtt * f64::from(o.rtt_ms)
+                - w_queue * f64::from(o.queue_ms))
+            .max(0.0);
+            suy += u * y;
+            suu += u * u;
+            n += 1;
+        }
+        if n < MIN_REGION_SAMPLES || suu <= 0.0 {
+            return None;
+        }
+        // Shrink towards the configured rate as if it were 8 observations.
+        let typical = suu / n as f64;
+        let prior = 8.0 * typical;
+        let rate = (suy + prior * rate0) / (suu + prior);
+        let (lo, hi) = if rate0 > 0.0 {
+            (rate0 / 4.0, rate0 * 4.0)
+        } else {
+            (0.0, 10.0)
+        };
+        rate.is_finite().then(|| rate.clamp(lo, hi))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obs(
+        region: u16,
+        rtt: f32,
+        queue: f32,
+        uncached: u32,
+        rate: f32,
+        w_queue_true: f32,
+    ) -> Observation {
+        Observation {
+            region,
+            rtt_ms: rtt,
+            queue_ms: queue,
+            uncached_tokens: uncached,
+            prefill_ms: 0.1 * uncached as f32,
+            observed_ms: rtt + rate * uncached as f32 + w_queue_true * queue,
+        }
+    }
+
+    #[test]
+    fn encoding_round_trips_and_rejects_garbage() {
+        let o = obs(3, 40.0, 12.5, 900, 0.2, 1.0);
+        assert_eq!(Observation::decode(&o.encode()), Some(o));
+        assert_eq!(Observation::decode(&[0; 5]), None);
+        let mut bad = o;
+        bad.observed_ms = f32::NAN;
+        assert_eq!(Observation::decode(&bad.encode()), None);
+    }
+
+    #[test]
+    fn learns_the_true_prefill_rate_and_queue_weight() {
+        let cfg = TuningConfig::default();
+        let mut t = Tuner::new(&cfg);
+        let mut x = 1u32;
+        for i in 0..400u32 {
+            x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+            let region = (i % 2) as u16;
+            let uncached = 100 + (x >> 8) % 3000;
+            let queue = ((x >> 4) % 400) as f32;
+            let rtt = if region == 0 { 5.0 } else { 40.0 };
+            // Real prefill 0.3 ms/token in region 0, 0.1 in region 1; queue weighs 2x.
+            let rate = if region == 0 { 0.3 } else { 0.1 };
+            t.push(obs(region, rtt, queue, uncached, rate, 2.0));
+        }
+        let fit = t.fit(&cfg, (1.0, 1.0), &[0.1, 0.1]).unwrap();
+        let r0 = fit.prefill_ms_per_token[0].unwrap();
+        let r1 = fit.prefill_ms_per_token[1].unwrap();
+        assert!((r0 - 0.3).abs() < 0.05, "{r0}");
+        assert!((r1 - 0.1).abs() < 0.02, "{r1}");
+        assert!(fit.w_queue > 1.5, "{}", fit.w_queue);
+        assert!((fit.w_rtt - 1.0).abs() < 0.5, "{}", fit.w_rtt);
+    }
+
+    #[test]
+    fn queue_weight_cannot_collapse() {
+        let cfg = TuningConfig::default();
+        let mut t = Tuner::new(&cfg);
+        // A window with no queueing at all, and one where queueing never hurt.
+        for i in 0..200u32 {
+            t.push(obs(0, 5.0, 0.0, 500 + i, 0.1, 0.0));
+        }
+        let fit = t.fit(&cfg, (1.0, 1.0), &[0.1]).unwrap();
+        assert!(
+            (fit.w_queue - 1.0).abs() < 1e-9,
+            "no evidence: prior kept, got {}",
+            fit.w_queue
+        );
+        let mut t = Tuner::new(&cfg);
+        for i in 0..200u32 {
+            t.push(obs(0, 5.0, 50.0 + i as f32, 500, 0.1, 0.0));
+        }
+        let fit = t.fit(&cfg, (1.0, 1.0), &[0.1]).unwrap();
+        assert!(fit.w_queue >= cfg.w_queue_min, "{}", fit.w_queue);
+    }
+
+    #[test]
+    fn too_few_samples_fit_nothing_and_the_window_rolls() {
+        let cfg = TuningConfig {
+            window: 16,
+            min_samples: 10,
+            ..TuningConfig::default()
+        };
+        let mut t = Tuner::new(&cfg);
+        for _ in 0..9 {
+            t.push(obs(0, 5.0, 0.0, 500, 0.1, 1.0));
+        }
+        assert!(t.fit(&cfg, (1.0, 1.0), &[0.1]).is_none());
+        for _ in 0..100 {
+            t.push(obs(0, 5.0, 0.0, 500, 0.1, 1.0));
+        }
+        assert_eq!(t.len(), 16);
+        assert!(cfg.validate().is_ok());
+        assert!(TuningConfig {
+            w_queue_min: 0.0,
+            ..cfg.clone()
+        }
+        .validate()
+        .is_err());
+    }
+}
