@@ -14,6 +14,7 @@ pub mod fleet;
 pub mod guard;
 pub mod ladder;
 pub mod metrics;
+pub mod migration;
 pub mod openai;
 pub mod prefix;
 pub mod request;
