@@ -70,6 +70,8 @@ pub struct Config {
     pub residency: ResidencyConfig,
     #[serde(default)]
     pub tuning: crate::tuning::TuningConfig,
+    #[serde(default)]
+    pub migration: MigrationConfig,
     /// What to do with a request to an inference path whose body is not a
     /// valid request: `reject` (400, OpenAI error JSON) or `pass_through`
     /// (send it untouched to the default region and let the engine answer).
@@ -243,6 +245,60 @@ impl Default for CostConfig {
             session_slack_ms: 25.0,
         }
     }
+}
+
+/// Session migration: when a request goes to a region other than the one
+/// holding its prefix, whether that region should fetch the cached KV from
+/// the holder or recompute it, told to the engine in a request header.
+/// Moving only the request (redirect) stays the default: without this
+/// section nothing is added.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct MigrationConfig {
+    pub enabled: bool,
+    /// Request header the engine reads: `fetch; from=<region>; tokens=<n>`
+    /// or `recompute; tokens=<n>`. A client-sent value is always removed.
+    pub header: String,
+    /// The served model's KV geometry and compute (required when enabled).
+    pub model: Option<crate::migration::KvModel>,
+    /// Inter-region bandwidth for KV transfer, Gbit/s, unless a link says otherwise.
+    pub bandwidth_gbps: f64,
+    /// Per pair of regions: measured RTT and bandwidth between them.
+    pub links: Vec<Link>,
+    /// Utilisation of the fetch path (0..1), for its M/M/1 wait.
+    pub fetch_path_utilization: f64,
+    /// Requests per second either queue drains (the seed's service rate).
+    pub service_rate_per_s: f64,
+    /// Prefixes shorter than this many tokens are not worth a decision.
+    pub min_prefix_tokens: u64,
+}
+
+impl Default for MigrationConfig {
+    fn default() -> Self {
+        MigrationConfig {
+            enabled: false,
+            header: "x-llm-kv-action".into(),
+            model: None,
+            bandwidth_gbps: 10.0,
+            links: Vec::new(),
+            fetch_path_utilization: 0.0,
+            service_rate_per_s: 20.0,
+            min_prefix_tokens: 256,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Link {
+    pub from: String,
+    pub to: String,
+    /// Round trip between the two regions, ms. Absent: the sum of their
+    /// RTTs from this proxy (an upper bound).
+    #[serde(default)]
+    pub rtt_ms: Option<f64>,
+    #[serde(default)]
+    pub bandwidth_gbps: Option<f64>,
 }
 
 /// Data residency: a request header whose value names an allow-listed set of
@@ -546,6 +602,7 @@ impl Config {
         self.tuning
             .validate()
             .map_err(|(f, r)| ConfigError::new(f, r))?;
+        self.validate_migration()?;
         let p = &self.probe;
         if p.tick_ms < 50 {
             return Err(ConfigError::new("probe.tick_ms", "must be at least 50"));
@@ -650,6 +707,54 @@ impl Config {
                 "ladder.retry_after_s",
                 format!("[{lo}, {hi}] must be [min, max] with 1 <= min <= max"),
             ));
+        }
+        Ok(())
+    }
+
+    fn validate_migration(&self) -> Result<(), ConfigError> {
+        let m = &self.migration;
+        if !valid_header_name(&m.header) {
+            return Err(ConfigError::new(
+                "migration.header",
+                format!("{:?} is not a lowercase HTTP header name", m.header),
+            ));
+        }
+        match &m.model {
+            Some(model) => model
+                .validate()
+                .map_err(|e| ConfigError::new("migration.model", e))?,
+            None if m.enabled => {
+                return Err(ConfigError::new(
+                    "migration.model",
+                    "is required when migration.enabled is true",
+                ))
+            }
+            None => {}
+        }
+        positive("migration.bandwidth_gbps", m.bandwidth_gbps)?;
+        let u = m.fetch_path_utilization;
+        if !(u.is_finite() && (0.0..1.0).contains(&u)) {
+            return Err(ConfigError::new(
+                "migration.fetch_path_utilization",
+                format!("{u} must be within [0, 1)"),
+            ));
+        }
+        positive("migration.service_rate_per_s", m.service_rate_per_s)?;
+        for (i, l) in m.links.iter().enumerate() {
+            for (f, name) in [("from", &l.from), ("to", &l.to)] {
+                if !self.regions.iter().any(|r| &r.name == name) {
+                    return Err(ConfigError::new(
+                        format!("migration.links[{i}].{f}"),
+                        format!("{name:?} is not the name of a configured region"),
+                    ));
+                }
+            }
+            if let Some(v) = l.rtt_ms {
+                non_negative(&format!("migration.links[{i}].rtt_ms"), v)?;
+            }
+            if let Some(v) = l.bandwidth_gbps {
+                positive(&format!("migration.links[{i}].bandwidth_gbps"), v)?;
+            }
         }
         Ok(())
     }

@@ -76,7 +76,9 @@ pub struct Cost {
     pub cached_tokens: u64,
     /// Requests at the engine counting this Envoy's since the scrape.
     pub occupancy: f64,
-    /// Healthy (and allowed by the residency pin, if any).
+    /// Judged healthy by the probe (or not reported on).
+    pub healthy: bool,
+    /// Healthy and allowed by the residency pin, if any.
     pub candidate: bool,
     /// A candidate left out for being over its bounded-load share.
     pub over_bound: bool,
@@ -223,8 +225,12 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
                 .and_then(|s| s.prefill_ms_per_token)
                 .unwrap_or(region.prefill_ms_per_token);
             let inflight_now = inp.inflight.get(i).copied().unwrap_or(0.0);
+            // The engine's counts at the scrape plus what this Envoy sent (or
+            // saw finish) since; never less than this Envoy's own in-flight
+            // requests, which are all somewhere between here and the engine
+            // (a request in transit at the scrape is in neither count).
             let occupancy = state.map_or(inflight_now, |s| {
-                (s.waiting + s.running + inflight_now - s.inflight_at_scrape).max(0.0)
+                (s.waiting + s.running + inflight_now - s.inflight_at_scrape).max(inflight_now)
             });
             let cached_blocks = inp.cached_blocks.get(i).copied().unwrap_or(0);
             let cached_tokens =
@@ -240,6 +246,7 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
                 total_ms: rtt_ms + prefill_ms + queue,
                 cached_tokens,
                 occupancy,
+                healthy,
                 candidate: healthy,
                 over_bound: false,
             }

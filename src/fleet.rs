@@ -149,9 +149,13 @@ impl Fleet {
         self.ladder.level
     }
 
-    /// One controller step and a new snapshot. Returns the snapshot and
-    /// whether the ladder level changed.
+    /// One tick and a new snapshot (what the probe does once per tick).
     pub fn publish(&mut self, cfg: &Config, now_ms: u64) -> (Snapshot, bool) {
+        let changed = self.tick(cfg, now_ms);
+        (self.snapshot(cfg, now_ms), changed)
+    }
+
+    fn capacity_and_ratio(&self, cfg: &Config) -> (f64, f64, Option<f64>) {
         let capacity: f64 = cfg
             .regions
             .iter()
@@ -163,10 +167,17 @@ impl Fleet {
         // Below a hundredth of a request per second there is no demand to
         // speak of; the ratio is then "plenty" and the ladder recovers.
         let ratio = (demand > 0.01).then(|| capacity / demand);
+        (capacity, demand, ratio)
+    }
+
+    /// Once per tick: one ladder controller step (so the level moves at most
+    /// one rung per tick however often snapshots are published) and a refit
+    /// of the tuned cost model. Returns true when the level changed.
+    pub fn tick(&mut self, cfg: &Config, now_ms: u64) -> bool {
+        let (_, _, ratio) = self.capacity_and_ratio(cfg);
         let changed = self
             .ladder
             .step(&cfg.ladder, ratio.unwrap_or(f64::MAX), now_ms);
-        self.version += 1;
         if cfg.tuning.enabled {
             let configured: Vec<f64> = cfg.regions.iter().map(|r| r.prefill_ms_per_token).collect();
             if let Some(fit) =
@@ -176,6 +187,14 @@ impl Fleet {
                 self.fit = Some(fit);
             }
         }
+        changed
+    }
+
+    /// A new snapshot of the current state (after a tick, a health change or
+    /// fresh engine metrics).
+    pub fn snapshot(&mut self, cfg: &Config, now_ms: u64) -> Snapshot {
+        let (capacity, demand, ratio) = self.capacity_and_ratio(cfg);
+        self.version += 1;
         let fit = self.fit.as_ref();
         let regions = cfg
             .regions
@@ -201,7 +220,7 @@ impl Fleet {
                     .and_then(|f| f.prefill_ms_per_token.get(i).copied().flatten()),
             })
             .collect();
-        let snap = Snapshot {
+        Snapshot {
             version: self.version,
             generated_ms: now_ms,
             level: self.ladder.level,
@@ -214,8 +233,7 @@ impl Fleet {
                 w_queue: f.w_queue,
             }),
             regions,
-        };
-        (snap, changed)
+        }
     }
 }
 

@@ -114,6 +114,7 @@ def start_engine(name: str, run_dir: Path, delay_ms: float, mode: str = "vllm", 
         str(EMULATOR), "--listen", f"127.0.0.1:{port}", "--name", name, "--mode", mode,
         "--network-delay-ms", str(delay_ms), "--max-concurrency", "8", "--prefill-ms-per-token", "0.2",
         "--decode-ms-per-token", "1", "--echo-header", "x-llm-tier", "--echo-header", "x-llm-cluster",
+        "--echo-header", "x-llm-kv-action",
         *(extra or []),
     ]
     out = open(log_path, "w")

@@ -23,6 +23,9 @@ use crate::metrics::parse_engine_metrics;
 use crate::snapshot::{Snapshot, SNAPSHOT_KEY};
 use crate::tuning::Observation;
 
+/// `ladder.capacity_ratio_pct` is capped at 100x (10000 %).
+const RATIO_PCT_CAP: u64 = 10_000;
+
 const LEASE_KEY: &str = "llm_geo_router.probe.lease";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -194,7 +197,7 @@ impl Probe {
                 }
             }
         }
-        self.publish(now);
+        self.tick_and_publish(now);
     }
 
     pub fn on_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
@@ -242,6 +245,7 @@ impl Probe {
                             *w = false;
                         }
                         self.fleet.on_metrics(region, Some(sample), inflight);
+                        self.publish(now);
                     }
                     Err(e) => {
                         if let Some(s) = stats {
@@ -304,8 +308,10 @@ impl Probe {
         }
     }
 
-    fn publish(&mut self, now: u64) {
-        let (snap, level_changed) = self.fleet.publish(&self.cfg, now);
+    /// The once-per-tick step (ladder, tuning), then a publication.
+    fn tick_and_publish(&mut self, now: u64) {
+        let level_changed = self.fleet.tick(&self.cfg, now);
+        let snap = self.publish(now);
         if level_changed {
             log(
                 LogLevel::Warn,
@@ -315,16 +321,26 @@ impl Probe {
                 ),
             );
         }
+    }
+
+    /// Publish the current state: on every tick, on a health change, and on
+    /// each engine scrape, so queue depths reach the routers within one
+    /// callout rather than a tick later.
+    fn publish(&mut self, now: u64) -> Snapshot {
+        let snap = self.fleet.snapshot(&self.cfg, now);
         let _ = HostStore.set(SNAPSHOT_KEY, &snap.encode(), None);
         self.export(&snap);
+        snap
     }
 
     fn export(&self, snap: &Snapshot) {
         self.level.set(u64::from(snap.level));
-        self.ratio_pct.set(
-            snap.ratio
-                .map_or(0, |r| (r * 100.0).round().min(1e12) as u64),
-        );
+        // No demand: "plenty", shown as the cap (100x) rather than 0, which
+        // would read as no capacity.
+        let cap = RATIO_PCT_CAP as f64;
+        self.ratio_pct.set(snap.ratio.map_or(RATIO_PCT_CAP, |r| {
+            (r * 100.0).round().clamp(0.0, cap) as u64
+        }));
         self.demand_rps.set(snap.demand_rps.round() as u64);
         self.capacity_rps.set(snap.capacity_rps.round() as u64);
         self.snapshot_version.set(snap.version);

@@ -281,8 +281,26 @@ impl RouterFilter {
         {
             m.add(1);
         }
+        let kv = migration_for(
+            cfg,
+            &decision,
+            snapshot,
+            fresh.as_ref().map(|(_, i)| i.as_slice()),
+        );
+        if let Some(kv) = &kv {
+            let from = cfg.regions.get(kv.from).map_or("", |r| r.name.as_str());
+            calls::set_request_header(&cfg.migration.header, Some(&kv.header_value(from)));
+        }
         if cfg.headers.decision.is_some() {
-            self.decision_header = Some(describe(cfg, &decision, snapshot.map_or(0, |s| s.level)));
+            let mut text = describe(cfg, &decision, snapshot.map_or(0, |s| s.level));
+            if let Some(kv) = &kv {
+                let from = cfg.regions.get(kv.from).map_or("", |r| r.name.as_str());
+                text.push_str(&format!(
+                    "; kv_action={}",
+                    kv.header_value(from).replace("; ", ",")
+                ));
+            }
+            self.decision_header = Some(text);
         }
         if req.stream && decision.reason != Reason::Fallback {
             self.pending =
@@ -294,6 +312,39 @@ impl RouterFilter {
         self.set_region(decision.region, true);
         Action::Continue
     }
+}
+
+/// The fetch-or-recompute decision when the request leaves the region that
+/// holds its prefix (a pin, the load bound or the queue moved it).
+fn migration_for(
+    cfg: &Config,
+    d: &Decision,
+    snapshot: Option<&crate::snapshot::Snapshot>,
+    index: Option<&[Option<usize>]>,
+) -> Option<crate::migration::KvAction> {
+    if !cfg.migration.enabled {
+        return None;
+    }
+    let state = |i: usize| {
+        snapshot.and_then(|s| {
+            index
+                .and_then(|x| x.get(i).copied().flatten())
+                .and_then(|j| s.regions.get(j))
+        })
+    };
+    let rtt: Vec<f64> = cfg
+        .regions
+        .iter()
+        .enumerate()
+        .map(|(i, r)| state(i).and_then(|s| s.rtt_ms).unwrap_or(r.rtt_ms))
+        .collect();
+    let util: Vec<f64> = cfg
+        .regions
+        .iter()
+        .zip(&d.costs)
+        .map(|(r, c)| c.occupancy / f64::from(r.max_concurrency.max(1)))
+        .collect();
+    crate::migration::kv_action(cfg, d, &rtt, &util)
 }
 
 /// The unweighted terms the decision predicted for the chosen region.
@@ -336,8 +387,9 @@ impl Context for RouterFilter {}
 impl HttpContext for RouterFilter {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let cfg = self.shared.cfg.clone();
-        // Never let a client pick the cluster.
+        // Never let a client pick the cluster or speak for the router.
         calls::set_request_header(&cfg.headers.cluster, None);
+        calls::set_request_header(&cfg.migration.header, None);
         let method = calls::request_header(":method").unwrap_or_default();
         let path = calls::request_header(":path").unwrap_or_default();
         self.endpoint = request::endpoint(&method, &path);
