@@ -18,6 +18,7 @@ pub mod migration;
 pub mod openai;
 pub mod prefix;
 pub mod request;
+pub mod route;
 pub mod session;
 pub mod snapshot;
 pub mod tuning;

@@ -321,13 +321,17 @@ class Fleet:
             self.wait_snapshot(e)
         return self
 
-    def wait_snapshot(self, envoy: Envoy, versions: int = 2, timeout: float = 20.0) -> None:
+    def wait_snapshot(self, envoy: Envoy, timeout: float = 20.0) -> None:
+        """Until the probe has published and measured every region's RTT."""
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if envoy.stat("wasmcustom.llm_geo_router.probe.snapshot_version") >= versions:
+            s = envoy.stats(r"llm_geo_router\.(probe\.snapshot_version|region\.[a-z0-9_]+\.rtt_ms)$")
+            rtts = [v for k, v in s.items() if k.endswith(".rtt_ms")]
+            if s.get("wasmcustom.llm_geo_router.probe.snapshot_version", 0) >= 2 and rtts \
+                    and len(rtts) == len(self.engines) and all(v > 0 for v in rtts):
                 return
             time.sleep(0.1)
-        raise RuntimeError(f"no fleet snapshot after {timeout} s; see {envoy.log_path}")
+        raise RuntimeError(f"no complete fleet snapshot after {timeout} s; see {envoy.log_path}")
 
     def restart_engine(self, name: str) -> Engine:
         old = self.engines[name]

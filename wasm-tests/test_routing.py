@@ -49,6 +49,11 @@ def test_cold_prompts_go_to_the_nearest_region(fleet):
         assert r.replica == "near", r.headers
         assert r.route["reason"] == "rtt"
         assert int(r.headers["x-engine-cached-tokens"]) == 0
+    # The decision is also in filter state, for access logs (buffered by
+    # Envoy: complete once it has stopped).
+    fleet.envoy.stop()
+    lines = [l for l in fleet.envoy.log().splitlines() if l.startswith("[access]")]
+    assert sum('decision="region=near; reason=rtt; ttft_ms=' in l for l in lines) == 6, lines[-3:]
 
 
 def test_conversation_follows_its_prefix(fleet):

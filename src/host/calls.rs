@@ -154,3 +154,8 @@ pub fn enqueue(queue: u32, value: &[u8]) {
 pub fn dequeue(queue: u32) -> Option<Vec<u8>> {
     hostcalls::dequeue_shared_queue(queue).ok().flatten()
 }
+
+/// Write a filter state object (read by access logs as `%FILTER_STATE(wasm.<key>:PLAIN)%`).
+pub fn set_filter_state(key: &str, value: &[u8]) {
+    let _ = hostcalls::set_property(vec![key], Some(value));
+}

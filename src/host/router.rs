@@ -16,13 +16,14 @@ use proxy_wasm::types::Action;
 use super::calls::{self, HostStore, Metric};
 use super::view::View;
 use crate::config::{Config, InvalidRequests};
-use crate::cost::{self, Decision, Reason, Weights};
-use crate::directory::{layout_of, Directory};
+use crate::cost::Reason;
 use crate::openai;
-use crate::prefix::PromptHasher;
 use crate::request::{self, Endpoint, RequestError};
-use crate::session::Sessions;
+use crate::route::{Refusal, RouteInputs, Router};
 use crate::tuning::Observation;
+
+/// Filter state key holding the decision text (Envoy prefixes `wasm.`).
+pub const DECISION_FILTER_STATE: &str = "llm_geo_router.decision";
 
 /// Shared queue that carries TTFT observations to the probe.
 pub const OBSERVATIONS_QUEUE: &str = "llm_geo_router.observations";
@@ -35,6 +36,8 @@ struct Stats {
     rq_total: Vec<Metric>,
     /// Per reason, in `Reason::ALL` order.
     decisions: Vec<Metric>,
+    /// Per region, per reason.
+    region_decisions: Vec<Vec<Metric>>,
     invalid: Metric,
     passthrough: Metric,
     residency_rejected: Metric,
@@ -42,8 +45,7 @@ struct Stats {
 
 pub struct RouterShared {
     cfg: Rc<Config>,
-    dir: Directory,
-    sessions: Sessions,
+    router: Router,
     view: RefCell<View>,
     stats: Stats,
     vm_id: String,
@@ -74,31 +76,33 @@ impl RouterShared {
                     Metric::counter(&format!("llm_geo_router.router.decision.{}", r.stat_name()))
                 })
                 .collect(),
+            region_decisions: cfg
+                .regions
+                .iter()
+                .map(|r| {
+                    Reason::ALL
+                        .iter()
+                        .map(|why| {
+                            Metric::counter(&format!(
+                                "llm_geo_router.region.{}.decision.{}",
+                                r.name,
+                                why.stat_name()
+                            ))
+                        })
+                        .collect()
+                })
+                .collect(),
             invalid: Metric::counter("llm_geo_router.router.invalid_request"),
             passthrough: Metric::counter("llm_geo_router.router.passthrough"),
             residency_rejected: Metric::counter("llm_geo_router.router.residency_rejected"),
         };
-        let layout = layout_of(cfg.regions.iter().map(|r| r.name.as_str()));
-        let ttl_ms = u64::from(cfg.directory.ttl_s) * 1000;
-        let dir = Directory {
-            slots: cfg.directory.slots,
-            ttl_ms,
-            regions: cfg.regions.len(),
-            layout,
-        };
-        let sessions = Sessions {
-            slots: cfg.directory.slots,
-            ttl_ms,
-            layout,
-            seed: cfg.prefix.hash_seed,
-        };
+        let router = Router::new(&cfg);
         let vm_id = calls::property(&["plugin_vm_id"])
             .map(|b| String::from_utf8_lossy(&b).into_owned())
             .unwrap_or_default();
         RouterShared {
             cfg,
-            dir,
-            sessions,
+            router,
             view: View::new(),
             stats,
             vm_id,
@@ -198,188 +202,74 @@ impl RouterFilter {
         };
         let shared = self.shared.clone();
         let cfg = &shared.cfg;
-        // The residency pin is a hard constraint: an unknown value is refused
-        // rather than routed somewhere it may not go.
-        let allowed = match cfg
-            .residency
-            .header
-            .as_deref()
-            .and_then(calls::request_header)
-        {
-            None => None,
-            Some(value) => match cfg.residency_mask(&value) {
-                Some(mask) => Some(mask),
-                None => {
-                    shared.stats.residency_rejected.add(1);
-                    let known: Vec<&str> =
-                        cfg.residency.allowed.keys().map(String::as_str).collect();
-                    let msg = format!(
-                        "unknown data residency {value:?}; known: {}",
-                        known.join(", ")
-                    );
-                    return self.reject("invalid_residency", &msg, None);
-                }
-            },
-        };
-        let hasher = PromptHasher::new(cfg.prefix.block_bytes, cfg.prefix.hash_seed);
-        let req = match request::parse(endpoint, body, hasher) {
-            Ok(r) => r,
-            Err(e) => return self.invalid(&e),
-        };
         let now = calls::now_ms();
         let fresh = shared.view.borrow_mut().current(cfg, now);
-        let mut store = HostStore;
-        let mut lookup = shared.dir.lookup(&mut store, &req.prompt.checkpoints, now);
+        let snapshot = fresh.as_ref().map(|(s, _)| s.as_ref());
         let inflight: Vec<f64> = shared
             .stats
             .rq_active
             .iter()
             .map(|m| m.get() as f64)
             .collect();
-        let session_key = calls::request_header(&cfg.headers.session).or_else(|| req.user.clone());
-        let session = session_key
+        let session = calls::request_header(&cfg.headers.session);
+        let residency = cfg
+            .residency
+            .header
             .as_deref()
-            .map(|k| shared.sessions.lookup(&mut store, k, now));
-        // Short prompts have no full block: the session key keeps a
-        // conversation's first turns together.
-        let first_block = req.prompt.first_block.or(session.map(|s| s.hash));
-        let snapshot = fresh.as_ref().map(|(s, _)| s.as_ref());
-        let weights = snapshot.and_then(|s| s.weights).map_or_else(
-            || Weights::configured(cfg),
-            |w| Weights {
-                w_rtt: w.w_rtt,
-                w_queue: w.w_queue,
-            },
-        );
-        let prompt_tokens = req.prompt_tokens(cfg.prefix.bytes_per_token);
-        let decision = cost::decide(&cost::Inputs {
-            config: cfg,
+            .and_then(calls::request_header);
+        let inputs = RouteInputs {
+            endpoint,
+            body,
+            session_header: session.as_deref(),
+            residency: residency.as_deref(),
             snapshot,
             snapshot_index: fresh.as_ref().map_or(&[][..], |(_, i)| i.as_slice()),
-            cached_blocks: &lookup.cached_blocks,
             inflight: &inflight,
-            prompt_tokens,
-            first_block,
-            allowed: allowed.as_deref(),
-            session_region: session.and_then(|s| s.last).map(|(r, _)| r),
-            weights,
-        });
-        shared.dir.record(
-            &mut store,
-            &mut lookup,
-            &req.prompt.checkpoints,
-            decision.region,
-            now,
-        );
-        if let Some(s) = session {
-            shared.sessions.record(&mut store, s, decision.region, now);
+            now_ms: now,
+        };
+        let routed = match shared.router.route(cfg, &mut HostStore, &inputs) {
+            Ok(r) => r,
+            Err(Refusal::Invalid(e)) => return self.invalid(&e),
+            Err(Refusal::UnknownResidency(msg)) => {
+                // The residency pin is a hard constraint: an unknown value is
+                // refused rather than routed somewhere it may not go.
+                shared.stats.residency_rejected.add(1);
+                return self.reject("invalid_residency", &msg, None);
+            }
+        };
+        let d = &routed.decision;
+        if let Some(i) = Reason::ALL.iter().position(|r| *r == d.reason) {
+            if let Some(m) = shared.stats.decisions.get(i) {
+                m.add(1);
+            }
+            if let Some(m) = shared
+                .stats
+                .region_decisions
+                .get(d.region)
+                .and_then(|v| v.get(i))
+            {
+                m.add(1);
+            }
         }
-        if let Some(m) = Reason::ALL
-            .iter()
-            .position(|r| *r == decision.reason)
-            .and_then(|i| shared.stats.decisions.get(i))
-        {
-            m.add(1);
-        }
-        let kv = migration_for(
-            cfg,
-            &decision,
-            snapshot,
-            fresh.as_ref().map(|(_, i)| i.as_slice()),
-        );
-        if let Some(kv) = &kv {
+        if let Some(kv) = &routed.kv {
             let from = cfg.regions.get(kv.from).map_or("", |r| r.name.as_str());
             calls::set_request_header(&cfg.migration.header, Some(&kv.header_value(from)));
         }
+        let text = routed.describe(cfg, snapshot.map_or(0, |s| s.level));
+        // For access logs: %FILTER_STATE(wasm.llm_geo_router.decision:PLAIN)%.
+        calls::set_filter_state(DECISION_FILTER_STATE, text.as_bytes());
         if cfg.headers.decision.is_some() {
-            let mut text = describe(cfg, &decision, snapshot.map_or(0, |s| s.level));
-            if let Some(kv) = &kv {
-                let from = cfg.regions.get(kv.from).map_or("", |r| r.name.as_str());
-                text.push_str(&format!(
-                    "; kv_action={}",
-                    kv.header_value(from).replace("; ", ",")
-                ));
-            }
             self.decision_header = Some(text);
         }
-        if req.stream && decision.reason != Reason::Fallback {
-            self.pending =
-                observation(&decision, weights, prompt_tokens).map(|observation| Pending {
-                    routed_ms: now,
-                    observation,
-                });
+        if routed.stream && d.reason != Reason::Fallback {
+            self.pending = routed.observation().map(|observation| Pending {
+                routed_ms: now,
+                observation,
+            });
         }
-        self.set_region(decision.region, true);
+        self.set_region(d.region, true);
         Action::Continue
     }
-}
-
-/// The fetch-or-recompute decision when the request leaves the region that
-/// holds its prefix (a pin, the load bound or the queue moved it).
-fn migration_for(
-    cfg: &Config,
-    d: &Decision,
-    snapshot: Option<&crate::snapshot::Snapshot>,
-    index: Option<&[Option<usize>]>,
-) -> Option<crate::migration::KvAction> {
-    if !cfg.migration.enabled {
-        return None;
-    }
-    let state = |i: usize| {
-        snapshot.and_then(|s| {
-            index
-                .and_then(|x| x.get(i).copied().flatten())
-                .and_then(|j| s.regions.get(j))
-        })
-    };
-    let rtt: Vec<f64> = cfg
-        .regions
-        .iter()
-        .enumerate()
-        .map(|(i, r)| state(i).and_then(|s| s.rtt_ms).unwrap_or(r.rtt_ms))
-        .collect();
-    let util: Vec<f64> = cfg
-        .regions
-        .iter()
-        .zip(&d.costs)
-        .map(|(r, c)| c.occupancy / f64::from(r.max_concurrency.max(1)))
-        .collect();
-    crate::migration::kv_action(cfg, d, &rtt, &util)
-}
-
-/// The unweighted terms the decision predicted for the chosen region.
-fn observation(d: &Decision, w: Weights, prompt_tokens: u64) -> Option<Observation> {
-    let c = d.costs.get(d.region)?;
-    let unweight = |v: f64, weight: f64| if weight > 0.0 { v / weight } else { 0.0 };
-    Some(Observation {
-        region: u16::try_from(d.region).ok()?,
-        rtt_ms: unweight(c.rtt_ms, w.w_rtt) as f32,
-        queue_ms: unweight(c.queue_ms, w.w_queue) as f32,
-        uncached_tokens: u32::try_from(prompt_tokens.saturating_sub(c.cached_tokens))
-            .unwrap_or(u32::MAX),
-        prefill_ms: c.prefill_ms as f32,
-        observed_ms: 0.0,
-    })
-}
-
-fn describe(cfg: &Config, d: &Decision, level: u8) -> String {
-    let name = |i: usize| cfg.regions.get(i).map_or("?", |r| r.name.as_str());
-    let mut s = format!("region={}; reason={}", name(d.region), d.reason.as_str());
-    if let Some(c) = d.costs.get(d.region) {
-        s.push_str(&format!(
-            "; ttft_ms={:.1}; rtt_ms={:.1}; prefill_ms={:.1}; queue_ms={:.1}; cached_tokens={}",
-            c.total_ms, c.rtt_ms, c.prefill_ms, c.queue_ms, c.cached_tokens
-        ));
-    }
-    if let Some((i, c)) = d.runner_up.and_then(|i| d.costs.get(i).map(|c| (i, c))) {
-        s.push_str(&format!(
-            "; runner_up={}; runner_up_ttft_ms={:.1}",
-            name(i),
-            c.total_ms
-        ));
-    }
-    s.push_str(&format!("; level={level}"));
-    s
 }
 
 impl Context for RouterFilter {}

@@ -1,0 +1,333 @@
+//! One routing decision, end to end, over explicit inputs: parse the body,
+//! hash the prompt, look up the prefix directory and the session record,
+//! decide, decide migration, record the prefix and the session. The
+//! `router` filter, the `explain` CLI and the benchmarks all run this same
+//! function; only the host layer gathers its inputs from Envoy.
+
+use crate::config::Config;
+use crate::cost::{self, Decision, Weights};
+use crate::directory::{layout_of, Directory, SharedStore};
+use crate::migration::{self, KvAction};
+use crate::prefix::PromptHasher;
+use crate::request::{self, Endpoint, RequestError};
+use crate::session::Sessions;
+use crate::snapshot::Snapshot;
+use crate::tuning::Observation;
+
+/// The per-configuration parts of routing.
+#[derive(Debug, Clone, Copy)]
+pub struct Router {
+    pub dir: Directory,
+    pub sessions: Sessions,
+}
+
+/// What the host knows about one request besides its body.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteInputs<'a> {
+    pub endpoint: Endpoint,
+    pub body: &'a [u8],
+    /// The session header's value, if sent.
+    pub session_header: Option<&'a str>,
+    /// The residency header's value, if configured and sent.
+    pub residency: Option<&'a str>,
+    /// A fresh snapshot, if any, and each configured region's index in it.
+    pub snapshot: Option<&'a Snapshot>,
+    pub snapshot_index: &'a [Option<usize>],
+    /// Per configured region: this Envoy's in-flight requests.
+    pub inflight: &'a [f64],
+    pub now_ms: u64,
+}
+
+/// A routed request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routed {
+    pub decision: Decision,
+    pub kv: Option<KvAction>,
+    pub stream: bool,
+    pub prompt_tokens: u64,
+    pub weights: Weights,
+    /// Shared-data calls this decision made (reads and writes).
+    pub shared_data_calls: u32,
+}
+
+/// Why a request is not routed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Refusal {
+    /// Not a valid request: 400 (or pass-through, per configuration).
+    Invalid(RequestError),
+    /// The residency value is not allow-listed: always 400.
+    UnknownResidency(String),
+}
+
+impl Router {
+    pub fn new(cfg: &Config) -> Router {
+        let layout = layout_of(cfg.regions.iter().map(|r| r.name.as_str()));
+        let ttl_ms = u64::from(cfg.directory.ttl_s) * 1000;
+        Router {
+            dir: Directory {
+                slots: cfg.directory.slots,
+                ttl_ms,
+                regions: cfg.regions.len(),
+                layout,
+            },
+            sessions: Sessions {
+                slots: cfg.directory.slots,
+                ttl_ms,
+                layout,
+                seed: cfg.prefix.hash_seed,
+            },
+        }
+    }
+
+    pub fn route(
+        &self,
+        cfg: &Config,
+        store: &mut dyn SharedStore,
+        inp: &RouteInputs,
+    ) -> Result<Routed, Refusal> {
+        let allowed = match inp.residency {
+            None => None,
+            Some(value) => match cfg.residency_mask(value) {
+                Some(mask) => Some(mask),
+                None => {
+                    let known: Vec<&str> =
+                        cfg.residency.allowed.keys().map(String::as_str).collect();
+                    return Err(Refusal::UnknownResidency(format!(
+                        "unknown data residency {value:?}; known: {}",
+                        known.join(", ")
+                    )));
+                }
+            },
+        };
+        let hasher = PromptHasher::new(cfg.prefix.block_bytes, cfg.prefix.hash_seed);
+        let req = request::parse(inp.endpoint, inp.body, hasher).map_err(Refusal::Invalid)?;
+        let now = inp.now_ms;
+        let mut calls = 0;
+        let mut lookup = self.dir.lookup(store, &req.prompt.checkpoints, now);
+        let session_key = inp.session_header.or(req.user.as_deref());
+        let session = session_key.map(|k| {
+            calls += 1;
+            self.sessions.lookup(store, k, now)
+        });
+        // Short prompts have no full block: the session key keeps a
+        // conversation's first turns together.
+        let first_block = req.prompt.first_block.or(session.map(|s| s.hash));
+        let weights = inp.snapshot.and_then(|s| s.weights).map_or_else(
+            || Weights::configured(cfg),
+            |w| Weights {
+                w_rtt: w.w_rtt,
+                w_queue: w.w_queue,
+            },
+        );
+        let prompt_tokens = req.prompt_tokens(cfg.prefix.bytes_per_token);
+        let decision = cost::decide(&cost::Inputs {
+            config: cfg,
+            snapshot: inp.snapshot,
+            snapshot_index: inp.snapshot_index,
+            cached_blocks: &lookup.cached_blocks,
+            inflight: inp.inflight,
+            prompt_tokens,
+            first_block,
+            allowed: allowed.as_deref(),
+            session_region: session.and_then(|s| s.last).map(|(r, _)| r),
+            weights,
+        });
+        self.dir.record(
+            store,
+            &mut lookup,
+            &req.prompt.checkpoints,
+            decision.region,
+            now,
+        );
+        if let Some(s) = session {
+            calls += self.sessions.record(store, s, decision.region, now);
+        }
+        let kv = migration_for(cfg, &decision, inp);
+        Ok(Routed {
+            decision,
+            kv,
+            stream: req.stream,
+            prompt_tokens,
+            weights,
+            shared_data_calls: lookup.calls + calls,
+        })
+    }
+}
+
+/// The fetch-or-recompute decision when the request leaves the region that
+/// holds its prefix (a pin, the load bound or the queue moved it).
+fn migration_for(cfg: &Config, d: &Decision, inp: &RouteInputs) -> Option<KvAction> {
+    if !cfg.migration.enabled {
+        return None;
+    }
+    let state = |i: usize| {
+        inp.snapshot.and_then(|s| {
+            inp.snapshot_index
+                .get(i)
+                .copied()
+                .flatten()
+                .and_then(|j| s.regions.get(j))
+        })
+    };
+    let rtt: Vec<f64> = cfg
+        .regions
+        .iter()
+        .enumerate()
+        .map(|(i, r)| state(i).and_then(|s| s.rtt_ms).unwrap_or(r.rtt_ms))
+        .collect();
+    let util: Vec<f64> = cfg
+        .regions
+        .iter()
+        .zip(&d.costs)
+        .map(|(r, c)| c.occupancy / f64::from(r.max_concurrency.max(1)))
+        .collect();
+    migration::kv_action(cfg, d, &rtt, &util)
+}
+
+impl Routed {
+    /// The decision header's value: region, reason, every cost term, the
+    /// runner-up, the ladder level and any migration.
+    pub fn describe(&self, cfg: &Config, level: u8) -> String {
+        let d = &self.decision;
+        let name = |i: usize| cfg.regions.get(i).map_or("?", |r| r.name.as_str());
+        let mut s = format!("region={}; reason={}", name(d.region), d.reason.as_str());
+        if let Some(c) = d.costs.get(d.region) {
+            s.push_str(&format!(
+                "; ttft_ms={:.1}; rtt_ms={:.1}; prefill_ms={:.1}; queue_ms={:.1}; cached_tokens={}",
+                c.total_ms, c.rtt_ms, c.prefill_ms, c.queue_ms, c.cached_tokens
+            ));
+        }
+        if let Some((i, c)) = d.runner_up.and_then(|i| d.costs.get(i).map(|c| (i, c))) {
+            s.push_str(&format!(
+                "; runner_up={}; runner_up_ttft_ms={:.1}",
+                name(i),
+                c.total_ms
+            ));
+        }
+        s.push_str(&format!("; level={level}"));
+        if let Some(kv) = &self.kv {
+            s.push_str(&format!(
+                "; kv_action={}",
+                kv.header_value(name(kv.from)).replace("; ", ",")
+            ));
+        }
+        s
+    }
+
+    /// The terms predicted for the chosen region, unweighted, for tuning;
+    /// `observed_ms` is filled in when the first byte arrives.
+    pub fn observation(&self) -> Option<Observation> {
+        let d = &self.decision;
+        let c = d.costs.get(d.region)?;
+        let w = self.weights;
+        let unweight = |v: f64, weight: f64| if weight > 0.0 { v / weight } else { 0.0 };
+        Some(Observation {
+            region: u16::try_from(d.region).ok()?,
+            rtt_ms: unweight(c.rtt_ms, w.w_rtt) as f32,
+            queue_ms: unweight(c.queue_ms, w.w_queue) as f32,
+            uncached_tokens: u32::try_from(self.prompt_tokens.saturating_sub(c.cached_tokens))
+                .unwrap_or(u32::MAX),
+            prefill_ms: c.prefill_ms as f32,
+            observed_ms: 0.0,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::Reason;
+    use crate::directory::MemoryStore;
+    use crate::snapshot::RegionState;
+
+    fn cfg() -> Config {
+        Config::parse(
+            br#"{"regions":[
+              {"name":"near","cluster":"cn","capacity_rps":5,"rtt_ms":5,"max_concurrency":8,"prefill_ms_per_token":0.2},
+              {"name":"mid","cluster":"cm","capacity_rps":5,"rtt_ms":40,"max_concurrency":8,"prefill_ms_per_token":0.2}],
+              "residency":{"header":"x-r","allowed":{"eu":["mid"]}}}"#,
+        )
+        .unwrap()
+    }
+
+    fn snap(c: &Config) -> Snapshot {
+        Snapshot {
+            regions: c
+                .regions
+                .iter()
+                .map(|r| RegionState {
+                    name: r.name.clone(),
+                    healthy: true,
+                    rtt_ms: Some(r.rtt_ms),
+                    ..RegionState::default()
+                })
+                .collect(),
+            ..Snapshot::default()
+        }
+    }
+
+    fn body(system: &str, turn: usize) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": format!("turn {turn}")}],
+            "stream": true
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_conversation_follows_its_prefix_and_the_pin_refuses_unknown_values() {
+        let c = cfg();
+        let s = snap(&c);
+        let router = Router::new(&c);
+        let mut store = MemoryStore::default();
+        let system = "you are a helpful assistant. ".repeat(300);
+        let b = body(&system, 0);
+        let mut inp = RouteInputs {
+            endpoint: Endpoint::ChatCompletions,
+            body: &b,
+            session_header: Some("s1"),
+            residency: Some("eu"),
+            snapshot: Some(&s),
+            snapshot_index: &[Some(0), Some(1)],
+            inflight: &[0.0, 0.0],
+            now_ms: 1000,
+        };
+        let first = router.route(&c, &mut store, &inp).unwrap();
+        assert_eq!(
+            (first.decision.region, first.decision.reason),
+            (1, Reason::Pin)
+        );
+        assert!(first.stream);
+        assert!(first.observation().is_some());
+        let b2 = body(&system, 1);
+        inp.body = &b2;
+        inp.residency = None;
+        inp.now_ms = 2000;
+        let second = router.route(&c, &mut store, &inp).unwrap();
+        assert_eq!(
+            (second.decision.region, second.decision.reason),
+            (1, Reason::Cache)
+        );
+        assert!(
+            second.shared_data_calls <= 2 * 9 + 4,
+            "{}",
+            second.shared_data_calls
+        );
+        let text = second.describe(&c, 0);
+        assert!(
+            text.starts_with("region=mid; reason=cache; ttft_ms="),
+            "{text}"
+        );
+        inp.residency = Some("mars");
+        assert!(matches!(
+            router.route(&c, &mut store, &inp),
+            Err(Refusal::UnknownResidency(_))
+        ));
+        inp.residency = None;
+        inp.body = b"{";
+        assert!(matches!(
+            router.route(&c, &mut store, &inp),
+            Err(Refusal::Invalid(_))
+        ));
+    }
+}
