@@ -149,3 +149,51 @@ def test_streamed_requests_tune_the_prefill_rate(fleet_factory):
     assert rate <= 300
     # The queue weight stays within its bounds (no queueing here: no evidence, prior kept).
     assert 500 <= envoy.stat("wasmcustom.llm_geo_router.tuning.w_queue_milli") <= 4000
+
+
+def replay_agreement(fleet, conversations=12, turns=5, seed=7):
+    """Interleaved multi-turn conversations (some sharing a system prompt);
+    per request, the directory's belief (cached tokens in the decision) is
+    compared with the engine's own report (x-engine-cached-tokens)."""
+    import random
+
+    rnd = random.Random(seed)
+    systems = [filler(f"sys-{i}", rnd.randrange(2000, 6000)) for i in range(conversations // 2)]
+    convos = [[{"role": "system", "content": systems[i % len(systems)]}] for i in range(conversations)]
+    order = [c for c in range(conversations) for _ in range(turns)]
+    rnd.shuffle(order)
+    rows = []
+    for n, c in enumerate(order):
+        convos[c].append({"role": "user", "content": filler(f"c{c}-t{n}", rnd.randrange(50, 400))})
+        r = chat(fleet.port, convos[c], max_tokens=8)
+        assert r.status == 200, r.body
+        convos[c].append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+        rows.append((int(r.route["cached_tokens"]), int(r.headers["x-engine-cached-tokens"])))
+    hits_agree = sum((b > 0) == (t > 0) for b, t in rows) / len(rows)
+    belief, truth = sum(b for b, _ in rows), sum(t for _, t in rows)
+    over = sum(1 for b, t in rows if b > t)
+    return hits_agree, belief / max(truth, 1), over, len(rows)
+
+
+def test_directory_belief_agrees_with_the_engines_cache(fleet_factory):
+    fleet = fleet_factory({"probe": FAST_PROBE})
+    agree, ratio, over, n = replay_agreement(fleet)
+    print(f"directory vs engine, ample cache: hit/miss agreement {agree:.3f}, "
+          f"believed/actual cached tokens {ratio:.3f}, over-estimates {over} of {n}")
+    # The directory keeps checkpoints (2 significant bits), so it never
+    # claims more than the engine has while nothing is evicted, and claims
+    # at least 2/3 of it.
+    assert agree >= 0.95
+    assert over == 0
+    assert 0.66 <= ratio <= 1.0
+
+
+def test_directory_belief_under_engine_eviction(fleet_factory):
+    # Engines with a small prefix cache (3,000 tokens) evict what the
+    # directory still believes is there (its TTL knows nothing of evictions).
+    small = ["--cache-tokens", "3000"]
+    fleet = fleet_factory({"probe": FAST_PROBE}, engine_extra={n: small for n in harness.DEMO_REGIONS})
+    agree, ratio, over, n = replay_agreement(fleet)
+    print(f"directory vs engine, 3k-token cache: hit/miss agreement {agree:.3f}, "
+          f"believed/actual cached tokens {ratio:.3f}, over-estimates {over} of {n}")
+    assert agree >= 0.5
