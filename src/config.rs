@@ -72,6 +72,10 @@ pub struct Config {
     pub tuning: crate::tuning::TuningConfig,
     #[serde(default)]
     pub migration: MigrationConfig,
+    #[serde(default)]
+    pub release: ReleaseConfig,
+    #[serde(default)]
+    pub assessment: AssessmentConfig,
     /// What to do with a request to an inference path whose body is not a
     /// valid request: `reject` (400, OpenAI error JSON) or `pass_through`
     /// (send it untouched to the default region and let the engine answer).
@@ -121,6 +125,10 @@ pub struct Region {
     /// measured one, and to choose the nearest region without a snapshot.
     #[serde(default)]
     pub rtt_ms: f64,
+    /// Envoy cluster of this region's fallback pool (e.g. a quantized
+    /// model), for tiers a ladder level sends there.
+    #[serde(default)]
+    pub fallback_cluster: Option<String>,
 }
 
 fn default_health_path() -> String {
@@ -157,6 +165,9 @@ pub struct Headers {
     /// Response header with the routing decision (region, reason, cost
     /// terms). Absent: not sent.
     pub decision: Option<String>,
+    /// Internal request header by which the guard sends a request to the
+    /// fallback pool (`fallback`); any client value is removed by the guard.
+    pub pool: String,
 }
 
 impl Default for Headers {
@@ -166,6 +177,7 @@ impl Default for Headers {
             session: "x-session-id".to_string(),
             tier: "x-llm-tier".to_string(),
             decision: None,
+            pool: "x-llm-pool".to_string(),
         }
     }
 }
@@ -243,6 +255,69 @@ impl Default for CostConfig {
             bounded_load_epsilon: 0.25,
             bounded_load_floor: 0.5,
             session_slack_ms: 25.0,
+        }
+    }
+}
+
+/// Where a region's release digest is read from.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ReleaseSource {
+    /// A header of the health response (`name` is the header).
+    #[default]
+    HealthHeader,
+    /// A field of the health response's JSON body (`name` is the field).
+    HealthJson,
+    /// A label of a `/metrics` series (`name` is `metric/label`).
+    MetricsLabel,
+}
+
+/// Release parity: every region must serve the expected release (the digest
+/// of its release manifest). A region that does not gets no new traffic;
+/// a region that becomes routable again is ramped back in, not stampeded.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReleaseConfig {
+    /// The digest every region must report. Absent: parity is not checked.
+    pub expected: Option<String>,
+    pub source: ReleaseSource,
+    /// Header name, JSON field, or `metric/label`, per `source`.
+    pub name: String,
+    /// Seconds over which a region that becomes routable again (healthy and
+    /// on the expected release) ramps from 0 to its full share of new
+    /// requests. 0: at once.
+    pub ramp_s: f64,
+}
+
+impl Default for ReleaseConfig {
+    fn default() -> Self {
+        ReleaseConfig {
+            expected: None,
+            source: ReleaseSource::HealthHeader,
+            name: "x-release-digest".into(),
+            ramp_s: 60.0,
+        }
+    }
+}
+
+/// The declare-disaster rule (the seed's `assess()`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AssessmentConfig {
+    /// A region judged down by at least two independent signals (health
+    /// probe, metrics scrape, live upstream failures) for this long is a
+    /// candidate for failover.
+    pub region_down_minutes: f64,
+    /// Healthy capacity below this fraction of the configured capacity is a
+    /// capacity loss.
+    pub capacity_fraction_min: f64,
+}
+
+impl Default for AssessmentConfig {
+    fn default() -> Self {
+        AssessmentConfig {
+            region_down_minutes: 5.0,
+            capacity_fraction_min: 0.7,
         }
     }
 }
@@ -354,13 +429,22 @@ pub struct TierPolicy {
     pub max_prompt_tokens: Option<u64>,
     /// `max_tokens` / `max_completion_tokens` are clamped to this.
     pub max_tokens: Option<u64>,
-    /// Requests of this tier get 429 (with `Retry-After`).
+    /// Requests of this tier are refused (`ladder.shed_status`, with a
+    /// jittered `Retry-After`).
     pub shed: bool,
+    /// Requests of this tier go to the chosen region's `fallback_cluster`
+    /// (e.g. a quantized model), where one is configured.
+    pub fallback: bool,
+    /// With `fallback`: the request body's `model` is rewritten to this.
+    pub fallback_model: Option<String>,
 }
 
 impl TierPolicy {
     pub fn is_noop(&self) -> bool {
-        self.max_prompt_tokens.is_none() && self.max_tokens.is_none() && !self.shed
+        self.max_prompt_tokens.is_none()
+            && self.max_tokens.is_none()
+            && !self.shed
+            && !self.fallback
     }
 }
 
@@ -381,6 +465,16 @@ pub struct LadderConfig {
     /// Shed responses carry `Retry-After` drawn uniformly from this range of
     /// seconds, so shed clients do not come back together.
     pub retry_after_s: [u32; 2],
+    /// Status of a shed response: 429 (the client's rate) or 503 (the
+    /// service's state).
+    pub shed_status: u16,
+    /// Scale each healthy region's capacity by its free KV cache
+    /// (`1 − kv_usage`) as the engine reports it.
+    pub scale_by_kv_headroom: bool,
+    /// SHA-256 (lowercase hex) of operator bearer tokens allowed to set or
+    /// clear a ladder override at runtime (`POST /llm-geo-router/ladder`).
+    /// Empty: no runtime override endpoint.
+    pub operator_keys: Vec<String>,
 }
 
 impl Default for LadderConfig {
@@ -392,6 +486,9 @@ impl Default for LadderConfig {
             forced_level: None,
             levels: default_levels(),
             retry_after_s: [5, 30],
+            shed_status: 429,
+            scale_by_kv_headroom: false,
+            operator_keys: Vec::new(),
         }
     }
 }
@@ -400,13 +497,15 @@ fn caps(max_prompt_tokens: Option<u64>, max_tokens: Option<u64>) -> TierPolicy {
     TierPolicy {
         max_prompt_tokens,
         max_tokens,
-        shed: false,
+        ..TierPolicy::default()
     }
 }
 
 /// Defaults follow the seed: each rung gives up a little more, free traffic
-/// first; paid traffic is capped from level 2 and never shed; `critical` is
-/// never touched.
+/// first; by level 4 paid traffic is served at capped lengths and free
+/// traffic goes to the fallback pool (the quantized model, where regions
+/// configure one); level 5 sheds free traffic; paid is never shed;
+/// `critical` is never touched.
 fn default_levels() -> Vec<BTreeMap<String, TierPolicy>> {
     let level = |free: TierPolicy, paid: Option<TierPolicy>| {
         let mut m = BTreeMap::new();
@@ -425,7 +524,10 @@ fn default_levels() -> Vec<BTreeMap<String, TierPolicy>> {
             Some(caps(Some(32768), Some(1024))),
         ),
         level(
-            caps(Some(4096), Some(256)),
+            TierPolicy {
+                fallback: true,
+                ..caps(Some(4096), Some(256))
+            },
             Some(caps(Some(16384), Some(512))),
         ),
         level(
@@ -554,6 +656,7 @@ impl Config {
             ("headers.session", Some(&h.session)),
             ("headers.tier", Some(&h.tier)),
             ("headers.decision", h.decision.as_ref()),
+            ("headers.pool", Some(&h.pool)),
         ] {
             if let Some(v) = v {
                 if !valid_header_name(v) {
@@ -603,6 +706,7 @@ impl Config {
             .validate()
             .map_err(|(f, r)| ConfigError::new(f, r))?;
         self.validate_migration()?;
+        self.validate_release()?;
         let p = &self.probe;
         if p.tick_ms < 50 {
             return Err(ConfigError::new("probe.tick_ms", "must be at least 50"));
@@ -701,12 +805,85 @@ impl Config {
                 }
             }
         }
+        if !matches!(l.shed_status, 429 | 503) {
+            return Err(ConfigError::new(
+                "ladder.shed_status",
+                format!("{} must be 429 or 503", l.shed_status),
+            ));
+        }
+        for (i, k) in l.operator_keys.iter().enumerate() {
+            if k.len() != 64 || !k.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+                return Err(ConfigError::new(
+                    format!("ladder.operator_keys[{i}]"),
+                    "must be the lowercase hex SHA-256 (64 chars) of an operator token",
+                ));
+            }
+        }
+        for (i, level) in l.levels.iter().enumerate() {
+            for (tier, policy) in level {
+                if policy.fallback_model.is_some() && !policy.fallback {
+                    return Err(ConfigError::new(
+                        format!("ladder.levels[{i}].{tier}.fallback_model"),
+                        "is only used with fallback: true",
+                    ));
+                }
+                if policy
+                    .fallback_model
+                    .as_deref()
+                    .is_some_and(|m| m.trim().is_empty())
+                {
+                    return Err(ConfigError::new(
+                        format!("ladder.levels[{i}].{tier}.fallback_model"),
+                        "must not be empty",
+                    ));
+                }
+            }
+        }
         let [lo, hi] = l.retry_after_s;
         if lo == 0 || hi < lo {
             return Err(ConfigError::new(
                 "ladder.retry_after_s",
                 format!("[{lo}, {hi}] must be [min, max] with 1 <= min <= max"),
             ));
+        }
+        Ok(())
+    }
+
+    fn validate_release(&self) -> Result<(), ConfigError> {
+        let r = &self.release;
+        if let Some(d) = &r.expected {
+            if d.trim().is_empty() {
+                return Err(ConfigError::new("release.expected", "must not be empty"));
+            }
+        }
+        let ok = match r.source {
+            ReleaseSource::HealthHeader => valid_header_name(&r.name),
+            ReleaseSource::HealthJson => !r.name.is_empty(),
+            ReleaseSource::MetricsLabel => r
+                .name
+                .split_once('/')
+                .is_some_and(|(m, l)| !m.is_empty() && !l.is_empty()),
+        };
+        if !ok {
+            return Err(ConfigError::new(
+                "release.name",
+                format!("{:?} does not fit release.source (a header name, a JSON field, or metric/label)", r.name),
+            ));
+        }
+        non_negative("release.ramp_s", r.ramp_s)?;
+        let a = &self.assessment;
+        non_negative("assessment.region_down_minutes", a.region_down_minutes)?;
+        fraction("assessment.capacity_fraction_min", a.capacity_fraction_min)?;
+        for (i, r) in self.regions.iter().enumerate() {
+            if r.fallback_cluster
+                .as_deref()
+                .is_some_and(|c| c.trim().is_empty())
+            {
+                return Err(ConfigError::new(
+                    format!("regions[{i}].fallback_cluster"),
+                    "must not be empty",
+                ));
+            }
         }
         Ok(())
     }

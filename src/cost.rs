@@ -148,8 +148,31 @@ pub fn decide(inp: &Inputs) -> Decision {
         inp.allowed
             .is_none_or(|a| a.get(i).copied().unwrap_or(false))
     };
+    // Release parity: a region on another release gets no new traffic,
+    // unless no healthy region is on the expected one (a fleet-wide
+    // mismatch is for rollback, not a reason to route nowhere).
+    let state = |i: usize| {
+        inp.snapshot_index
+            .get(i)
+            .copied()
+            .flatten()
+            .and_then(|j| snap.regions.get(j))
+    };
+    let any_release_ok = costs
+        .iter()
+        .enumerate()
+        .any(|(i, c)| c.healthy && state(i).is_none_or(|s| s.release_ok));
+    let ramp_key = inp.first_block.unwrap_or(0);
     for (i, c) in costs.iter_mut().enumerate() {
-        c.candidate = c.candidate && allowed(i);
+        let st = state(i);
+        let release_ok = !any_release_ok || st.is_none_or(|s| s.release_ok);
+        // Failback ramp: a region coming back takes only its ramp's share of
+        // new prompts, the same share for every proxy (by rendezvous).
+        let ramp_ok = st.is_none_or(|s| {
+            s.ramp >= 1.0 || (rendezvous(ramp_key, &s.name) as f64 / u64::MAX as f64) < s.ramp
+        });
+        c.healthy = c.healthy && release_ok;
+        c.candidate = c.healthy && allowed(i) && ramp_ok;
     }
     if !costs.iter().any(|c| c.candidate) {
         return fallback(inp, costs);
@@ -166,11 +189,10 @@ pub fn decide(inp: &Inputs) -> Decision {
         .min_by(|a, b| a.1.total_ms.total_cmp(&b.1.total_ms))
         .map(|(i, _)| i);
     // What would have won without the pin and without the load bound.
-    let healthy = |c: &Cost, i: usize| state_healthy(inp, snap, i) && c.total_ms.is_finite();
     let unpinned = costs
         .iter()
         .enumerate()
-        .filter(|(i, c)| healthy(c, *i))
+        .filter(|(_, c)| c.healthy && c.total_ms.is_finite())
         .min_by(|a, b| a.1.total_ms.total_cmp(&b.1.total_ms))
         .map(|(i, _)| i);
     let unbounded = pick(inp, &costs, |c| c.candidate);
@@ -643,5 +665,30 @@ mod tests {
         c2.cost.session_slack_ms = 40.0;
         let d = decide(&inputs(&c2, &s, &[0, 0, 0], None, Some(1)));
         assert_eq!(d.region, 1);
+    }
+
+    #[test]
+    fn release_mismatch_and_ramp_exclude_regions() {
+        let c = cfg();
+        let mut s = snap(&c);
+        s.regions[0].release_ok = false;
+        let d = decide(&inputs(&c, &s, &[0, 0, 0], None, None));
+        assert_eq!(d.region, 1, "the mismatched nearest region gets nothing");
+        // Fleet-wide mismatch: routing goes on by health alone.
+        for r in &mut s.regions {
+            r.release_ok = false;
+        }
+        let d = decide(&inputs(&c, &s, &[0, 0, 0], None, None));
+        assert_eq!(d.region, 0);
+        // A region ramping back in at 30 % takes about 30 % of new prompts.
+        let mut s = snap(&c);
+        s.regions[0].ramp = 0.3;
+        let mut near = 0;
+        for key in 0..2000u64 {
+            let mut inp = inputs(&c, &s, &[0, 0, 0], None, None);
+            inp.first_block = Some(key);
+            near += usize::from(decide(&inp).region == 0);
+        }
+        assert!((500..=700).contains(&near), "{near}");
     }
 }

@@ -1,8 +1,11 @@
 //! The probe's view of the fleet: per-region health with consecutive
-//! failure/success thresholds, EWMAs of RTT, the engines' queue counts, the
-//! measured demand, and the ladder. The host feeds it probe results and
-//! counter readings with explicit times; it produces the [`Snapshot`].
+//! failure/success thresholds, EWMAs of RTT, the engines' queue counts,
+//! release parity and the failback ramp, the down signals and the
+//! assessment, the measured demand, and the ladder. The host feeds it probe
+//! results and counter readings with explicit times; it produces the
+//! [`Snapshot`].
 
+use crate::assess::{assess, Assessment, Signals};
 use crate::config::Config;
 use crate::ladder::Ladder;
 use crate::metrics::EngineSample;
@@ -18,6 +21,18 @@ struct Region {
     sample: EngineSample,
     inflight_at_scrape: f64,
     metrics_ok: bool,
+    /// Consecutive failed scrapes.
+    scrape_failures: u32,
+    /// The release digest last read from the health response (or metrics).
+    release: Option<String>,
+    /// Whether the region was routable (healthy, right release) at the last
+    /// tick, and since when.
+    routable: bool,
+    routable_since_ms: Option<u64>,
+    /// Live upstream failures reported by the routers during the last tick.
+    upstream_failing: bool,
+    /// Since when at least two independent signals say the region is down.
+    down_since_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone)]
@@ -30,6 +45,13 @@ pub struct Fleet {
     tuner: Tuner,
     fit: Option<Fit>,
     observations: u64,
+    /// Growth of the engines' waiting queues (requests/s, EWMA, ≥ 0).
+    queue_growth_rps: f64,
+    last_waiting: Option<(f64, u64)>,
+    assessment: Assessment,
+    /// A level set at runtime by an operator; wins over the controller and
+    /// over `ladder.forced_level`.
+    override_level: Option<u8>,
 }
 
 /// What changed in a health transition, for the log.
@@ -55,6 +77,12 @@ impl Fleet {
                     sample: EngineSample::default(),
                     inflight_at_scrape: 0.0,
                     metrics_ok: false,
+                    scrape_failures: 0,
+                    release: None,
+                    routable: true,
+                    routable_since_ms: None,
+                    upstream_failing: false,
+                    down_since_ms: None,
                 })
                 .collect(),
             ladder: Ladder::new(now_ms),
@@ -64,7 +92,45 @@ impl Fleet {
             tuner: Tuner::new(&cfg.tuning),
             fit: None,
             observations: 0,
+            queue_growth_rps: 0.0,
+            last_waiting: None,
+            assessment: Assessment::Ok,
+            override_level: None,
         }
+    }
+
+    /// Set or clear the runtime override of the ladder level.
+    pub fn set_override(&mut self, level: Option<u8>) {
+        self.override_level = level;
+    }
+
+    /// The release digest a region reported (from its health response or
+    /// its metrics, per `release.source`).
+    pub fn on_release(&mut self, region: usize, digest: Option<String>) {
+        if let Some(r) = self.regions.get_mut(region) {
+            if digest.is_some() {
+                r.release = digest;
+            }
+        }
+    }
+
+    /// Live upstream results of routed requests to a region since the last
+    /// tick (from the routers' counters): failing when most failed.
+    pub fn on_upstream(&mut self, region: usize, failures: u64, completed: u64) {
+        if let Some(r) = self.regions.get_mut(region) {
+            r.upstream_failing = failures > 0 && failures * 2 >= completed.max(failures);
+        }
+    }
+
+    fn release_ok(cfg: &Config, r: &Region) -> bool {
+        match &cfg.release.expected {
+            None => true,
+            Some(want) => r.release.as_deref() == Some(want.as_str()),
+        }
+    }
+
+    pub fn assessment(&self) -> Assessment {
+        self.assessment
     }
 
     /// A health probe finished: `rtt_ms` is `Some` on success.
@@ -107,8 +173,12 @@ impl Fleet {
                 r.sample = s;
                 r.inflight_at_scrape = inflight.max(0.0);
                 r.metrics_ok = true;
+                r.scrape_failures = 0;
             }
-            None => r.metrics_ok = false,
+            None => {
+                r.metrics_ok = false;
+                r.scrape_failures = r.scrape_failures.saturating_add(1);
+            }
         }
     }
 
@@ -155,15 +225,38 @@ impl Fleet {
         (self.snapshot(cfg, now_ms), changed)
     }
 
-    fn capacity_and_ratio(&self, cfg: &Config) -> (f64, f64, Option<f64>) {
+    /// The share of new requests a routable region may take while ramping
+    /// back in (1 when not ramping).
+    fn ramp(cfg: &Config, r: &Region, now_ms: u64) -> f64 {
+        if !r.routable {
+            return 0.0;
+        }
+        match r.routable_since_ms {
+            Some(since) if cfg.release.ramp_s > 0.0 => (now_ms.saturating_sub(since) as f64
+                / (cfg.release.ramp_s * 1000.0))
+                .clamp(0.0, 1.0),
+            _ => 1.0,
+        }
+    }
+
+    /// Capacity of routable regions (ramping ones in proportion, optionally
+    /// scaled by KV headroom); demand = arrivals + queue growth; their ratio.
+    fn capacity_and_ratio(&self, cfg: &Config, now_ms: u64) -> (f64, f64, Option<f64>) {
         let capacity: f64 = cfg
             .regions
             .iter()
             .zip(&self.regions)
-            .filter(|(_, r)| r.healthy)
-            .map(|(c, _)| c.capacity_rps)
+            .filter(|(_, r)| r.routable)
+            .map(|(c, r)| {
+                let kv = if cfg.ladder.scale_by_kv_headroom {
+                    r.sample.kv_usage.map_or(1.0, |u| (1.0 - u).clamp(0.0, 1.0))
+                } else {
+                    1.0
+                };
+                c.capacity_rps * Self::ramp(cfg, r, now_ms) * kv
+            })
             .sum();
-        let demand = self.demand_rps.unwrap_or(0.0);
+        let demand = self.demand_rps.unwrap_or(0.0) + self.queue_growth_rps;
         // Below a hundredth of a request per second there is no demand to
         // speak of; the ratio is then "plenty" and the ladder recovers.
         let ratio = (demand > 0.01).then(|| capacity / demand);
@@ -174,10 +267,16 @@ impl Fleet {
     /// one rung per tick however often snapshots are published) and a refit
     /// of the tuned cost model. Returns true when the level changed.
     pub fn tick(&mut self, cfg: &Config, now_ms: u64) -> bool {
-        let (_, _, ratio) = self.capacity_and_ratio(cfg);
-        let changed = self
-            .ladder
-            .step(&cfg.ladder, ratio.unwrap_or(f64::MAX), now_ms);
+        self.update_routable(cfg, now_ms);
+        self.update_queue_growth(cfg, now_ms);
+        self.update_assessment(cfg, now_ms);
+        let (_, _, ratio) = self.capacity_and_ratio(cfg, now_ms);
+        let changed = match self.override_level {
+            Some(level) => self.ladder.force(level, now_ms),
+            None => self
+                .ladder
+                .step(&cfg.ladder, ratio.unwrap_or(f64::MAX), now_ms),
+        };
         if cfg.tuning.enabled {
             let configured: Vec<f64> = cfg.regions.iter().map(|r| r.prefill_ms_per_token).collect();
             if let Some(fit) =
@@ -192,8 +291,78 @@ impl Fleet {
 
     /// A new snapshot of the current state (after a tick, a health change or
     /// fresh engine metrics).
+    fn update_routable(&mut self, cfg: &Config, now_ms: u64) {
+        let any_matching = self
+            .regions
+            .iter()
+            .any(|r| r.healthy && Self::release_ok(cfg, r));
+        for r in &mut self.regions {
+            // A fleet-wide mismatch is a rollback, not a reason to route
+            // nowhere: then health alone decides.
+            let routable = r.healthy && (Self::release_ok(cfg, r) || !any_matching);
+            if routable && !r.routable {
+                r.routable_since_ms = Some(now_ms);
+            }
+            r.routable = routable;
+        }
+    }
+
+    fn update_queue_growth(&mut self, cfg: &Config, now_ms: u64) {
+        let waiting: f64 = self
+            .regions
+            .iter()
+            .filter(|r| r.metrics_ok)
+            .map(|r| r.sample.waiting.unwrap_or(0.0))
+            .sum();
+        if let Some((prev, prev_ms)) = self.last_waiting {
+            let dt = now_ms.saturating_sub(prev_ms) as f64 / 1000.0;
+            if dt > 0.0 {
+                let growth = ((waiting - prev) / dt).max(0.0);
+                let a = cfg.probe.demand_alpha;
+                self.queue_growth_rps += a * (growth - self.queue_growth_rps);
+            }
+        }
+        self.last_waiting = Some((waiting, now_ms));
+    }
+
+    /// Down signals per region: the health probe, the metrics scrape, and
+    /// live upstream failures; two or more held long enough is "down".
+    fn update_assessment(&mut self, cfg: &Config, now_ms: u64) {
+        let down_ms = (cfg.assessment.region_down_minutes * 60_000.0) as u64;
+        let mut region_down = false;
+        for r in &mut self.regions {
+            let signals = u8::from(!r.healthy)
+                + u8::from(r.scrape_failures >= cfg.probe.unhealthy_after)
+                + u8::from(r.upstream_failing);
+            if signals >= 2 {
+                let since = *r.down_since_ms.get_or_insert(now_ms);
+                region_down |= now_ms.saturating_sub(since) >= down_ms;
+            } else {
+                r.down_since_ms = None;
+            }
+        }
+        let total: f64 = cfg.regions.iter().map(|c| c.capacity_rps).sum();
+        let healthy: f64 = cfg
+            .regions
+            .iter()
+            .zip(&self.regions)
+            .filter(|(_, r)| r.healthy && Self::release_ok(cfg, r))
+            .map(|(c, _)| c.capacity_rps)
+            .sum();
+        let signals = Signals {
+            release_mismatch: cfg.release.expected.is_some()
+                && self
+                    .regions
+                    .iter()
+                    .any(|r| r.healthy && !Self::release_ok(cfg, r)),
+            region_down,
+            healthy_capacity_fraction: if total > 0.0 { healthy / total } else { 0.0 },
+        };
+        self.assessment = assess(&signals, cfg.assessment.capacity_fraction_min);
+    }
+
     pub fn snapshot(&mut self, cfg: &Config, now_ms: u64) -> Snapshot {
-        let (capacity, demand, ratio) = self.capacity_and_ratio(cfg);
+        let (capacity, demand, ratio) = self.capacity_and_ratio(cfg, now_ms);
         self.version += 1;
         let fit = self.fit.as_ref();
         let regions = cfg
@@ -218,6 +387,13 @@ impl Fleet {
                 metrics_ok: r.metrics_ok,
                 prefill_ms_per_token: fit
                     .and_then(|f| f.prefill_ms_per_token.get(i).copied().flatten()),
+                release: r.release.clone(),
+                release_ok: Self::release_ok(cfg, r),
+                ramp: if r.routable {
+                    Self::ramp(cfg, r, now_ms)
+                } else {
+                    1.0
+                },
             })
             .collect();
         Snapshot {
@@ -228,6 +404,7 @@ impl Fleet {
             demand_rps: demand,
             capacity_rps: capacity,
             level_changed_ms: self.ladder.changed_ms,
+            assessment: self.assessment,
             weights: fit.map(|f| TunedWeights {
                 w_rtt: f.w_rtt,
                 w_queue: f.w_queue,
@@ -350,5 +527,83 @@ mod tests {
         }
         let (s, _) = f.publish(&c, 1);
         assert_eq!((s.weights, s.regions[0].prefill_ms_per_token), (None, None));
+    }
+
+    fn parity_cfg() -> Config {
+        Config::parse(
+            br#"{"regions":[{"name":"a","cluster":"a","capacity_rps":2},{"name":"b","cluster":"b","capacity_rps":2}],
+                "release":{"expected":"sha256:good","ramp_s":10},
+                "assessment":{"region_down_minutes":0.05},
+                "probe":{"unhealthy_after":2,"healthy_after":1}}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn release_mismatch_is_rollback_and_the_region_is_not_routable() {
+        let c = parity_cfg();
+        let mut f = Fleet::new(&c, 0);
+        f.on_release(0, Some("sha256:good".into()));
+        f.on_release(1, Some("sha256:bad".into()));
+        let (s, _) = f.publish(&c, 1000);
+        assert_eq!(s.assessment, Assessment::Rollback);
+        assert!(s.regions[0].release_ok && !s.regions[1].release_ok);
+        assert_eq!(s.capacity_rps, 2.0);
+        f.on_release(1, Some("sha256:good".into()));
+        let (s, _) = f.publish(&c, 2000);
+        assert_eq!(s.assessment, Assessment::Ok);
+        // Back on the right release: ramped in over 10 s.
+        assert!((s.regions[1].ramp - 0.0).abs() < 1e-9);
+        let (s, _) = f.publish(&c, 7000);
+        assert!(
+            (s.regions[1].ramp - 0.5).abs() < 1e-9,
+            "{}",
+            s.regions[1].ramp
+        );
+        assert!((s.capacity_rps - 3.0).abs() < 1e-9);
+        let (s, _) = f.publish(&c, 20_000);
+        assert_eq!(s.regions[1].ramp, 1.0);
+    }
+
+    #[test]
+    fn region_down_needs_two_signals_for_the_configured_time() {
+        let c = parity_cfg();
+        let mut f = Fleet::new(&c, 0);
+        for r in 0..2 {
+            f.on_release(r, Some("sha256:good".into()));
+        }
+        // Health alone: capacity loss (50 % < 70 %), not a region down.
+        f.on_health(&c, 1, None);
+        f.on_health(&c, 1, None);
+        let (s, _) = f.publish(&c, 1000);
+        assert_eq!(s.assessment, Assessment::ScaleDrAndRaiseLadder);
+        // Plus live upstream failures: two signals, but not yet for 3 s.
+        f.on_upstream(1, 5, 5);
+        let (s, _) = f.publish(&c, 2000);
+        assert_eq!(s.assessment, Assessment::ScaleDrAndRaiseLadder);
+        f.on_upstream(1, 5, 6);
+        let (s, _) = f.publish(&c, 5000);
+        assert_eq!(s.assessment, Assessment::PageAndProposeFailover);
+        // Recovery clears it.
+        f.on_health(&c, 1, Some(5.0));
+        f.on_upstream(1, 0, 10);
+        let (s, _) = f.publish(&c, 6000);
+        assert_eq!(s.assessment, Assessment::Ok);
+    }
+
+    #[test]
+    fn queue_growth_counts_as_demand() {
+        let c = cfg();
+        let mut f = Fleet::new(&c, 0);
+        let sample = |w: f64| EngineSample {
+            waiting: Some(w),
+            ..EngineSample::default()
+        };
+        f.on_metrics(0, Some(sample(0.0)), 0.0);
+        f.publish(&c, 0);
+        f.on_metrics(0, Some(sample(10.0)), 0.0);
+        let (s, _) = f.publish(&c, 1000);
+        // 10 more waiting in 1 s, EWMA alpha 0.5: 5 rps of unmet demand.
+        assert!((s.demand_rps - 5.0).abs() < 1e-9, "{}", s.demand_rps);
     }
 }

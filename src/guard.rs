@@ -75,16 +75,49 @@ pub enum Verdict {
         tokens: u64,
         limit: u64,
     },
-    /// Serve with this body instead (max tokens clamped to `limit`).
-    Clamp {
+    /// Serve with this body instead: max tokens clamped (`clamped`) and/or
+    /// the model rewritten for the fallback pool.
+    Rewrite {
         body: Vec<u8>,
-        limit: u64,
+        clamped: bool,
     },
 }
 
-/// True when the policy needs the body to decide (a cap on length).
+/// True when the policy needs the body to decide (a cap on length) or to
+/// change it (a model rewrite).
 pub fn needs_body(policy: &TierPolicy) -> bool {
-    !policy.shed && (policy.max_prompt_tokens.is_some() || policy.max_tokens.is_some())
+    !policy.shed
+        && (policy.max_prompt_tokens.is_some()
+            || policy.max_tokens.is_some()
+            || (policy.fallback && policy.fallback_model.is_some()))
+}
+
+/// A body whose top-level `model` is `model` (replaced, or added).
+pub fn rewrite_model(body: &[u8], model: &str) -> Option<Vec<u8>> {
+    let value = serde_json::to_vec(model).ok()?;
+    match request::top_level_value_span(body, "model") {
+        Some(span) => {
+            let mut out = Vec::with_capacity(body.len() + value.len());
+            out.extend_from_slice(body.get(..span.start)?);
+            out.extend_from_slice(&value);
+            out.extend_from_slice(body.get(span.end..)?);
+            Some(out)
+        }
+        None => {
+            let open = body.iter().position(|&b| b == b'{')?;
+            let rest = body.get(open + 1..)?;
+            let empty = rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
+            let mut out = Vec::with_capacity(body.len() + value.len() + 10);
+            out.extend_from_slice(body.get(..=open)?);
+            out.extend_from_slice(b"\"model\":");
+            out.extend_from_slice(&value);
+            if !empty {
+                out.push(b',');
+            }
+            out.extend_from_slice(rest);
+            Some(out)
+        }
+    }
 }
 
 /// Apply a level's caps to a body.
@@ -101,12 +134,22 @@ pub fn check_body(
             return Ok(Verdict::PromptTooLong { tokens, limit });
         }
     }
-    if let Some(limit) = policy.max_tokens {
-        if let Some(body) = clamp_max_tokens(body, &req, limit) {
-            return Ok(Verdict::Clamp { body, limit });
-        }
+    let clamped = policy
+        .max_tokens
+        .and_then(|limit| clamp_max_tokens(body, &req, limit));
+    let was_clamped = clamped.is_some();
+    let current = clamped.as_deref().unwrap_or(body);
+    let rewritten = match (&policy.fallback_model, policy.fallback) {
+        (Some(model), true) => rewrite_model(current, model),
+        _ => None,
+    };
+    match rewritten.or(clamped) {
+        Some(body) => Ok(Verdict::Rewrite {
+            body,
+            clamped: was_clamped,
+        }),
+        None => Ok(Verdict::Pass),
     }
-    Ok(Verdict::Pass)
 }
 
 /// A body whose `max_tokens` and `max_completion_tokens` are at most
@@ -155,6 +198,34 @@ pub fn clamp_max_tokens(body: &[u8], req: &InferenceRequest, limit: u64) -> Opti
     }
     out.extend_from_slice(body.get(at..)?);
     Some(out)
+}
+
+/// Path of the operator's runtime ladder override.
+pub const OPERATOR_PATH: &str = "/llm-geo-router/ladder";
+
+/// True when `authorization` carries an operator token of `cfg`.
+pub fn is_operator(cfg: &Config, authorization: Option<&str>) -> bool {
+    let Some(token) = authorization.and_then(bearer_token) else {
+        return false;
+    };
+    let digest = api_key_digest(token);
+    cfg.ladder.operator_keys.contains(&digest)
+}
+
+/// The override an operator asked for: `{"level": 0..=5}` sets it,
+/// `{"level": null}` clears it.
+pub fn parse_override(body: &[u8]) -> Result<Option<u8>, String> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Req {
+        level: Option<u8>,
+    }
+    let r: Req = serde_json::from_slice(body)
+        .map_err(|e| format!("expected {{\"level\": 0..=5 or null}}: {e}"))?;
+    match r.level {
+        Some(l) if l > crate::ladder::MAX_LEVEL => Err(format!("level {l} is out of range 0..=5")),
+        other => Ok(other),
+    }
 }
 
 /// `Retry-After` seconds for a shed response, uniform over the configured
@@ -238,7 +309,7 @@ mod tests {
         let policy = TierPolicy {
             max_prompt_tokens: Some(10),
             max_tokens: Some(20),
-            shed: false,
+            ..TierPolicy::default()
         };
         let long = format!(
             r#"{{"messages":[{{"role":"user","content":"{}"}}]}}"#,
@@ -257,6 +328,48 @@ mod tests {
             Verdict::Pass
         );
         assert!(check_body(&c, &policy, Endpoint::ChatCompletions, b"{oops").is_err());
+    }
+
+    #[test]
+    fn operator_override_requests() {
+        let key = api_key_digest("op-secret");
+        let c = cfg(&format!(r#","ladder":{{"operator_keys":["{key}"]}}"#));
+        assert!(is_operator(&c, Some("Bearer op-secret")));
+        assert!(!is_operator(&c, Some("Bearer nope")));
+        assert!(!is_operator(&cfg(""), Some("Bearer op-secret")));
+        assert_eq!(parse_override(br#"{"level":3}"#), Ok(Some(3)));
+        assert_eq!(parse_override(br#"{"level":null}"#), Ok(None));
+        assert!(parse_override(br#"{"level":9}"#).is_err());
+        assert!(parse_override(br#"{"lvl":1}"#).is_err());
+        assert!(parse_override(b"garbage").is_err());
+    }
+
+    #[test]
+    fn fallback_model_is_rewritten_with_the_clamp() {
+        let c = cfg("");
+        let policy = TierPolicy {
+            max_tokens: Some(20),
+            fallback: true,
+            fallback_model: Some("chat-70b-int4".into()),
+            ..TierPolicy::default()
+        };
+        assert!(needs_body(&policy));
+        let body =
+            r#"{"model":"chat-70b","messages":[{"role":"user","content":"hi"}],"max_tokens":500}"#;
+        let Verdict::Rewrite { body, clamped } =
+            check_body(&c, &policy, Endpoint::ChatCompletions, body.as_bytes()).unwrap()
+        else {
+            panic!("expected a rewrite")
+        };
+        assert!(clamped);
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            (v["model"].as_str(), v["max_tokens"].as_u64()),
+            (Some("chat-70b-int4"), Some(20))
+        );
+        let added = rewrite_model(br#"{"prompt":"x"}"#, "m\"q").unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&added).unwrap();
+        assert_eq!(v["model"], "m\"q");
     }
 
     #[test]

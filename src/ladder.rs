@@ -38,6 +38,17 @@ impl Ladder {
         }
     }
 
+    /// Hold `level` (an operator's override); true when the level changed.
+    pub fn force(&mut self, level: u8, now_ms: u64) -> bool {
+        let level = level.min(MAX_LEVEL);
+        if level == self.level {
+            return false;
+        }
+        self.level = level;
+        self.changed_ms = now_ms;
+        true
+    }
+
     /// One controller step at `now_ms`; a forced level in configuration wins.
     /// Returns true when the level changed.
     pub fn step(&mut self, cfg: &LadderConfig, ratio: f64, now_ms: u64) -> bool {

@@ -7,6 +7,7 @@
 //! native tests and the tools. `host` (wasm32 only) is the one module that
 //! talks to `proxy_wasm`.
 
+pub mod assess;
 pub mod config;
 pub mod cost;
 pub mod directory;

@@ -26,6 +26,9 @@ pub struct Snapshot {
     /// Cost weights tuned online from observed TTFT; absent: configured ones.
     #[serde(default)]
     pub weights: Option<TunedWeights>,
+    /// The declare-disaster assessment.
+    #[serde(default)]
+    pub assessment: crate::assess::Assessment,
     pub regions: Vec<RegionState>,
 }
 
@@ -35,7 +38,7 @@ pub struct TunedWeights {
     pub w_queue: f64,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RegionState {
     pub name: String,
     pub healthy: bool,
@@ -58,6 +61,45 @@ pub struct RegionState {
     /// Prefill rate refined from observed TTFT; absent: the configured one.
     #[serde(default)]
     pub prefill_ms_per_token: Option<f64>,
+    /// The release digest the region reports, if read.
+    #[serde(default)]
+    pub release: Option<String>,
+    /// False when parity is checked and the region's release differs (or is
+    /// unknown): it then gets no new traffic.
+    #[serde(default = "yes")]
+    pub release_ok: bool,
+    /// Share (0..1) of new requests the region may take while it ramps back
+    /// in after becoming routable again; 1 when not ramping.
+    #[serde(default = "one")]
+    pub ramp: f64,
+}
+
+impl Default for RegionState {
+    fn default() -> Self {
+        RegionState {
+            name: String::new(),
+            healthy: false,
+            rtt_ms: None,
+            waiting: 0.0,
+            running: 0.0,
+            kv_usage: None,
+            prefix_hit_rate: None,
+            inflight_at_scrape: 0.0,
+            metrics_ok: false,
+            prefill_ms_per_token: None,
+            release: None,
+            release_ok: true,
+            ramp: 1.0,
+        }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 impl Snapshot {

@@ -118,6 +118,12 @@ impl Parsed {
         self.values.contains_key(name)
     }
 
+    /// The value as given (a file name, a header value), or `None` when the
+    /// option was not given.
+    pub fn text(&self, name: &str) -> Option<&str> {
+        self.values.get(name).map(String::as_str)
+    }
+
     /// Fails naming every option of `names` that was not given, at once.
     pub fn require_all(&self, names: &[&str]) -> Result<(), CliError> {
         let missing: Vec<String> = names
@@ -199,6 +205,7 @@ mod tests {
     fn message(result: Result<Parsed, CliError>) -> String {
         match result {
             Err(CliError::Usage(m)) => m,
+            Err(other) => format!("not a usage error: {other:?}"),
             Ok(p) => format!("parsed {p:?}"),
         }
     }

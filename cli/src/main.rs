@@ -3,13 +3,16 @@
 //! numbers given on the command line; this file only dispatches.
 //!
 //! Exit status: 0 on success, 2 when the command line is wrong (the message
-//! names the option and the usage follows), 1 when output cannot be written.
+//! names the option and the usage follows) or an input file is unreadable or
+//! invalid (the message names the file), 1 when the plugin would refuse the
+//! input (`explain`: the 400 the router sends) or output cannot be written.
 //!
 //! To add a subcommand: a module with `SUMMARY`, `USAGE` and
 //! `run(&[String]) -> Result<String, CliError>`, and one row in `COMMANDS`.
 
 mod args;
 mod crossover;
+mod explain;
 
 use std::ffi::OsString;
 use std::io::Write;
@@ -22,6 +25,12 @@ const BIN: &str = "llm-geo-router";
 pub enum CliError {
     /// The command line is wrong: what to fix, shown above the usage.
     Usage(String),
+    /// An input file cannot be read or is invalid: the message names the
+    /// file and the problem; no usage follows, the command line was right.
+    Input(String),
+    /// The plugin would refuse the input: `output` (what it would send) goes
+    /// to stdout, `message` to stderr, exit status 1.
+    Refused { output: String, message: String },
 }
 
 struct Command {
@@ -31,12 +40,20 @@ struct Command {
     run: fn(&[String]) -> Result<String, CliError>,
 }
 
-const COMMANDS: &[Command] = &[Command {
-    name: "crossover",
-    summary: crossover::SUMMARY,
-    usage: crossover::USAGE,
-    run: crossover::run,
-}];
+const COMMANDS: &[Command] = &[
+    Command {
+        name: "crossover",
+        summary: crossover::SUMMARY,
+        usage: crossover::USAGE,
+        run: crossover::run,
+    },
+    Command {
+        name: "explain",
+        summary: explain::SUMMARY,
+        usage: explain::USAGE,
+        run: explain::run,
+    },
+];
 
 fn top_usage() -> String {
     let mut text = format!("usage: {BIN} <command> [options]\n\ncommands:\n");
@@ -74,6 +91,20 @@ fn main() -> ExitCode {
         Ok(output) => emit(&output),
         Err(CliError::Usage(message)) => {
             refuse(&format!("{}: {message}", command.name), command.usage)
+        }
+        Err(CliError::Input(message)) => {
+            let _ = writeln!(
+                std::io::stderr().lock(),
+                "error: {}: {message}",
+                command.name
+            );
+            ExitCode::from(2)
+        }
+        Err(CliError::Refused { output, message }) => {
+            let _ = writeln!(std::io::stderr().lock(), "{}: {message}", command.name);
+            // Written or not, the status is 1.
+            let _ = emit(&output);
+            ExitCode::from(1)
         }
     }
 }

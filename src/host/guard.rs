@@ -11,9 +11,12 @@ use std::rc::Rc;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 
-use super::calls::{self, Metric};
+use super::calls::{self, HostStore, Metric};
+use super::probe::LADDER_OVERRIDE_KEY;
+use super::router::POOL_FALLBACK;
 use super::view::View;
 use crate::config::{Config, InvalidRequests, TierPolicy};
+use crate::directory::SharedStore;
 use crate::guard::{self, Verdict};
 use crate::openai;
 use crate::request::{self, Endpoint};
@@ -25,6 +28,7 @@ struct TierStats {
     shed: Metric,
     prompt_too_long: Metric,
     clamped: Metric,
+    fallback: Metric,
 }
 
 pub struct GuardShared {
@@ -52,6 +56,7 @@ impl GuardShared {
                         shed: m("shed"),
                         prompt_too_long: m("prompt_too_long"),
                         clamped: m("max_tokens_clamped"),
+                        fallback: m("fallback"),
                     },
                 )
             })
@@ -71,6 +76,8 @@ impl GuardShared {
 pub struct GuardFilter {
     shared: Rc<GuardShared>,
     pending: Option<(Endpoint, TierPolicy, String)>,
+    /// An operator's override request, waiting for its body.
+    operator: bool,
 }
 
 impl GuardFilter {
@@ -78,6 +85,7 @@ impl GuardFilter {
         GuardFilter {
             shared,
             pending: None,
+            operator: false,
         }
     }
 
@@ -115,10 +123,32 @@ impl HttpContext for GuardFilter {
         )
         .to_string();
         // Downstream filters and the engine see the resolved tier, never the
-        // client's claim.
+        // client's claim; only the guard chooses the pool.
         calls::set_request_header(&cfg.headers.tier, Some(&tier));
+        calls::set_request_header(&cfg.headers.pool, None);
         let method = calls::request_header(":method").unwrap_or_default();
         let path = calls::request_header(":path").unwrap_or_default();
+        if !cfg.ladder.operator_keys.is_empty()
+            && path.split('?').next() == Some(guard::OPERATOR_PATH)
+        {
+            if method != "POST"
+                || !guard::is_operator(cfg, calls::request_header("authorization").as_deref())
+            {
+                return self.reject(
+                    403,
+                    "permission_error",
+                    "forbidden",
+                    "operator token required",
+                    None,
+                    &[],
+                );
+            }
+            self.operator = true;
+            if end_of_stream {
+                return self.on_http_request_body(0, true);
+            }
+            return Action::Pause;
+        }
         let Some(endpoint) = request::endpoint(&method, &path) else {
             return Action::Continue;
         };
@@ -149,13 +179,19 @@ impl HttpContext for GuardFilter {
                 "the service is in degraded mode (level {level}) and is not serving tier {tier:?} now; retry after {retry} s"
             );
             return self.reject(
-                429,
+                u32::from(cfg.ladder.shed_status),
                 "rate_limit_error",
                 "degraded_mode_shed",
                 &msg,
                 None,
                 &[("retry-after", &retry)],
             );
+        }
+        if policy.fallback {
+            calls::set_request_header(&cfg.headers.pool, Some(POOL_FALLBACK));
+            if let Some(s) = self.tier_stats(&tier) {
+                s.fallback.add(1);
+            }
         }
         if !guard::needs_body(policy) {
             return Action::Continue;
@@ -173,6 +209,55 @@ impl HttpContext for GuardFilter {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.operator {
+            if !end_of_stream {
+                return Action::Pause;
+            }
+            self.operator = false;
+            let body = calls::request_body(body_size).unwrap_or_default();
+            return match guard::parse_override(&body) {
+                Ok(level) => {
+                    let value = level.map(|l| l.to_string()).unwrap_or_default();
+                    let stored = HostStore
+                        .set(LADDER_OVERRIDE_KEY, value.as_bytes(), None)
+                        .is_ok();
+                    if !stored {
+                        return self.reject(
+                            500,
+                            "server_error",
+                            "shared_data",
+                            "could not store the override",
+                            None,
+                            &[],
+                        );
+                    }
+                    calls::log(
+                        proxy_wasm::types::LogLevel::Warn,
+                        &format!(
+                            "llm-geo-router guard: operator set the ladder override to {level:?}"
+                        ),
+                    );
+                    let body = format!(
+                        r#"{{"override":{}}}"#,
+                        level.map_or("null".to_string(), |l| l.to_string())
+                    );
+                    calls::send_response(
+                        200,
+                        &[("content-type", "application/json")],
+                        body.as_bytes(),
+                    );
+                    Action::Pause
+                }
+                Err(e) => self.reject(
+                    400,
+                    "invalid_request_error",
+                    "invalid_override",
+                    &e,
+                    Some("level"),
+                    &[],
+                ),
+            };
+        }
         if self.pending.is_none() {
             return Action::Continue;
         }
@@ -206,11 +291,16 @@ impl HttpContext for GuardFilter {
                     &[],
                 )
             }
-            Ok(Verdict::Clamp { body: new_body, .. }) => {
+            Ok(Verdict::Rewrite {
+                body: new_body,
+                clamped,
+            }) => {
                 if calls::replace_request_body(body_size, &new_body) {
                     calls::set_request_header("content-length", Some(&new_body.len().to_string()));
-                    if let Some(s) = self.tier_stats(&tier) {
-                        s.clamped.add(1);
+                    if clamped {
+                        if let Some(s) = self.tier_stats(&tier) {
+                            s.clamped.add(1);
+                        }
                     }
                 }
                 Action::Continue

@@ -16,7 +16,7 @@ use proxy_wasm::types::LogLevel;
 use super::calls::{self, log, HostStore, Metric};
 use super::guard::ARRIVALS;
 use super::router::{rq_active_name, OBSERVATIONS_QUEUE};
-use crate::config::Config;
+use crate::config::{Config, ReleaseSource};
 use crate::directory::SharedStore;
 use crate::fleet::{Fleet, HealthChange};
 use crate::metrics::parse_engine_metrics;
@@ -25,6 +25,10 @@ use crate::tuning::Observation;
 
 /// `ladder.capacity_ratio_pct` is capped at 100x (10000 %).
 const RATIO_PCT_CAP: u64 = 10_000;
+
+/// Shared-data key of the operator's runtime ladder override (written by
+/// the guard's operator endpoint): a level 0..=5, or absent/empty for none.
+pub const LADDER_OVERRIDE_KEY: &str = "llm_geo_router.ladder.override";
 
 const LEASE_KEY: &str = "llm_geo_router.probe.lease";
 
@@ -44,6 +48,9 @@ struct RegionStats {
     scrape_failures: Metric,
     rq_active: Metric,
     prefill_us_per_token: Metric,
+    rq_total: Metric,
+    upstream_failures: Metric,
+    last_upstream: Option<(u64, u64)>,
 }
 
 pub struct Probe {
@@ -54,6 +61,7 @@ pub struct Probe {
     regions: Vec<RegionStats>,
     arrivals: Metric,
     level: Metric,
+    level_changed_s: Metric,
     ratio_pct: Metric,
     demand_rps: Metric,
     capacity_rps: Metric,
@@ -64,6 +72,9 @@ pub struct Probe {
     w_queue_milli: Metric,
     metrics_warned: Vec<bool>,
     queue: Option<u32>,
+    assessment: Metric,
+    last_assessment: crate::assess::Assessment,
+    override_active: Metric,
 }
 
 /// Observations drained per tick at most: a bound on the work one tick does.
@@ -94,6 +105,9 @@ impl Probe {
                     scrape_failures: Metric::counter(&m("metrics_scrape_failure")),
                     rq_active: Metric::gauge(&rq_active_name(&r.name)),
                     prefill_us_per_token: Metric::gauge(&m("prefill_us_per_token")),
+                    rq_total: Metric::counter(&m("rq_total")),
+                    upstream_failures: Metric::counter(&m("upstream_failure")),
+                    last_upstream: None,
                 }
             })
             .collect();
@@ -104,6 +118,7 @@ impl Probe {
             regions,
             arrivals: Metric::counter(ARRIVALS),
             level: Metric::gauge("llm_geo_router.ladder.level"),
+            level_changed_s: Metric::gauge("llm_geo_router.ladder.level_changed_unix_s"),
             ratio_pct: Metric::gauge("llm_geo_router.ladder.capacity_ratio_pct"),
             demand_rps: Metric::gauge("llm_geo_router.ladder.demand_rps"),
             capacity_rps: Metric::gauge("llm_geo_router.ladder.capacity_rps"),
@@ -113,6 +128,9 @@ impl Probe {
             w_rtt_milli: Metric::gauge("llm_geo_router.tuning.w_rtt_milli"),
             w_queue_milli: Metric::gauge("llm_geo_router.tuning.w_queue_milli"),
             metrics_warned: vec![false; cfg.regions.len()],
+            assessment: Metric::gauge("llm_geo_router.assessment.state"),
+            last_assessment: crate::assess::Assessment::Ok,
+            override_active: Metric::gauge("llm_geo_router.ladder.override_active"),
             queue: if cfg.tuning.enabled {
                 calls::register_queue(OBSERVATIONS_QUEUE)
             } else {
@@ -157,6 +175,8 @@ impl Probe {
             .retain(|_, (_, _, sent)| now.saturating_sub(*sent) <= 2 * timeout_ms + 1000);
         self.fleet.on_arrivals(&self.cfg, self.arrivals.get(), now);
         self.drain_observations();
+        self.read_upstream_results();
+        self.read_override();
         let cfg = self.cfg.clone();
         for (i, r) in cfg.regions.iter().enumerate() {
             let authority = cfg.region_authority(i).unwrap_or(&r.cluster);
@@ -214,6 +234,10 @@ impl Probe {
         match kind {
             Kind::Health => {
                 let rtt = ok.then(|| now.saturating_sub(sent) as f64);
+                if ok {
+                    let digest = self.health_release(body_size);
+                    self.fleet.on_release(region, digest);
+                }
                 if self.health(region, rtt) {
                     self.publish(now);
                 }
@@ -229,7 +253,9 @@ impl Probe {
                 let parsed = match (ok, engine) {
                     (true, Some(engine)) => {
                         let body = calls::call_response_body(body_size).unwrap_or_default();
-                        parse_engine_metrics(engine, &body, None).map_err(|e| e.to_string())
+                        let label = (self.cfg.release.source == ReleaseSource::MetricsLabel)
+                            .then_some(self.cfg.release.name.as_str());
+                        parse_engine_metrics(engine, &body, label).map_err(|e| e.to_string())
                     }
                     _ => Err(format!(
                         "status {}",
@@ -243,6 +269,9 @@ impl Probe {
                     Ok(sample) => {
                         if let Some(w) = warned {
                             *w = false;
+                        }
+                        if sample.release.is_some() {
+                            self.fleet.on_release(region, sample.release.clone());
                         }
                         self.fleet.on_metrics(region, Some(sample), inflight);
                         self.publish(now);
@@ -262,6 +291,50 @@ impl Probe {
                 }
             }
         }
+    }
+
+    /// The release digest in a health response, per `release.source`.
+    fn health_release(&self, body_size: usize) -> Option<String> {
+        let r = &self.cfg.release;
+        match r.source {
+            ReleaseSource::HealthHeader => calls::call_response_header(&r.name),
+            ReleaseSource::HealthJson => {
+                let body = calls::call_response_body(body_size.min(64 * 1024))?;
+                let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+                v.get(&r.name)?.as_str().map(str::to_string)
+            }
+            ReleaseSource::MetricsLabel => None,
+        }
+    }
+
+    /// Live results of routed requests since the last tick: the routers'
+    /// per-region counters of requests and of upstream failures.
+    fn read_upstream_results(&mut self) {
+        for (i, s) in self.regions.iter_mut().enumerate() {
+            let (total, failed) = (s.rq_total.get(), s.upstream_failures.get());
+            let (t0, f0) = s
+                .last_upstream
+                .replace((total, failed))
+                .unwrap_or((total, failed));
+            self.fleet
+                .on_upstream(i, failed.saturating_sub(f0), total.saturating_sub(t0));
+        }
+    }
+
+    /// The operator's runtime override of the ladder level, if any.
+    fn read_override(&mut self) {
+        let value = HostStore
+            .get(LADDER_OVERRIDE_KEY)
+            .ok()
+            .flatten()
+            .map(|(v, _)| v);
+        let level = value.and_then(|v| {
+            std::str::from_utf8(&v)
+                .ok()
+                .and_then(|t| t.trim().parse::<u8>().ok())
+        });
+        self.override_active.set(u64::from(level.is_some()));
+        self.fleet.set_override(level);
     }
 
     fn drain_observations(&mut self) {
@@ -308,10 +381,33 @@ impl Probe {
         }
     }
 
-    /// The once-per-tick step (ladder, tuning), then a publication.
+    /// The once-per-tick step (ladder, tuning, assessment), then a publication.
     fn tick_and_publish(&mut self, now: u64) {
         let level_changed = self.fleet.tick(&self.cfg, now);
         let snap = self.publish(now);
+        if snap.assessment != self.last_assessment {
+            self.last_assessment = snap.assessment;
+            let (healthy, total): (Vec<&str>, usize) = (
+                snap.regions
+                    .iter()
+                    .filter(|r| r.healthy && r.release_ok)
+                    .map(|r| r.name.as_str())
+                    .collect(),
+                snap.regions.len(),
+            );
+            log(
+                LogLevel::Warn,
+                &format!(
+                    "llm-geo-router probe: assessment {} (routable regions {}/{}: [{}]; capacity {:.1} rps, demand {:.1} rps)",
+                    snap.assessment.as_str(),
+                    healthy.len(),
+                    total,
+                    healthy.join(", "),
+                    snap.capacity_rps,
+                    snap.demand_rps
+                ),
+            );
+        }
         if level_changed {
             log(
                 LogLevel::Warn,
@@ -335,6 +431,8 @@ impl Probe {
 
     fn export(&self, snap: &Snapshot) {
         self.level.set(u64::from(snap.level));
+        self.assessment.set(snap.assessment.gauge());
+        self.level_changed_s.set(snap.level_changed_ms / 1000);
         // No demand: "plenty", shown as the cap (100x) rather than 0, which
         // would read as no capacity.
         let cap = RATIO_PCT_CAP as f64;

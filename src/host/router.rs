@@ -22,6 +22,9 @@ use crate::request::{self, Endpoint, RequestError};
 use crate::route::{Refusal, RouteInputs, Router};
 use crate::tuning::Observation;
 
+/// Value of the pool header for the fallback pool.
+pub const POOL_FALLBACK: &str = "fallback";
+
 /// Filter state key holding the decision text (Envoy prefixes `wasm.`).
 pub const DECISION_FILTER_STATE: &str = "llm_geo_router.decision";
 
@@ -34,6 +37,11 @@ struct Stats {
     rq_active: Vec<Metric>,
     /// Per region: requests routed there.
     rq_total: Vec<Metric>,
+    /// Per region: routed requests answered with 5xx or reset (a live down
+    /// signal for the probe's assessment).
+    upstream_failures: Vec<Metric>,
+    /// Per region: requests sent to its fallback pool.
+    fallback_routed: Vec<Metric>,
     /// Per reason, in `Reason::ALL` order.
     decisions: Vec<Metric>,
     /// Per region, per reason.
@@ -69,6 +77,26 @@ impl RouterShared {
                 .regions
                 .iter()
                 .map(|r| Metric::counter(&format!("llm_geo_router.region.{}.rq_total", r.name)))
+                .collect(),
+            upstream_failures: cfg
+                .regions
+                .iter()
+                .map(|r| {
+                    Metric::counter(&format!(
+                        "llm_geo_router.region.{}.upstream_failure",
+                        r.name
+                    ))
+                })
+                .collect(),
+            fallback_routed: cfg
+                .regions
+                .iter()
+                .map(|r| {
+                    Metric::counter(&format!(
+                        "llm_geo_router.region.{}.fallback_rq_total",
+                        r.name
+                    ))
+                })
                 .collect(),
             decisions: Reason::ALL
                 .iter()
@@ -130,6 +158,10 @@ pub struct RouterFilter {
     shared: Rc<RouterShared>,
     endpoint: Option<Endpoint>,
     routed: Option<usize>,
+    /// The guard sent this request to the fallback pool.
+    fallback: bool,
+    /// Response headers arrived (a request without them was reset).
+    responded: bool,
     decision_header: Option<String>,
     pending: Option<Pending>,
 }
@@ -140,6 +172,8 @@ impl RouterFilter {
             shared,
             endpoint: None,
             routed: None,
+            fallback: false,
+            responded: false,
             decision_header: None,
             pending: None,
         }
@@ -150,7 +184,16 @@ impl RouterFilter {
         let Some(r) = cfg.regions.get(region) else {
             return;
         };
-        calls::set_request_header(&cfg.headers.cluster, Some(&r.cluster));
+        let cluster = match (&r.fallback_cluster, self.fallback) {
+            (Some(fallback), true) => {
+                if let Some(m) = self.shared.stats.fallback_routed.get(region) {
+                    m.add(1);
+                }
+                fallback
+            }
+            _ => &r.cluster,
+        };
+        calls::set_request_header(&cfg.headers.cluster, Some(cluster));
         calls::clear_route_cache();
         if let Some(m) = self.shared.stats.rq_total.get(region) {
             m.add(1);
@@ -255,7 +298,10 @@ impl RouterFilter {
             let from = cfg.regions.get(kv.from).map_or("", |r| r.name.as_str());
             calls::set_request_header(&cfg.migration.header, Some(&kv.header_value(from)));
         }
-        let text = routed.describe(cfg, snapshot.map_or(0, |s| s.level));
+        let mut text = routed.describe(cfg, snapshot.map_or(0, |s| s.level));
+        if self.fallback {
+            text.push_str("; pool=fallback");
+        }
         // For access logs: %FILTER_STATE(wasm.llm_geo_router.decision:PLAIN)%.
         calls::set_filter_state(DECISION_FILTER_STATE, text.as_bytes());
         if cfg.headers.decision.is_some() {
@@ -280,6 +326,8 @@ impl HttpContext for RouterFilter {
         // Never let a client pick the cluster or speak for the router.
         calls::set_request_header(&cfg.headers.cluster, None);
         calls::set_request_header(&cfg.migration.header, None);
+        // Only the guard sets the pool (it removes any client value first).
+        self.fallback = calls::request_header(&cfg.headers.pool).as_deref() == Some(POOL_FALLBACK);
         let method = calls::request_header(":method").unwrap_or_default();
         let path = calls::request_header(":path").unwrap_or_default();
         self.endpoint = request::endpoint(&method, &path);
@@ -319,8 +367,18 @@ impl HttpContext for RouterFilter {
         {
             calls::add_response_header(name, value);
         }
+        self.responded = true;
+        let status = calls::response_header(":status");
+        if status.as_deref().is_some_and(|s| s.starts_with('5')) {
+            if let Some(m) = self
+                .routed
+                .and_then(|r| self.shared.stats.upstream_failures.get(r))
+            {
+                m.add(1);
+            }
+        }
         // Only a successful stream's first byte is a time to first token.
-        let ok = calls::response_header(":status").is_some_and(|s| s.starts_with('2'));
+        let ok = status.is_some_and(|s| s.starts_with('2'));
         if !ok {
             self.pending = None;
         }
@@ -341,6 +399,13 @@ impl HttpContext for RouterFilter {
     }
 
     fn on_log(&mut self) {
+        if let Some(region) = self.routed {
+            if !self.responded {
+                if let Some(m) = self.shared.stats.upstream_failures.get(region) {
+                    m.add(1);
+                }
+            }
+        }
         if let Some(region) = self.routed.take() {
             if let Some(m) = self.shared.stats.rq_active.get(region) {
                 m.add(-1);

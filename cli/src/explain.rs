@@ -1,0 +1,703 @@
+//! `explain`: the routing decision for one request, with every term. Runs
+//! `route::Router::route`, the function the router filter runs in the .wasm,
+//! over files instead of Envoy: the plugin configuration, a fleet snapshot,
+//! the request body, and optionally earlier requests replayed into an
+//! in-memory prefix directory. No routing logic of its own: it gathers the
+//! inputs the host layer would and prints what comes back.
+
+use crate::args::{self, Kind, Opt, Parsed};
+use crate::CliError;
+use llm_geo_router::config::{Config, InvalidRequests};
+use llm_geo_router::cost::{Cost, Decision};
+use llm_geo_router::directory::MemoryStore;
+use llm_geo_router::migration::{KvAction, MigrationAction};
+use llm_geo_router::openai;
+use llm_geo_router::prefix::PromptHasher;
+use llm_geo_router::request::{self, Endpoint};
+use llm_geo_router::route::{Refusal, RouteInputs, Routed, Router};
+use llm_geo_router::snapshot::Snapshot;
+use serde_json::{json, Value};
+use std::path::Path;
+
+pub const SUMMARY: &str = "the routing decision for one request, with every cost term";
+
+pub const USAGE: &str = "\
+usage: llm-geo-router explain --config FILE --snapshot FILE --request FILE
+                              [--path /v1/chat/completions] [--session S]
+                              [--residency R] [--inflight region=n,...]
+                              [--history FILE] [--now-ms T] [--json]
+
+Runs the router filter's own code (route::Router::route) on one request and
+prints the decision: per region whether it is a candidate, healthy and over
+its bounded-load share, the tokens it is believed to hold, and the rtt,
+prefill and queue terms of its expected time to first token; then the chosen
+region, the reason, the runner-up, the migration action and the shared-data
+calls made. The prefix directory and the session records are in memory:
+empty, unless --history replays earlier requests into them.
+
+inputs:
+  --config FILE     the plugin's JSON configuration (the `configuration` string)
+  --snapshot FILE   a fleet snapshot as the probe publishes it (shared-data key
+                    llm_geo_router.snapshot). Its freshness is NOT checked: it
+                    is used whatever its generated_ms and
+                    probe.snapshot_max_age_ms say, where the filter would
+                    ignore a stale one and fall back to the nearest region.
+  --request FILE    the request body, bytes as sent
+request:
+  --path P          request path, POST assumed (default /v1/chat/completions);
+                    another path is not interpreted: it goes to default_region
+  --session S       value of the session header (headers.session); else the
+                    body's `user`
+  --residency R     value of the residency header; refused unless the
+                    configuration sets residency.header
+  --inflight LIST   this Envoy's in-flight requests per region, e.g. near=3,mid=1
+                    (default 0); occupancy is the snapshot's waiting + running
+                    plus this minus the region's inflight_at_scrape
+directory:
+  --history FILE    JSON array of earlier requests, replayed in order:
+                      [{\"body\": {...} | \"file.json\", \"region\": \"mid\",
+                        \"at_ms\": 1700000000000, \"session\": \"s1\"}]
+                    a body file is relative to the history file's directory;
+                    `session` is optional (else the body's `user`). Each entry
+                    is recorded for its region as the router records the
+                    region it chose. at_ms: > 0, not decreasing.
+  --now-ms T        the request's time, ms since the Unix epoch (default: the
+                    later of the snapshot's generated_ms and the last at_ms)
+output:
+  --json            one JSON object instead of a table
+
+Exit status: 0 routed (or sent to default_region uninterpreted); 1 the router
+would answer 400 (invalid body, unknown residency), and the OpenAI error body
+it would send is printed; 2 a wrong option, or a file that cannot be read or
+is invalid (the message names it).
+";
+
+const fn value(name: &'static str) -> Opt {
+    Opt {
+        name,
+        kind: Kind::Value,
+    }
+}
+
+const OPTIONS: &[Opt] = &[
+    value("config"),
+    value("snapshot"),
+    value("request"),
+    value("path"),
+    value("session"),
+    value("residency"),
+    value("inflight"),
+    value("history"),
+    value("now-ms"),
+    Opt {
+        name: "json",
+        kind: Kind::Flag,
+    },
+];
+
+const DEFAULT_PATH: &str = "/v1/chat/completions";
+
+pub fn run(argv: &[String]) -> Result<String, CliError> {
+    let p = args::parse(argv, OPTIONS)?;
+    p.require_all(&["config", "snapshot", "request"])?;
+    let config_path = path_of(&p, "config")?;
+    let cfg = Config::parse(&read("config", config_path)?)
+        .map_err(|e| CliError::Input(format!("--config {config_path}: {e}")))?;
+    let snapshot_path = path_of(&p, "snapshot")?;
+    let snapshot = Snapshot::decode(&read("snapshot", snapshot_path)?)
+        .map_err(|e| CliError::Input(format!("--snapshot {snapshot_path}: {e}")))?;
+    let body = read("request", path_of(&p, "request")?)?;
+    let inflight = inflight(&cfg, p.text("inflight"))?;
+    let residency = match p.text("residency") {
+        Some(_) if cfg.residency.header.is_none() => {
+            return Err(CliError::Usage(
+                "--residency: the configuration sets no residency.header, so the \
+                 router never reads a residency"
+                    .into(),
+            ))
+        }
+        other => other,
+    };
+    let history = match p.text("history") {
+        Some(file) => History::load(&cfg, Path::new(file))?,
+        None => History::default(),
+    };
+    let last_at = history.entries.last().map_or(0, |e| e.at_ms);
+    let now_ms = match p.whole::<u64>("now-ms", false)? {
+        Some(t) if t < last_at => {
+            return Err(CliError::Usage(format!(
+                "--now-ms {t} is before the history's last at_ms ({last_at})"
+            )))
+        }
+        Some(t) => t,
+        None => snapshot.generated_ms.max(last_at),
+    };
+    let json_out = p.flag("json");
+
+    let req_path = p.text("path").unwrap_or(DEFAULT_PATH);
+    let Some(endpoint) = request::endpoint("POST", req_path) else {
+        let why = format!("POST {req_path} is not an inference path");
+        return Ok(Uninterpreted { why }.render(&cfg, json_out));
+    };
+    if !body.is_empty() && !request::looks_like_json(&body) {
+        let why = "the body's first non-blank byte is not `{`".to_string();
+        return Ok(Uninterpreted { why }.render(&cfg, json_out));
+    }
+
+    let router = Router::new(&cfg);
+    let mut store = MemoryStore::default();
+    history.replay(&cfg, &router, endpoint, &mut store)?;
+    let snapshot_index: Vec<Option<usize>> = cfg
+        .regions
+        .iter()
+        .map(|r| snapshot.regions.iter().position(|s| s.name == r.name))
+        .collect();
+    let session = session_record(
+        &cfg,
+        &router,
+        &mut store,
+        p.text("session"),
+        endpoint,
+        &body,
+        now_ms,
+    );
+    let inputs = RouteInputs {
+        endpoint,
+        body: &body,
+        session_header: p.text("session"),
+        residency,
+        snapshot: Some(&snapshot),
+        snapshot_index: &snapshot_index,
+        inflight: &inflight,
+        now_ms,
+    };
+    match router.route(&cfg, &mut store, &inputs) {
+        Ok(routed) => {
+            let report = Report {
+                cfg: &cfg,
+                snapshot: &snapshot,
+                snapshot_index: &snapshot_index,
+                routed: &routed,
+                session,
+                req_path,
+                now_ms,
+                replayed: history.entries.len(),
+            };
+            Ok(if json_out {
+                report.json()
+            } else {
+                report.table()
+            })
+        }
+        Err(Refusal::Invalid(e)) => match cfg.invalid_requests {
+            InvalidRequests::PassThrough => {
+                let why = format!(
+                    "invalid request passed through (invalid_requests = pass_through): {}",
+                    e.message
+                );
+                Ok(Uninterpreted { why }.render(&cfg, json_out))
+            }
+            // The same body the router filter sends (`RouterFilter::reject`).
+            InvalidRequests::Reject => Err(refused(
+                "invalid_request",
+                &e.message,
+                e.param,
+                "invalid request body",
+            )),
+        },
+        Err(Refusal::UnknownResidency(message)) => Err(refused(
+            "invalid_residency",
+            &message,
+            None,
+            "residency value not in residency.allowed",
+        )),
+    }
+}
+
+fn refused(code: &str, message: &str, param: Option<&str>, what: &str) -> CliError {
+    let body = openai::error_body(message, "invalid_request_error", param, Some(code));
+    CliError::Refused {
+        output: format!("{}\n", String::from_utf8_lossy(&body)),
+        message: format!("the router would answer 400 ({what})"),
+    }
+}
+
+/// The session key the router will use (the header, else the body's
+/// `user`) and what its record says before this request; a read of the
+/// in-memory store, so it is not among the decision's shared-data calls.
+fn session_record(
+    cfg: &Config,
+    router: &Router,
+    store: &mut MemoryStore,
+    header: Option<&str>,
+    endpoint: Endpoint,
+    body: &[u8],
+    now_ms: u64,
+) -> Option<Session> {
+    let key = match header {
+        Some(h) => h.to_string(),
+        None => {
+            let hasher = PromptHasher::new(cfg.prefix.block_bytes, cfg.prefix.hash_seed);
+            request::parse(endpoint, body, hasher).ok()?.user?
+        }
+    };
+    let last = router.sessions.lookup(store, &key, now_ms).last;
+    Some(Session { key, last })
+}
+
+struct Session {
+    key: String,
+    /// The region that served its previous request, and when.
+    last: Option<(usize, u64)>,
+}
+
+/// `require_all` has run; this only turns "absent" into the same message.
+fn path_of<'a>(p: &'a Parsed, name: &str) -> Result<&'a str, CliError> {
+    p.text(name)
+        .ok_or_else(|| CliError::Usage(format!("missing required option --{name}")))
+}
+
+fn read(option: &str, path: &str) -> Result<Vec<u8>, CliError> {
+    std::fs::read(path).map_err(|e| CliError::Input(format!("--{option} {path}: cannot read: {e}")))
+}
+
+/// `near=3,mid=1` → per configured region; unnamed regions are 0.
+fn inflight(cfg: &Config, raw: Option<&str>) -> Result<Vec<f64>, CliError> {
+    let mut out = vec![0.0; cfg.regions.len()];
+    let mut given = vec![false; cfg.regions.len()];
+    let Some(raw) = raw else {
+        return Ok(out);
+    };
+    let bad = |what: String| CliError::Usage(format!("--inflight {raw:?}: {what}"));
+    for item in raw.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let Some((name, count)) = item.split_once('=') else {
+            return Err(bad(format!("{item:?} is not region=count")));
+        };
+        let name = name.trim();
+        let Some(i) = cfg.regions.iter().position(|r| r.name == name) else {
+            return Err(bad(format!("{name:?} is not a configured region")));
+        };
+        let n = count
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|n| n.is_finite() && *n >= 0.0)
+            .ok_or_else(|| bad(format!("{count:?} for {name} is not a number >= 0")))?;
+        if given.get(i).copied().unwrap_or(false) {
+            return Err(bad(format!("{name} is given more than once")));
+        }
+        if let (Some(slot), Some(g)) = (out.get_mut(i), given.get_mut(i)) {
+            *slot = n;
+            *g = true;
+        }
+    }
+    Ok(out)
+}
+
+/// Earlier requests to replay into the directory and the session records.
+#[derive(Default)]
+struct History {
+    file: String,
+    entries: Vec<Past>,
+}
+
+struct Past {
+    body: Vec<u8>,
+    region: usize,
+    at_ms: u64,
+    session: Option<String>,
+}
+
+impl History {
+    fn load(cfg: &Config, path: &Path) -> Result<History, CliError> {
+        let file = path.display().to_string();
+        let bytes = read("history", &file)?;
+        let fail = |what: String| CliError::Input(format!("--history {file}: {what}"));
+        let value: Value =
+            serde_json::from_slice(&bytes).map_err(|e| fail(format!("is not valid JSON: {e}")))?;
+        let Value::Array(items) = value else {
+            return Err(fail(
+                "must be a JSON array of {\"body\", \"region\", \"at_ms\"} objects".into(),
+            ));
+        };
+        let base = path.parent().unwrap_or(Path::new("."));
+        let mut entries: Vec<Past> = Vec::with_capacity(items.len());
+        for (i, item) in items.iter().enumerate() {
+            let at = |what: String| fail(format!("[{i}]: {what}"));
+            let Value::Object(obj) = item else {
+                return Err(at("must be an object with body, region and at_ms".into()));
+            };
+            if let Some(k) = obj
+                .keys()
+                .find(|k| !matches!(k.as_str(), "body" | "region" | "at_ms" | "session"))
+            {
+                return Err(at(format!(
+                    "unknown field {k:?}; expected body, region, at_ms, session"
+                )));
+            }
+            let body = match obj.get("body") {
+                Some(Value::String(name)) => {
+                    let body_path = base.join(name);
+                    std::fs::read(&body_path).map_err(|e| {
+                        at(format!("body {}: cannot read: {e}", body_path.display()))
+                    })?
+                }
+                Some(b @ Value::Object(_)) => b.to_string().into_bytes(),
+                _ => {
+                    return Err(at(
+                        "body must be a request object or the name of a file holding one".into(),
+                    ))
+                }
+            };
+            let region = match obj.get("region") {
+                Some(Value::String(name)) => cfg
+                    .regions
+                    .iter()
+                    .position(|r| &r.name == name)
+                    .ok_or_else(|| at(format!("region {name:?} is not a configured region")))?,
+                _ => return Err(at("region must be the name of a configured region".into())),
+            };
+            let at_ms = obj
+                .get("at_ms")
+                .and_then(Value::as_u64)
+                .filter(|t| *t > 0)
+                // The directory treats a zero stamp as "never served".
+                .ok_or_else(|| at("at_ms must be a whole number of ms > 0".into()))?;
+            if let Some(prev) = entries.last().filter(|p| p.at_ms > at_ms) {
+                return Err(at(format!(
+                    "at_ms {at_ms} is before the previous entry's ({})",
+                    prev.at_ms
+                )));
+            }
+            let session = match obj.get("session") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(s)) => Some(s.clone()),
+                Some(_) => return Err(at("session must be a string".into())),
+            };
+            entries.push(Past {
+                body,
+                region,
+                at_ms,
+                session,
+            });
+        }
+        Ok(History { file, entries })
+    }
+
+    /// Records each entry as the router records the region it chose: the
+    /// directory lookup then record, and the session record.
+    fn replay(
+        &self,
+        cfg: &Config,
+        router: &Router,
+        endpoint: Endpoint,
+        store: &mut MemoryStore,
+    ) -> Result<(), CliError> {
+        for (i, past) in self.entries.iter().enumerate() {
+            let hasher = PromptHasher::new(cfg.prefix.block_bytes, cfg.prefix.hash_seed);
+            let req = request::parse(endpoint, &past.body, hasher).map_err(|e| {
+                CliError::Input(format!(
+                    "--history {}: [{i}]: body is not a valid request: {}",
+                    self.file, e.message
+                ))
+            })?;
+            let checkpoints = &req.prompt.checkpoints;
+            let mut lookup = router.dir.lookup(store, checkpoints, past.at_ms);
+            router
+                .dir
+                .record(store, &mut lookup, checkpoints, past.region, past.at_ms);
+            if let Some(key) = past.session.as_deref().or(req.user.as_deref()) {
+                let entry = router.sessions.lookup(store, key, past.at_ms);
+                router
+                    .sessions
+                    .record(store, entry, past.region, past.at_ms);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A request the router does not route by cost: it goes to `default_region`.
+struct Uninterpreted {
+    why: String,
+}
+
+impl Uninterpreted {
+    fn render(&self, cfg: &Config, json_out: bool) -> String {
+        let name = cfg
+            .regions
+            .get(cfg.default_region_index())
+            .map_or("?", |r| r.name.as_str());
+        // The decision header the filter sends for these; it sets no filter state.
+        let decision = format!("region={name}; reason=default");
+        if json_out {
+            let v = json!({
+                "region": name,
+                "reason": "default",
+                "why": self.why,
+                "decision": decision,
+            });
+            return format!("{v}\n");
+        }
+        format!(
+            "chosen     {name} (default_region, untouched)\nreason     default: {}\ndecision   {decision}\n",
+            self.why
+        )
+    }
+}
+
+struct Report<'a> {
+    cfg: &'a Config,
+    snapshot: &'a Snapshot,
+    snapshot_index: &'a [Option<usize>],
+    routed: &'a Routed,
+    session: Option<Session>,
+    req_path: &'a str,
+    now_ms: u64,
+    replayed: usize,
+}
+
+impl Report<'_> {
+    fn name(&self, i: usize) -> &str {
+        self.cfg.regions.get(i).map_or("?", |r| r.name.as_str())
+    }
+
+    fn decision(&self) -> &Decision {
+        &self.routed.decision
+    }
+
+    fn cost(&self, i: usize) -> Option<&Cost> {
+        self.decision().costs.get(i)
+    }
+
+    fn weights_source(&self) -> &'static str {
+        if self.snapshot.weights.is_some() {
+            "tuned (snapshot)"
+        } else {
+            "configured"
+        }
+    }
+
+    /// Configured regions the snapshot does not report on: the core assumes
+    /// them healthy with their configured figures.
+    fn unreported(&self) -> Vec<&str> {
+        self.snapshot_index
+            .iter()
+            .enumerate()
+            .filter(|(_, j)| j.is_none())
+            .map(|(i, _)| self.name(i))
+            .collect()
+    }
+
+    fn describe(&self) -> String {
+        self.routed.describe(self.cfg, self.snapshot.level)
+    }
+
+    fn json(&self) -> String {
+        let d = self.decision();
+        let regions: Vec<Value> = self
+            .cfg
+            .regions
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let c = self.cost(i).copied().unwrap_or_default();
+                json!({
+                    "name": r.name,
+                    "in_snapshot": self.snapshot_index.get(i).copied().flatten().is_some(),
+                    "candidate": c.candidate,
+                    "healthy": c.healthy,
+                    "over_bound": c.over_bound,
+                    "cached_tokens": c.cached_tokens,
+                    "occupancy": c.occupancy,
+                    "rtt_ms": c.rtt_ms,
+                    "prefill_ms": c.prefill_ms,
+                    "queue_ms": c.queue_ms,
+                    "total_ms": c.total_ms,
+                })
+            })
+            .collect();
+        let migration = self.routed.kv.as_ref().map(|kv| {
+            json!({
+                "action": action_name(kv),
+                "from": self.name(kv.from),
+                "tokens": kv.tokens,
+                // Non-finite (saturated queue) becomes null.
+                "fetch_ms": kv.plan.fetch_ms,
+                "recompute_ms": kv.plan.recompute_ms,
+                "header": kv.header_value(self.name(kv.from)),
+            })
+        });
+        let v = json!({
+            "path": self.req_path,
+            "now_ms": self.now_ms,
+            "snapshot_version": self.snapshot.version,
+            "level": self.snapshot.level,
+            "history_replayed": self.replayed,
+            "prompt_tokens": self.routed.prompt_tokens,
+            "stream": self.routed.stream,
+            "weights": {
+                "w_rtt": self.routed.weights.w_rtt,
+                "w_queue": self.routed.weights.w_queue,
+                "source": self.weights_source(),
+            },
+            "regions": regions,
+            "region": self.name(d.region),
+            "reason": d.reason.as_str(),
+            "runner_up": d.runner_up.map(|i| self.name(i)),
+            "session": self.session.as_ref().map(|s| json!({
+                "key": s.key,
+                "last_region": s.last.map(|(r, _)| self.name(r)),
+                "last_at_ms": s.last.map(|(_, t)| t),
+            })),
+            "migration": migration,
+            "shared_data_calls": self.routed.shared_data_calls,
+            "decision": self.describe(),
+        });
+        format!("{v}\n")
+    }
+
+    fn table(&self) -> String {
+        let d = self.decision();
+        let w = self.routed.weights;
+        let mut out = format!(
+            "request    POST {}: {} prompt tokens (estimated), stream={}\n\
+             snapshot   version {}, level {}, weights w_rtt={} w_queue={} ({})\n\
+             directory  {} earlier request(s) replayed; now_ms={}\n",
+            self.req_path,
+            self.routed.prompt_tokens,
+            self.routed.stream,
+            self.snapshot.version,
+            self.snapshot.level,
+            w.w_rtt,
+            w.w_queue,
+            self.weights_source(),
+            self.replayed,
+            self.now_ms,
+        );
+        if let Some(s) = &self.session {
+            let last = match s.last {
+                Some((r, t)) => format!(
+                    "last served by {} at {t} ms; kept if within cost.session_slack_ms ({} ms) of the best",
+                    self.name(r),
+                    self.cfg.cost.session_slack_ms
+                ),
+                None => "no record".into(),
+            };
+            out.push_str(&format!("session    {:?}: {last}\n", s.key));
+        }
+        let unreported = self.unreported();
+        if !unreported.is_empty() {
+            out.push_str(&format!(
+                "note       not in the snapshot, assumed healthy with configured figures: {}\n",
+                unreported.join(", ")
+            ));
+        }
+        out.push('\n');
+        let header = [
+            "region",
+            "candidate",
+            "healthy",
+            "over_bound",
+            "cached_tokens",
+            "occupancy",
+            "rtt_ms",
+            "prefill_ms",
+            "queue_ms",
+            "total_ms",
+        ];
+        let yes = |b: bool| if b { "yes" } else { "no" }.to_string();
+        let mut rows: Vec<[String; 10]> = vec![header.map(str::to_string)];
+        for (i, r) in self.cfg.regions.iter().enumerate() {
+            let marker = if i == d.region { "*" } else { " " };
+            let name = format!("{marker}{}", r.name);
+            rows.push(match self.cost(i) {
+                Some(c) => [
+                    name,
+                    yes(c.candidate),
+                    yes(c.healthy),
+                    yes(c.over_bound),
+                    c.cached_tokens.to_string(),
+                    format!("{:.1}", c.occupancy),
+                    format!("{:.1}", c.rtt_ms),
+                    format!("{:.1}", c.prefill_ms),
+                    format!("{:.1}", c.queue_ms),
+                    format!("{:.1}", c.total_ms),
+                ],
+                None => std::array::from_fn(|k| if k == 0 { name.clone() } else { "-".into() }),
+            });
+        }
+        let mut widths = [0usize; 10];
+        for row in &rows {
+            for (w, cell) in widths.iter_mut().zip(row) {
+                *w = (*w).max(cell.len());
+            }
+        }
+        for row in &rows {
+            let mut line = String::new();
+            for (k, (cell, w)) in row.iter().zip(widths).enumerate() {
+                if k == 0 {
+                    line.push_str(&format!("{cell:<w$}"));
+                } else {
+                    line.push_str(&format!("  {cell:>w$}"));
+                }
+            }
+            out.push_str(line.trim_end());
+            out.push('\n');
+        }
+        out.push('\n');
+        let chosen_total = self.cost(d.region).map(|c| c.total_ms);
+        out.push_str(&format!("chosen     {}", self.name(d.region)));
+        if let Some(t) = chosen_total {
+            out.push_str(&format!(" (expected ttft {t:.1} ms)"));
+        }
+        out.push('\n');
+        out.push_str(&format!("reason     {}\n", d.reason.as_str()));
+        let runner_up = match d.runner_up.and_then(|i| self.cost(i).map(|c| (i, c))) {
+            Some((i, c)) => {
+                let behind =
+                    chosen_total.map_or(String::new(), |t| format!(", {:+.1} ms", c.total_ms - t));
+                format!(
+                    "{} (expected ttft {:.1} ms{behind})",
+                    self.name(i),
+                    c.total_ms
+                )
+            }
+            None => "none".to_string(),
+        };
+        out.push_str(&format!("runner-up  {runner_up}\n"));
+        let migration = match &self.routed.kv {
+            Some(kv) => {
+                let fetch = kv
+                    .plan
+                    .fetch_ms
+                    .map_or("impossible".to_string(), |f| format!("{f:.1} ms"));
+                format!(
+                    "{} {} tokens held by {} (fetch {fetch}, recompute {:.1} ms); {}: {}",
+                    action_name(kv),
+                    kv.tokens,
+                    self.name(kv.from),
+                    kv.plan.recompute_ms,
+                    self.cfg.migration.header,
+                    kv.header_value(self.name(kv.from))
+                )
+            }
+            None if !self.cfg.migration.enabled => "none (migration.enabled is false)".into(),
+            None => "none".into(),
+        };
+        out.push_str(&format!("migration  {migration}\n"));
+        out.push_str(&format!(
+            "shared-data calls  {}\n",
+            self.routed.shared_data_calls
+        ));
+        out.push_str(&format!("decision   {}\n", self.describe()));
+        out
+    }
+}
+
+fn action_name(kv: &KvAction) -> &'static str {
+    match kv.plan.action {
+        MigrationAction::Fetch => "fetch",
+        MigrationAction::Recompute => "recompute",
+    }
+}
