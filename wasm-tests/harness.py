@@ -39,6 +39,13 @@ DEMO_REGIONS = {
     "mid": ("region_mid", 40, "vllm"),
     "far": ("region_far", 120, "sglang"),
 }
+# Their fallback pools (started only by tests that need them).
+FALLBACK_REGIONS = {
+    "near_fallback": ("region_near_fallback", 5, "vllm"),
+    "mid_fallback": ("region_mid_fallback", 40, "vllm"),
+    "far_fallback": ("region_far_fallback", 120, "vllm"),
+}
+ALL_ENGINES = {**DEMO_REGIONS, **FALLBACK_REGIONS}
 
 
 def free_port() -> int:
@@ -188,7 +195,7 @@ def render_config(engines: dict[str, Engine] | None, admin_port: int, port: int,
     for lis in cfg["static_resources"]["listeners"]:
         lis["address"]["socket_address"]["port_value"] = port
     if engines is not None:
-        by_cluster = {c: e for n, (c, _, _) in DEMO_REGIONS.items() if (e := engines.get(n))}
+        by_cluster = {c: e for n, (c, _, _) in ALL_ENGINES.items() if (e := engines.get(n))}
         for cl in cfg["static_resources"]["clusters"]:
             e = by_cluster.get(cl["name"])
             if e is not None:
@@ -301,6 +308,7 @@ class Fleet:
 
     run_dir: Path
     engines: dict[str, Engine] = field(default_factory=dict)
+    fallbacks: dict[str, Engine] = field(default_factory=dict)
     envoys: list[Envoy] = field(default_factory=list)
 
     @property
@@ -311,11 +319,15 @@ class Fleet:
     def port(self) -> int:
         return self.envoy.port
 
-    def start(self, overrides: dict | None = None, engine_extra: dict | None = None, envoys: int = 1) -> "Fleet":
+    def start(self, overrides: dict | None = None, engine_extra: dict | None = None, envoys: int = 1,
+              fallback: bool = False) -> "Fleet":
         for name, (_, delay, mode) in DEMO_REGIONS.items():
             self.engines[name] = start_engine(name, self.run_dir, delay, mode, (engine_extra or {}).get(name))
+        if fallback:
+            for name, (_, delay, mode) in FALLBACK_REGIONS.items():
+                self.fallbacks[name] = start_engine(name, self.run_dir, delay, mode)
         for i in range(envoys):
-            cfg = render_config(self.engines, free_port(), free_port(), overrides)
+            cfg = render_config({**self.engines, **self.fallbacks}, free_port(), free_port(), overrides)
             self.envoys.append(start_envoy(self.run_dir, cfg, name=f"envoy{i}"))
         for e in self.envoys:
             self.wait_snapshot(e)
@@ -333,17 +345,17 @@ class Fleet:
             time.sleep(0.1)
         raise RuntimeError(f"no complete fleet snapshot after {timeout} s; see {envoy.log_path}")
 
-    def restart_engine(self, name: str) -> Engine:
+    def restart_engine(self, name: str, extra: list | None = None) -> Engine:
         old = self.engines[name]
         old.kill()
         _, delay, mode = DEMO_REGIONS[name]
-        self.engines[name] = start_engine(name, self.run_dir, delay, mode, port=old.port)
+        self.engines[name] = start_engine(name, self.run_dir, delay, mode, extra, port=old.port)
         return self.engines[name]
 
     def stop(self) -> None:
         for e in self.envoys:
             e.stop()
-        for e in self.engines.values():
+        for e in [*self.engines.values(), *self.fallbacks.values()]:
             e.kill()
 
 
