@@ -5,10 +5,12 @@
 //! bodies, and the shared-data calls each decision makes against the issue's
 //! bound `2·log2(blocks) + 4`.
 //!
-//! No criterion: a warm-up, then repetitions of a fixed number of batches,
-//! each batch one pass over a pool of distinct bodies; the figure per
-//! repetition is its timed nanoseconds over its requests, reported as the
-//! median and the minimum over repetitions.
+//! No criterion: a warm-up, then repetitions of a calibrated number of
+//! batches, each batch one pass over a pool of distinct bodies; the figure
+//! per repetition is its timed nanoseconds over its requests, reported as the
+//! median and the minimum over repetitions. Ours and naive run interleaved,
+//! one repetition of each in turn, and their ratio is taken per repetition,
+//! so that a busy machine slows both alike.
 //!
 //! Two states of the prefix directory, rebuilt (untimed) before every batch:
 //! * steady: earlier turns of the same conversation were routed, so the
@@ -39,8 +41,8 @@ const REGION_COUNTS: [usize; 2] = [3, 16];
 const POOL: usize = 16;
 const WARMUP: Duration = Duration::from_millis(150);
 /// Timed time aimed at per repetition.
-const REP_TARGET: Duration = Duration::from_millis(40);
-const REPS: usize = 9;
+const REP_TARGET: Duration = Duration::from_millis(20);
+const REPS: usize = 15;
 /// Issue target for a 32 KB prompt, natively, parsing included.
 const TARGET_32K_NS: f64 = 20_000.0;
 
@@ -105,6 +107,7 @@ fn snapshot(cfg: &Config) -> Snapshot {
 }
 
 /// Deterministic pseudo-random numbers (PCG-style LCG, high bits).
+#[derive(Clone)]
 struct Lcg(u64);
 
 impl Lcg {
@@ -337,8 +340,10 @@ const SYSTEM_SHARE: f64 = 0.35;
 const REPLY_SHARE: f64 = 0.15;
 const TURN_SHARE: f64 = 0.05;
 
-fn conversation(rng: &mut Lcg, size: usize) -> Conversation {
-    let part = |share: f64| (size as f64 * share) as usize;
+/// `text` is the bytes of message text to generate, chosen so that the JSON
+/// body comes out at the target size.
+fn conversation(rng: &mut Lcg, text: f64) -> Conversation {
+    let part = |share: f64| (text * share) as usize;
     Conversation {
         system: format!(
             "You are a support assistant for an online shop. {}",
@@ -373,8 +378,8 @@ fn chat_body(c: &Conversation, turns: usize, tail: &[String]) -> Result<Vec<u8>,
     serde_json::to_vec(&body).map_err(|e| e.to_string())
 }
 
-fn continuation(rng: &mut Lcg, size: usize) -> Vec<String> {
-    let part = |share: f64| (size as f64 * share) as usize;
+fn continuation(rng: &mut Lcg, text: f64) -> Vec<String> {
+    let part = |share: f64| (text * share) as usize;
     vec![prose(rng, part(REPLY_SHARE)), prose(rng, part(TURN_SHARE))]
 }
 
@@ -405,6 +410,7 @@ impl Env<'_> {
             snapshot_index: &self.index,
             inflight: &self.inflight,
             now_ms,
+            fallback: false,
         };
         self.router
             .route(self.cfg, store, &inp)
@@ -473,40 +479,49 @@ struct Timing {
     min_ns: f64,
 }
 
-/// Times `batch` (one pass over `POOL` requests; `prepare` runs untimed
-/// before each batch): warm-up, then `REPS` repetitions of a calibrated
-/// number of batches.
-fn measure<S>(mut prepare: impl FnMut() -> S, mut batch: impl FnMut(S)) -> Timing {
-    let mut timed = Duration::ZERO;
-    let mut batches = 0u32;
-    let start = Instant::now();
-    while start.elapsed() < WARMUP || batches < 3 {
-        let s = prepare();
-        let t = Instant::now();
-        batch(s);
-        timed += t.elapsed();
-        batches += 1;
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn timing(v: &[f64]) -> Timing {
+    Timing {
+        median_ns: median(v.to_vec()),
+        min_ns: v.iter().copied().fold(f64::INFINITY, f64::min),
     }
-    let per_batch = timed.as_secs_f64() / f64::from(batches);
-    let batches_per_rep =
-        ((REP_TARGET.as_secs_f64() / per_batch.max(1e-9)) as u32).clamp(3, 100_000);
-    let mut per_req: Vec<f64> = (0..REPS)
-        .map(|_| {
-            let mut timed = Duration::ZERO;
-            for _ in 0..batches_per_rep {
-                let s = prepare();
-                let t = Instant::now();
-                batch(s);
-                timed += t.elapsed();
+}
+
+/// One timed variant: runs one batch (`POOL` requests, its untimed
+/// preparation included in the call) and returns the batch's timed part.
+type Variant<'a> = Box<dyn FnMut() -> Duration + 'a>;
+
+/// Per variant, ns/request of each repetition. Every variant is warmed up
+/// and calibrated to about `REP_TARGET` per repetition; then the
+/// repetitions run interleaved (one of each variant in turn), so that the
+/// variants of one repetition see the same machine and their ratio is
+/// meaningful even on a busy host.
+fn measure(variants: &mut [Variant]) -> Vec<Vec<f64>> {
+    let batches: Vec<u32> = variants
+        .iter_mut()
+        .map(|run| {
+            let (mut timed, mut n) = (Duration::ZERO, 0u32);
+            let start = Instant::now();
+            while start.elapsed() < WARMUP || n < 3 {
+                timed += run();
+                n += 1;
             }
-            timed.as_nanos() as f64 / (f64::from(batches_per_rep) * POOL as f64)
+            let per_batch = timed.as_secs_f64() / f64::from(n);
+            ((REP_TARGET.as_secs_f64() / per_batch.max(1e-9)) as u32).clamp(3, 100_000)
         })
         .collect();
-    per_req.sort_by(f64::total_cmp);
-    Timing {
-        median_ns: per_req.get(per_req.len() / 2).copied().unwrap_or(f64::NAN),
-        min_ns: per_req.first().copied().unwrap_or(f64::NAN),
+    let mut samples = vec![Vec::with_capacity(REPS); variants.len()];
+    for _ in 0..REPS {
+        for ((run, &n), out) in variants.iter_mut().zip(&batches).zip(&mut samples) {
+            let timed: Duration = (0..n).map(|_| run()).sum();
+            out.push(timed.as_nanos() as f64 / (f64::from(n) * POOL as f64));
+        }
     }
+    samples
 }
 
 // ---------------------------------------------------------------- one case
@@ -521,6 +536,9 @@ struct CaseResult {
     steady: Timing,
     cold: Timing,
     naive: Timing,
+    /// Median over repetitions of ours / naive in the same repetition.
+    steady_over_naive: f64,
+    cold_over_naive: f64,
     steady_calls: Calls,
     cold_calls: Calls,
     steady_reason: Reason,
@@ -540,9 +558,16 @@ fn run_case(cfg: &Config, size: usize) -> Result<CaseResult, String> {
         inflight: vec![0.0; regions],
     };
     let mut rng = Lcg(0x5eed_0000 + size as u64);
+    // JSON adds keys, quotes and escapes: size the text so the body hits `size`.
+    let text = {
+        let mut trial = rng.clone();
+        let c = conversation(&mut trial, size as f64);
+        let len = chat_body(&c, 5, &continuation(&mut trial, size as f64))?.len();
+        size as f64 * size as f64 / len.max(1) as f64
+    };
 
     // Steady: one conversation whose history was routed turn by turn.
-    let convo = conversation(&mut rng, size);
+    let convo = conversation(&mut rng, text);
     let mut warm = MemoryStore::default();
     for (t, turns) in [1, 3, 5].into_iter().enumerate() {
         let body = chat_body(&convo, turns, &[])?;
@@ -554,14 +579,14 @@ fn run_case(cfg: &Config, size: usize) -> Result<CaseResult, String> {
         )?;
     }
     let steady_bodies: Vec<Vec<u8>> = (0..POOL)
-        .map(|_| chat_body(&convo, 5, &continuation(&mut rng, size)))
+        .map(|_| chat_body(&convo, 5, &continuation(&mut rng, text)))
         .collect::<Result<_, _>>()?;
 
     // Cold: distinct conversations from their first byte, nothing known.
     let cold_bodies: Vec<Vec<u8>> = (0..POOL)
         .map(|_| {
-            let c = conversation(&mut rng, size);
-            chat_body(&c, 5, &continuation(&mut rng, size))
+            let c = conversation(&mut rng, text);
+            chat_body(&c, 5, &continuation(&mut rng, text))
         })
         .collect::<Result<_, _>>()?;
     let cold_sessions: Vec<String> = (0..POOL).map(|i| format!("conv-cold-{i}")).collect();
@@ -593,35 +618,41 @@ fn run_case(cfg: &Config, size: usize) -> Result<CaseResult, String> {
     let blocks = parsed.prompt.blocks;
     let bound = 2.0 * f64::from(blocks.max(1)).log2() + 4.0;
 
-    let steady = measure(
-        || copy_store(&warm),
-        |mut store| {
+    let mut variants: Vec<Variant> = vec![
+        Box::new(|| {
+            let mut store = copy_store(&warm);
+            let t = Instant::now();
             for body in &steady_bodies {
                 let r = env.route(&mut store, black_box(body), "conv-steady", NOW_MS);
                 black_box(&r);
             }
-        },
-    );
-    let cold = measure(
-        || MemoryStore {
-            map: std::collections::HashMap::with_capacity(64 * POOL),
-            ..MemoryStore::default()
-        },
-        |mut store| {
+            t.elapsed()
+        }),
+        Box::new(|| {
+            let mut store = MemoryStore {
+                map: std::collections::HashMap::with_capacity(64 * POOL),
+                ..MemoryStore::default()
+            };
+            let t = Instant::now();
             for (body, session) in cold_bodies.iter().zip(&cold_sessions) {
                 let r = env.route(&mut store, black_box(body), session, NOW_MS);
                 black_box(&r);
             }
-        },
-    );
-    let naive = measure(
-        || (),
-        |()| {
+            t.elapsed()
+        }),
+        Box::new(|| {
+            let t = Instant::now();
             for body in &steady_bodies {
                 black_box(naive(black_box(body)));
             }
-        },
-    );
+            t.elapsed()
+        }),
+    ];
+    let samples = measure(&mut variants);
+    drop(variants);
+    let [steady, cold, naive] = [0, 1, 2].map(|i| samples.get(i).cloned().unwrap_or_default());
+    // Per repetition, ours over naive of the same repetition.
+    let ratio = |ours: &[f64]| median(ours.iter().zip(&naive).map(|(o, n)| o / n).collect());
 
     Ok(CaseResult {
         size,
@@ -630,9 +661,11 @@ fn run_case(cfg: &Config, size: usize) -> Result<CaseResult, String> {
         prompt_bytes: parsed.prompt.bytes,
         blocks,
         bound,
-        steady,
-        cold,
-        naive,
+        steady: timing(&steady),
+        cold: timing(&cold),
+        naive: timing(&naive),
+        steady_over_naive: ratio(&steady),
+        cold_over_naive: ratio(&cold),
         steady_calls,
         cold_calls,
         steady_reason: steady_routed.decision.reason,
@@ -661,11 +694,21 @@ fn calls_cell(c: &Calls) -> String {
 }
 
 fn print_table(results: &[CaseResult]) {
-    println!("Routing decision per request, parsing included (Router::route over MemoryStore).");
     println!(
-        "ns/request: median (min) of {REPS} repetitions; req/s from the median; naive = Value + concat + one xxh3."
+        "Routing decision per request, parsing included (Router::route over MemoryStore)\n\
+         on {} ({} CPUs).",
+        cpu_model(),
+        cpus()
     );
-    println!("calls: shared-data calls per request, Routed.shared_data_calls (store gets+sets); bound = 2*log2(blocks)+4.\n");
+    println!(
+        "ns/request: median (min) of {REPS} interleaved repetitions; req/s from the median;\n\
+         naive = serde_json::Value of the body + every message's text concatenated + one xxh3;\n\
+         ours/nv = median over repetitions of steady / naive in the same repetition."
+    );
+    println!(
+        "calls: shared-data calls per request, Routed.shared_data_calls (store gets+sets);\n\
+         bound = 2*log2(blocks)+4, blocks = prompt bytes / 64.\n"
+    );
     println!(
         "{:<6} {:>3} {:>8} {:>6} | {:>17} {:>9} | {:>17} | {:>17} {:>7} | {:>14} {:>14} {:>6}",
         "body",
@@ -692,7 +735,7 @@ fn print_table(results: &[CaseResult]) {
             1e9 / r.steady.median_ns,
             format!("{:.0} ({:.0})", r.cold.median_ns, r.cold.min_ns),
             format!("{:.0} ({:.0})", r.naive.median_ns, r.naive.min_ns),
-            r.steady.median_ns / r.naive.median_ns,
+            r.steady_over_naive,
             calls_cell(&r.steady_calls),
             calls_cell(&r.cold_calls),
             r.bound,
@@ -701,7 +744,8 @@ fn print_table(results: &[CaseResult]) {
     println!();
     for r in results {
         println!(
-            "{} / {} regions: steady request routed for reason={} with {} of {} prompt tokens cached; prompt {} B",
+            "{} / {} regions: steady turn routed with reason={}, {} of {} prompt tokens \
+             cached; prompt {} B",
             size_label(r.size),
             r.regions,
             r.steady_reason.as_str(),
@@ -777,8 +821,8 @@ fn to_json(results: &[CaseResult]) -> Value {
                 "steady": timing_json(&r.steady),
                 "cold": timing_json(&r.cold),
                 "naive": timing_json(&r.naive),
-                "ratio_steady_over_naive": r.steady.median_ns / r.naive.median_ns,
-                "ratio_cold_over_naive": r.cold.median_ns / r.naive.median_ns,
+                "ratio_steady_over_naive": r.steady_over_naive,
+                "ratio_cold_over_naive": r.cold_over_naive,
                 "steady_calls": calls_json(&r.steady_calls, r.bound),
                 "cold_calls": calls_json(&r.cold_calls, r.bound),
                 "steady_reason": r.steady_reason.as_str(),
@@ -792,10 +836,14 @@ fn to_json(results: &[CaseResult]) -> Value {
         "repetitions": REPS,
         "pool": POOL,
         "target_32k_ns": TARGET_32K_NS,
-        "cpus": std::thread::available_parallelism().map_or(0, |n| n.get()),
+        "cpus": cpus(),
         "cpu_model": cpu_model(),
         "cases": cases,
     })
+}
+
+fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(0, |n| n.get())
 }
 
 fn cpu_model() -> String {

@@ -827,6 +827,22 @@ impl Config {
                         "is only used with fallback: true",
                     ));
                 }
+                if policy.fallback_model.is_some() {
+                    let missing = self
+                        .regions
+                        .iter()
+                        .enumerate()
+                        .find(|(_, r)| r.fallback_cluster.is_none());
+                    if let Some((j, r)) = missing {
+                        return Err(ConfigError::new(
+                            format!("ladder.levels[{i}].{tier}.fallback_model"),
+                            format!(
+                                "needs a fallback_cluster in every region (regions[{j}] {:?} has none): the renamed model would reach the main pool",
+                                r.name
+                            ),
+                        ));
+                    }
+                }
                 if policy
                     .fallback_model
                     .as_deref()

@@ -106,11 +106,12 @@ impl Fleet {
 
     /// The release digest a region reported (from its health response or
     /// its metrics, per `release.source`).
+    /// `None` means the answer carried no digest: the release is unknown
+    /// again (a redeployed engine that stopped reporting one is not assumed
+    /// to still serve the old release).
     pub fn on_release(&mut self, region: usize, digest: Option<String>) {
         if let Some(r) = self.regions.get_mut(region) {
-            if digest.is_some() {
-                r.release = digest;
-            }
+            r.release = digest;
         }
     }
 
@@ -122,10 +123,14 @@ impl Fleet {
         }
     }
 
+    /// Parity holds unless the region reported a digest other than the
+    /// expected one. A region that has not reported one (yet) is not a
+    /// mismatch: at start every region is unknown, and an unknown digest is
+    /// no evidence of a bad release.
     fn release_ok(cfg: &Config, r: &Region) -> bool {
-        match &cfg.release.expected {
-            None => true,
-            Some(want) => r.release.as_deref() == Some(want.as_str()),
+        match (&cfg.release.expected, &r.release) {
+            (Some(want), Some(have)) => want == have,
+            _ => true,
         }
     }
 

@@ -36,6 +36,9 @@ pub struct RouteInputs<'a> {
     /// Per configured region: this Envoy's in-flight requests.
     pub inflight: &'a [f64],
     pub now_ms: u64,
+    /// The guard sent the request to the fallback pool: another engine, so
+    /// neither the prefix directory nor the session record learn from it.
+    pub fallback: bool,
 }
 
 /// A routed request.
@@ -132,15 +135,17 @@ impl Router {
             session_region: session.and_then(|s| s.last).map(|(r, _)| r),
             weights,
         });
-        self.dir.record(
-            store,
-            &mut lookup,
-            &req.prompt.checkpoints,
-            decision.region,
-            now,
-        );
-        if let Some(s) = session {
-            calls += self.sessions.record(store, s, decision.region, now);
+        if !inp.fallback {
+            self.dir.record(
+                store,
+                &mut lookup,
+                &req.prompt.checkpoints,
+                decision.region,
+                now,
+            );
+            if let Some(s) = session {
+                calls += self.sessions.record(store, s, decision.region, now);
+            }
         }
         let kv = migration_for(cfg, &decision, inp);
         Ok(Routed {
@@ -291,6 +296,7 @@ mod tests {
             snapshot_index: &[Some(0), Some(1)],
             inflight: &[0.0, 0.0],
             now_ms: 1000,
+            fallback: false,
         };
         let first = router.route(&c, &mut store, &inp).unwrap();
         assert_eq!(

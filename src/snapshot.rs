@@ -19,7 +19,8 @@ pub struct Snapshot {
     pub ratio: Option<f64>,
     /// Measured arrival rate of inference requests (EWMA, requests/s).
     pub demand_rps: f64,
-    /// Sum of `capacity_rps` over healthy regions.
+    /// Sum of `capacity_rps` over routable regions (ramping ones in
+    /// proportion, optionally scaled by KV headroom).
     pub capacity_rps: f64,
     /// When the level last changed.
     pub level_changed_ms: u64,

@@ -170,6 +170,7 @@ pub fn run(argv: &[String]) -> Result<String, CliError> {
         snapshot_index: &snapshot_index,
         inflight: &inflight,
         now_ms,
+        fallback: false,
     };
     match router.route(&cfg, &mut store, &inputs) {
         Ok(routed) => {

@@ -13,6 +13,7 @@
 mod args;
 mod crossover;
 mod explain;
+mod ladder;
 
 use std::ffi::OsString;
 use std::io::Write;
@@ -52,6 +53,12 @@ const COMMANDS: &[Command] = &[
         summary: explain::SUMMARY,
         usage: explain::USAGE,
         run: explain::run,
+    },
+    Command {
+        name: "ladder",
+        summary: ladder::SUMMARY,
+        usage: ladder::USAGE,
+        run: ladder::run,
     },
 ];
 

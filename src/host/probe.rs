@@ -234,7 +234,7 @@ impl Probe {
         match kind {
             Kind::Health => {
                 let rtt = ok.then(|| now.saturating_sub(sent) as f64);
-                if ok {
+                if ok && self.cfg.release.source != ReleaseSource::MetricsLabel {
                     let digest = self.health_release(body_size);
                     self.fleet.on_release(region, digest);
                 }
@@ -270,7 +270,7 @@ impl Probe {
                         if let Some(w) = warned {
                             *w = false;
                         }
-                        if sample.release.is_some() {
+                        if self.cfg.release.source == ReleaseSource::MetricsLabel {
                             self.fleet.on_release(region, sample.release.clone());
                         }
                         self.fleet.on_metrics(region, Some(sample), inflight);
@@ -323,6 +323,13 @@ impl Probe {
 
     /// The operator's runtime override of the ladder level, if any.
     fn read_override(&mut self) {
+        // Without operator keys there is no override (one left in shared data
+        // from an earlier configuration does not count).
+        if self.cfg.ladder.operator_keys.is_empty() {
+            self.override_active.set(0);
+            self.fleet.set_override(None);
+            return;
+        }
         let value = HostStore
             .get(LADDER_OVERRIDE_KEY)
             .ok()

@@ -269,6 +269,7 @@ impl RouterFilter {
             snapshot_index: fresh.as_ref().map_or(&[][..], |(_, i)| i.as_slice()),
             inflight: &inflight,
             now_ms: now,
+            fallback: self.fallback,
         };
         let routed = match shared.router.route(cfg, &mut HostStore, &inputs) {
             Ok(r) => r,
@@ -307,7 +308,8 @@ impl RouterFilter {
         if cfg.headers.decision.is_some() {
             self.decision_header = Some(text);
         }
-        if routed.stream && d.reason != Reason::Fallback {
+        // The fallback pool's TTFT says nothing about the main pool's model.
+        if routed.stream && d.reason != Reason::Fallback && !self.fallback {
             self.pending = routed.observation().map(|observation| Pending {
                 routed_ms: now,
                 observation,

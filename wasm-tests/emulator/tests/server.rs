@@ -512,11 +512,17 @@ fn paused_engine_queues_requests_fifo() {
     assert_eq!(r.status, 200);
     let queued: u64 = r.header("x-engine-queue-ms").unwrap().parse().unwrap();
     assert!(queued >= 100, "queue-ms {queued}");
-    let stats = admin.request("GET", "/admin/stats", &[], b"").json();
-    assert_eq!(
-        (stats["running"].as_u64(), stats["waiting"].as_u64()),
-        (Some(0), Some(0))
-    );
+    // The slot is released once the response is written: poll briefly.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let stats = admin.request("GET", "/admin/stats", &[], b"").json();
+        let counts = (stats["running"].as_u64(), stats["waiting"].as_u64());
+        if counts == (Some(0), Some(0)) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "slots not released: {counts:?}");
+        thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]
