@@ -13,7 +13,9 @@
 mod args;
 mod crossover;
 mod explain;
+mod generate;
 mod ladder;
+mod simulate;
 
 use std::ffi::OsString;
 use std::io::Write;
@@ -55,10 +57,22 @@ const COMMANDS: &[Command] = &[
         run: explain::run,
     },
     Command {
+        name: "generate",
+        summary: generate::SUMMARY,
+        usage: generate::USAGE,
+        run: generate::run,
+    },
+    Command {
         name: "ladder",
         summary: ladder::SUMMARY,
         usage: ladder::USAGE,
         run: ladder::run,
+    },
+    Command {
+        name: "simulate",
+        summary: simulate::SUMMARY,
+        usage: simulate::USAGE,
+        run: simulate::run,
     },
 ];
 

@@ -1,0 +1,292 @@
+//! The built `llm-geo-router generate` and `simulate`: a scenario written
+//! twice is the same bytes; a short generated trace simulated under every
+//! policy gives exactly one JSON object of the documented shape; plots are
+//! SVG; bad inputs are refused with the option or the line named.
+
+// clippy.toml exempts `#[test]` functions only; the helpers here are test code too.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_llm-geo-router");
+
+const POLICIES: [&str; 7] = [
+    "geo-router",
+    "round-robin",
+    "least-request",
+    "session-affinity",
+    "nearest",
+    "cache-aware",
+    "gorgo",
+];
+
+fn cli(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = cli(args);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// A fresh directory for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "llm-geo-router-sim-test-{}-{name}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Scenario d (an outage, sessions, tiers) cut to its first `n` requests.
+fn tiny(dir: &Path, n: usize) -> (PathBuf, PathBuf) {
+    ok(&[
+        "generate",
+        "--scenario",
+        "d",
+        "--seed",
+        "7",
+        "--out",
+        s(dir),
+    ]);
+    let trace = dir.join("trace.jsonl");
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let head: Vec<&str> = text.lines().take(n).collect();
+    let short = dir.join("short.jsonl");
+    std::fs::write(&short, head.join("\n") + "\n").unwrap();
+    (dir.join("fleet.json"), short)
+}
+
+fn is_number(v: &Value) -> bool {
+    v.as_f64().is_some_and(f64::is_finite)
+}
+
+#[test]
+fn generate_is_deterministic_by_seed() {
+    let a = scratch("gen-a");
+    let b = scratch("gen-b");
+    let text = ok(&["generate", "--scenario", "b", "--seed", "3", "--out", s(&a)]);
+    assert!(text.contains("4000 requests"), "{text}");
+    ok(&["generate", "--scenario", "b", "--seed", "3", "--out", s(&b)]);
+    for f in ["fleet.json", "trace.jsonl"] {
+        assert_eq!(
+            std::fs::read(a.join(f)).unwrap(),
+            std::fs::read(b.join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    ok(&["generate", "--scenario", "b", "--seed", "4", "--out", s(&b)]);
+    assert_ne!(
+        std::fs::read(a.join("trace.jsonl")).unwrap(),
+        std::fs::read(b.join("trace.jsonl")).unwrap()
+    );
+    let fleet: Value =
+        serde_json::from_slice(&std::fs::read(a.join("fleet.json")).unwrap()).unwrap();
+    assert_eq!(fleet["client_regions"][0], "na");
+    assert_eq!(fleet["regions"][0]["rtt_ms"]["na"], 37.0);
+    let first: Value = serde_json::from_str(
+        std::fs::read_to_string(a.join("trace.jsonl"))
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    for key in [
+        "t_ms",
+        "session",
+        "client_region",
+        "tier",
+        "segments",
+        "output_tokens",
+    ] {
+        assert!(first.get(key).is_some(), "{key} in {first}");
+    }
+}
+
+#[test]
+fn simulate_json_has_the_documented_shape_for_every_policy() {
+    let dir = scratch("json");
+    let (fleet, trace) = tiny(&dir, 60);
+    let text = ok(&[
+        "simulate",
+        "--fleet",
+        s(&fleet),
+        "--trace",
+        s(&trace),
+        "--policy",
+        "all",
+        "--json",
+    ]);
+    assert_eq!(text.lines().count(), 1, "exactly one JSON object: {text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let top = v.as_object().unwrap();
+    assert_eq!(top.keys().collect::<Vec<_>>(), ["policies"]);
+    let policies = v["policies"].as_object().unwrap();
+    assert_eq!(policies.len(), 7);
+    for name in POLICIES {
+        let p = &policies[name];
+        let keys: Vec<&String> = p.as_object().unwrap().keys().collect();
+        assert_eq!(
+            keys,
+            [
+                "cache_hit_token_ratio",
+                "capped",
+                "completed",
+                "e2e_ms",
+                "per_region_requests",
+                "requests",
+                "shed",
+                "ttft_ms"
+            ],
+            "{name}"
+        );
+        for dist in ["ttft_ms", "e2e_ms"] {
+            let d = &p[dist];
+            assert_eq!(d.as_object().unwrap().len(), 4, "{name} {dist}");
+            for q in ["mean", "p50", "p95", "p99"] {
+                assert!(is_number(&d[q]), "{name} {dist} {q}: {d}");
+            }
+            assert!(d["p50"].as_f64() <= d["p95"].as_f64());
+            assert!(d["p95"].as_f64() <= d["p99"].as_f64());
+        }
+        assert_eq!(p["requests"], 60, "{name}");
+        let completed = p["completed"].as_u64().unwrap();
+        assert!(completed > 0 && completed <= 60, "{name}");
+        assert!(p["shed"].as_u64().unwrap() + completed <= 60);
+        assert!(p["capped"].is_u64());
+        let hit = p["cache_hit_token_ratio"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&hit), "{name}: {hit}");
+        let per_region = p["per_region_requests"].as_object().unwrap();
+        assert_eq!(per_region.keys().collect::<Vec<_>>(), ["fra", "iad", "icn"]);
+        let routed: u64 = per_region.values().map(|n| n.as_u64().unwrap()).sum();
+        assert!(routed >= completed && routed <= 60, "{name}");
+    }
+    // The same inputs give the same bytes.
+    let again = ok(&[
+        "simulate",
+        "--fleet",
+        s(&fleet),
+        "--trace",
+        s(&trace),
+        "--policy",
+        "all",
+        "--json",
+    ]);
+    assert_eq!(text, again);
+}
+
+#[test]
+fn policies_repeat_and_plots_are_svg() {
+    let dir = scratch("plots");
+    let (fleet, trace) = tiny(&dir, 40);
+    let plots = dir.join("plots");
+    let text = ok(&[
+        "simulate",
+        "--fleet",
+        s(&fleet),
+        "--trace",
+        s(&trace),
+        "--policy",
+        "geo-router",
+        "--policy=nearest,gorgo",
+        "--plots",
+        s(&plots),
+    ]);
+    assert!(text.starts_with("policy "), "{text}");
+    for name in ["geo-router", "nearest", "gorgo"] {
+        assert!(text.contains(name), "{name} in {text}");
+    }
+    assert!(!text.contains("cache-aware"));
+    for f in ["ttft_cdf.svg", "region_load.svg", "ladder.svg"] {
+        let svg = std::fs::read_to_string(plots.join(f)).unwrap();
+        assert!(
+            svg.starts_with("<svg ") && svg.trim_end().ends_with("</svg>"),
+            "{f}"
+        );
+        assert!(svg.contains("<text"), "{f} has labels");
+    }
+    let cdf = std::fs::read_to_string(plots.join("ttft_cdf.svg")).unwrap();
+    assert!(cdf.contains(">geo-router<") && cdf.contains(">gorgo<"));
+}
+
+#[test]
+fn bad_inputs_are_refused_with_what_to_fix() {
+    let dir = scratch("bad");
+    let (fleet, trace) = tiny(&dir, 5);
+    let refused = |args: &[&str], expected: &str| {
+        let out = cli(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(expected), "{expected:?} in {err}");
+    };
+    refused(
+        &["simulate", "--fleet", s(&fleet), "--trace", s(&trace)],
+        "missing required option --policy",
+    );
+    refused(
+        &[
+            "simulate",
+            "--fleet",
+            s(&fleet),
+            "--trace",
+            s(&trace),
+            "--policy",
+            "fastest",
+        ],
+        "unknown policy 'fastest'",
+    );
+    let unsorted = dir.join("unsorted.jsonl");
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    lines.swap(0, 3);
+    std::fs::write(&unsorted, lines.join("\n")).unwrap();
+    refused(
+        &[
+            "simulate",
+            "--fleet",
+            s(&fleet),
+            "--trace",
+            s(&unsorted),
+            "--policy",
+            "nearest",
+        ],
+        "line 2: t_ms",
+    );
+    let config = dir.join("config.json");
+    std::fs::write(&config, r#"{"cost": {"w_quue": 2}}"#).unwrap();
+    refused(
+        &[
+            "simulate",
+            "--fleet",
+            s(&fleet),
+            "--trace",
+            s(&trace),
+            "--policy",
+            "geo-router",
+            "--config",
+            s(&config),
+        ],
+        "w_quue",
+    );
+    refused(
+        &["generate", "--scenario", "e", "--seed", "1"],
+        "--scenario must be one of a, b, c, d",
+    );
+}

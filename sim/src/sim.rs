@@ -1,0 +1,886 @@
+//! The discrete-event simulation of one policy over one trace: client
+//! regions send the trace's requests, the policy routes them, they cross
+//! half a round trip to the region's engine (the emulator's model: FIFO
+//! scheduler, prefix cache, prefill/decode timing), and the first token and
+//! the end of the stream cross half a round trip back.
+//!
+//! TTFT = arrival at the client of the first token − the trace's `t_ms`:
+//! `rtt/2 + queueing + prefill of uncached tokens + rtt/2`. The end of the
+//! stream comes `(output_tokens − 1) × decode_ms_per_token` after the first
+//! token, as the emulator streams it. An engine in an outage refuses new
+//! requests (the client learns it half a round trip later), drops the ones
+//! it holds, fails its health checks, and comes back with an empty cache.
+
+use crate::events::EventQueue;
+use crate::fleet::Fleet;
+use crate::geo::{self, Envoy, Handled};
+use crate::policy::{Ask, Baseline, PolicyName, View};
+use crate::trace;
+use crate::workload::Workload;
+use engine_emulator::model::{Admission, Engine, EngineConfig, Timing, DEFAULT_BLOCK_TOKENS};
+use engine_emulator::openai::{self, Kind};
+use llm_geo_router::metrics::EngineSample;
+use llm_geo_router::tuning::Observation;
+use serde_json::Value;
+use std::collections::BTreeSet;
+
+/// The plugin's clock is Unix milliseconds; the trace's 0 is this instant.
+pub const EPOCH_MS: u64 = 1_700_000_000_000;
+
+/// Consecutive health check results before the baselines' view of a region
+/// changes (Envoy's `unhealthy_threshold` / `healthy_threshold`, set like the
+/// plugin's probe defaults).
+const HC_UNHEALTHY_AFTER: i64 = 2;
+const HC_HEALTHY_AFTER: i64 = 2;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    Completed,
+    /// Shed by the guard (429).
+    Shed,
+    /// Refused by the guard for its prompt length (413).
+    TooLong,
+    /// Refused or dropped by an engine in an outage, or refused by the router.
+    Failed,
+}
+
+/// What happened to one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    pub status: Status,
+    pub region: Option<usize>,
+    pub ttft_ms: Option<f64>,
+    pub e2e_ms: Option<f64>,
+    /// Prompt tokens and cached tokens at admission (zero if never admitted).
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    /// The guard clamped `max_tokens`.
+    pub clamped: bool,
+    /// Geo-router: the decision's reason (`cost::Reason::as_str`).
+    pub reason: Option<&'static str>,
+    /// Time from reaching the engine to getting a slot.
+    pub queued_ms: Option<f64>,
+    /// Geo-router: the queue wait it predicted (unweighted), ms.
+    pub predicted_queue_ms: Option<f64>,
+}
+
+/// One policy's run.
+#[derive(Debug, Clone)]
+pub struct Run {
+    pub policy: PolicyName,
+    pub records: Vec<Record>,
+    /// (time, region) of every prefill start.
+    pub starts: Vec<(f64, usize)>,
+    /// Per client region: (time, ladder level) at each probe tick (geo-router).
+    pub levels: Vec<Vec<(f64, u8)>>,
+    /// Per region: slot time used (ms) within `window_ms`.
+    pub busy_ms: Vec<f64>,
+    /// The middle half of the trace's span, where utilisation is measured
+    /// (away from the ramp-up and the drain).
+    pub window_ms: (f64, f64),
+    /// When the last request resolved.
+    pub end_ms: f64,
+    /// Geo-router: decisions per reason (`cost::Reason::as_str`).
+    pub reasons: std::collections::BTreeMap<&'static str, u64>,
+}
+
+#[derive(Debug, Clone)]
+enum Ev {
+    Tick,
+    Arrive(usize),
+    EngineArrive(usize),
+    FirstToken(usize),
+    EngineDone(usize),
+    ClientFirstToken(usize),
+    ClientDone(usize),
+    ClientFail(usize),
+    ProbeSample {
+        client: usize,
+        region: usize,
+    },
+    ProbeDeliver {
+        client: usize,
+        region: usize,
+        sample: Option<Box<EngineSample>>,
+    },
+    OutageStart(usize),
+    OutageEnd(usize),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Pending,
+    InTransit,
+    Waiting,
+    Running,
+    /// The engine is done with it (finished, refused or dropped); the
+    /// client has not heard yet.
+    Leaving,
+    Resolved,
+}
+
+#[derive(Debug, Clone)]
+struct Live {
+    stage: Stage,
+    region: usize,
+    rtt: f64,
+    output_tokens: u32,
+    started_at: f64,
+    reached_at: f64,
+    observation: Option<Observation>,
+}
+
+struct Station {
+    engine: Engine,
+    config: EngineConfig,
+    up: bool,
+    /// Requests the engine holds (waiting or running).
+    held: BTreeSet<usize>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct HealthCheck {
+    healthy: bool,
+    streak: i64,
+}
+
+impl HealthCheck {
+    fn observe(&mut self, ok: bool) {
+        if ok {
+            self.streak = self.streak.max(0) + 1;
+            if self.streak >= HC_HEALTHY_AFTER {
+                self.healthy = true;
+            }
+        } else {
+            self.streak = self.streak.min(0) - 1;
+            if -self.streak >= HC_UNHEALTHY_AFTER {
+                self.healthy = false;
+            }
+        }
+    }
+}
+
+enum Mode {
+    Geo(Vec<Envoy>),
+    Base(Baseline),
+}
+
+struct Sim<'a> {
+    fleet: &'a Fleet,
+    work: &'a Workload,
+    q: EventQueue<Ev>,
+    stations: Vec<Station>,
+    live: Vec<Live>,
+    records: Vec<Record>,
+    mode: Mode,
+    outstanding: Vec<u64>,
+    queued_tokens: Vec<u64>,
+    health: Vec<HealthCheck>,
+    names: Vec<String>,
+    tick_ms: f64,
+    unresolved: usize,
+    starts: Vec<(f64, usize)>,
+    levels: Vec<Vec<(f64, u8)>>,
+    busy_ms: Vec<f64>,
+    window_ms: (f64, f64),
+    end_ms: f64,
+    reasons: std::collections::BTreeMap<&'static str, u64>,
+}
+
+fn core_ms(t: f64) -> u64 {
+    EPOCH_MS + t.max(0.0).floor() as u64
+}
+
+/// Mean `output_tokens` of the trace: the plugin's `service_ms` is built from it.
+pub fn mean_output_tokens(work: &Workload) -> f64 {
+    let n = work.prepared.len().max(1) as f64;
+    work.prepared
+        .iter()
+        .map(|p| f64::from(p.output_tokens))
+        .sum::<f64>()
+        / n
+}
+
+/// Runs `policy` over the workload on fresh engines. `overrides`: a partial
+/// plugin configuration for the geo-router.
+pub fn run(
+    fleet: &Fleet,
+    work: &Workload,
+    policy: PolicyName,
+    overrides: Option<&Value>,
+) -> Result<Run, String> {
+    let regions = fleet.regions.len();
+    let mode = match Baseline::new(policy, regions) {
+        Some(b) => Mode::Base(b),
+        None => {
+            let mean_out = mean_output_tokens(work);
+            let mut envoys = Vec::new();
+            for c in 0..fleet.client_regions.len() {
+                let cfg = geo::plugin_config(fleet, c, mean_out, overrides)
+                    .map_err(|e| format!("--config: {e}"))?;
+                envoys.push(Envoy::new(cfg, core_ms(0.0)));
+            }
+            Mode::Geo(envoys)
+        }
+    };
+    let tick_ms = match &mode {
+        Mode::Geo(e) => e.first().map_or(1000.0, |e| f64::from(e.cfg.probe.tick_ms)),
+        Mode::Base(_) => 1000.0,
+    }
+    .max(1.0);
+    let stations = fleet
+        .regions
+        .iter()
+        .map(|r| {
+            let config = EngineConfig {
+                max_concurrency: r.max_concurrency as usize,
+                cache_tokens: usize::try_from(r.cache_tokens).unwrap_or(usize::MAX),
+                block_tokens: DEFAULT_BLOCK_TOKENS,
+                timing: Timing {
+                    prefill_ms_per_token: r.prefill_ms_per_token,
+                    decode_ms_per_token: r.decode_ms_per_token,
+                },
+            };
+            Station {
+                engine: Engine::new(config),
+                config,
+                up: true,
+                held: BTreeSet::new(),
+            }
+        })
+        .collect();
+    let n = work.requests.len();
+    let mut sim = Sim {
+        fleet,
+        work,
+        q: EventQueue::default(),
+        stations,
+        live: vec![
+            Live {
+                stage: Stage::Pending,
+                region: 0,
+                rtt: 0.0,
+                output_tokens: 0,
+                started_at: 0.0,
+                reached_at: 0.0,
+                observation: None,
+            };
+            n
+        ],
+        records: vec![
+            Record {
+                status: Status::Failed,
+                region: None,
+                ttft_ms: None,
+                e2e_ms: None,
+                prompt_tokens: 0,
+                cached_tokens: 0,
+                clamped: false,
+                reason: None,
+                queued_ms: None,
+                predicted_queue_ms: None,
+            };
+            n
+        ],
+        mode,
+        outstanding: vec![0; regions],
+        queued_tokens: vec![0; regions],
+        health: vec![
+            HealthCheck {
+                healthy: true,
+                streak: 0
+            };
+            regions
+        ],
+        names: fleet.regions.iter().map(|r| r.name.clone()).collect(),
+        tick_ms,
+        unresolved: n,
+        starts: Vec::new(),
+        levels: vec![Vec::new(); fleet.client_regions.len()],
+        busy_ms: vec![0.0; regions],
+        window_ms: {
+            let span = work.requests.last().map_or(0.0, |r| r.t_ms);
+            (0.25 * span, 0.75 * span)
+        },
+        end_ms: 0.0,
+        reasons: std::collections::BTreeMap::new(),
+    };
+    sim.q.push(0.0, Ev::Tick);
+    for (i, r) in work.requests.iter().enumerate() {
+        sim.q.push(r.t_ms, Ev::Arrive(i));
+    }
+    for o in &fleet.outages {
+        if let Some(r) = fleet.regions.iter().position(|x| x.name == o.region) {
+            sim.q.push(o.from_ms, Ev::OutageStart(r));
+            sim.q.push(o.to_ms, Ev::OutageEnd(r));
+        }
+    }
+    while let Some((now, ev)) = sim.q.pop() {
+        sim.handle(now, ev)?;
+    }
+    Ok(Run {
+        policy,
+        records: sim.records,
+        starts: sim.starts,
+        levels: sim.levels,
+        busy_ms: sim.busy_ms,
+        window_ms: sim.window_ms,
+        end_ms: sim.end_ms,
+        reasons: sim.reasons,
+    })
+}
+
+impl Sim<'_> {
+    fn handle(&mut self, now: f64, ev: Ev) -> Result<(), String> {
+        match ev {
+            Ev::Tick => self.tick(now),
+            Ev::Arrive(i) => self.arrive(i, now)?,
+            Ev::EngineArrive(i) => self.engine_arrive(i, now),
+            Ev::FirstToken(i) => {
+                if self.stage(i) == Stage::Running {
+                    let rtt = self.live.get(i).map_or(0.0, |l| l.rtt);
+                    self.q.push(now + rtt / 2.0, Ev::ClientFirstToken(i));
+                }
+            }
+            Ev::ClientFirstToken(i) => self.client_first_token(i, now),
+            Ev::EngineDone(i) => self.engine_done(i, now),
+            Ev::ClientDone(i) => self.client_end(i, now, true),
+            Ev::ClientFail(i) => self.client_end(i, now, false),
+            Ev::ProbeSample { client, region } => {
+                let sample = self.stations.get(region).filter(|s| s.up).map(|s| {
+                    let c = &s.engine.cache;
+                    Box::new(EngineSample {
+                        waiting: Some(s.engine.scheduler.waiting() as f64),
+                        running: Some(s.engine.scheduler.running() as f64),
+                        kv_usage: Some(c.usage()),
+                        prefix_queries: Some(c.query_tokens() as f64),
+                        prefix_hits: Some(c.hit_tokens() as f64),
+                        ..EngineSample::default()
+                    })
+                });
+                let rtt = self.fleet.rtt(client, region);
+                self.q.push(
+                    now + rtt / 2.0,
+                    Ev::ProbeDeliver {
+                        client,
+                        region,
+                        sample,
+                    },
+                );
+            }
+            Ev::ProbeDeliver {
+                client,
+                region,
+                sample,
+            } => {
+                let rtt = self.fleet.rtt(client, region);
+                if let Mode::Geo(envoys) = &mut self.mode {
+                    if let Some(e) = envoys.get_mut(client) {
+                        let ok = sample.is_some();
+                        e.probed(region, ok.then_some(rtt), sample.map(|b| *b), core_ms(now));
+                    }
+                }
+            }
+            Ev::OutageStart(r) => self.outage_start(r, now),
+            Ev::OutageEnd(r) => {
+                if let Some(s) = self.stations.get_mut(r) {
+                    s.up = true;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn stage(&self, i: usize) -> Stage {
+        self.live.get(i).map_or(Stage::Resolved, |l| l.stage)
+    }
+
+    fn set_stage(&mut self, i: usize, stage: Stage) {
+        if let Some(l) = self.live.get_mut(i) {
+            l.stage = stage;
+        }
+    }
+
+    fn tick(&mut self, now: f64) {
+        match &mut self.mode {
+            Mode::Geo(envoys) => {
+                for (c, e) in envoys.iter_mut().enumerate() {
+                    e.tick_begin(core_ms(now));
+                    for r in 0..self.stations.len() {
+                        let rtt = self.fleet.rtt(c, r);
+                        // The callout reads the engine half a round trip later.
+                        self.q.push(
+                            now + rtt / 2.0,
+                            Ev::ProbeSample {
+                                client: c,
+                                region: r,
+                            },
+                        );
+                    }
+                    let level = e.tick_end(core_ms(now));
+                    if let Some(series) = self.levels.get_mut(c) {
+                        series.push((now, level));
+                    }
+                }
+            }
+            Mode::Base(_) => {
+                for (h, s) in self.health.iter_mut().zip(&self.stations) {
+                    h.observe(s.up);
+                }
+            }
+        }
+        if self.unresolved > 0 {
+            self.q.push(now + self.tick_ms, Ev::Tick);
+        }
+    }
+
+    fn arrive(&mut self, i: usize, now: f64) -> Result<(), String> {
+        let (Some(req), Some(prep)) = (self.work.requests.get(i), self.work.prepared.get(i)) else {
+            return Ok(());
+        };
+        let client = prep.client;
+        let mut output_tokens = prep.output_tokens;
+        let mut observation = None;
+        let region = match &mut self.mode {
+            Mode::Geo(envoys) => {
+                let Some(e) = envoys.get_mut(client) else {
+                    return Ok(());
+                };
+                let body = trace::request_body(req);
+                match e.handle(&body, &req.tier, &req.session, core_ms(now)) {
+                    Ok(Handled::Shed) => {
+                        self.resolve_early(i, Status::Shed, now);
+                        return Ok(());
+                    }
+                    Ok(Handled::TooLong) => {
+                        self.resolve_early(i, Status::TooLong, now);
+                        return Ok(());
+                    }
+                    Ok(Handled::Routed(routing)) => {
+                        if let Some(b) = &routing.clamped_body {
+                            // The engine reads max_tokens from the body it gets.
+                            let parsed = openai::parse_request(Kind::Chat, b)
+                                .map_err(|e| format!("request {i}: clamped body: {e}"))?;
+                            output_tokens = u32::try_from(parsed.max_tokens).unwrap_or(u32::MAX);
+                            if let Some(rec) = self.records.get_mut(i) {
+                                rec.clamped = true;
+                            }
+                        }
+                        observation = routing.observation;
+                        *self.reasons.entry(routing.reason.as_str()).or_insert(0) += 1;
+                        if let Some(rec) = self.records.get_mut(i) {
+                            rec.reason = Some(routing.reason.as_str());
+                            rec.predicted_queue_ms =
+                                routing.observation.map(|o| f64::from(o.queue_ms));
+                        }
+                        routing.region
+                    }
+                    Err(e) => return Err(format!("request {i}: {e}")),
+                }
+            }
+            Mode::Base(b) => {
+                let rtt: Vec<f64> = (0..self.stations.len())
+                    .map(|r| self.fleet.rtt(client, r))
+                    .collect();
+                let healthy: Vec<bool> = self.health.iter().map(|h| h.healthy).collect();
+                let view = View {
+                    healthy: &healthy,
+                    outstanding: &self.outstanding,
+                    queued_tokens: &self.queued_tokens,
+                    rtt_ms: &rtt,
+                    names: &self.names,
+                };
+                b.choose(
+                    &view,
+                    &Ask {
+                        session: &req.session,
+                        segments: &prep.segments,
+                        prompt_tokens: prep.segment_tokens,
+                    },
+                )
+            }
+        };
+        let rtt = self.fleet.rtt(client, region);
+        if let Some(l) = self.live.get_mut(i) {
+            *l = Live {
+                stage: Stage::InTransit,
+                region,
+                rtt,
+                output_tokens,
+                started_at: 0.0,
+                reached_at: 0.0,
+                observation,
+            };
+        }
+        if let Some(rec) = self.records.get_mut(i) {
+            rec.region = Some(region);
+        }
+        if let Some(o) = self.outstanding.get_mut(region) {
+            *o += 1;
+        }
+        if let Some(q) = self.queued_tokens.get_mut(region) {
+            *q += prep.segment_tokens;
+        }
+        self.q.push(now + rtt / 2.0, Ev::EngineArrive(i));
+        Ok(())
+    }
+
+    fn resolve_early(&mut self, i: usize, status: Status, now: f64) {
+        if let Some(rec) = self.records.get_mut(i) {
+            rec.status = status;
+        }
+        self.set_stage(i, Stage::Resolved);
+        self.unresolved = self.unresolved.saturating_sub(1);
+        self.end_ms = self.end_ms.max(now);
+    }
+
+    fn region_of(&self, i: usize) -> usize {
+        self.live.get(i).map_or(0, |l| l.region)
+    }
+
+    fn unqueue(&mut self, i: usize) {
+        let region = self.region_of(i);
+        let tokens = self.work.prepared.get(i).map_or(0, |p| p.segment_tokens);
+        if let Some(q) = self.queued_tokens.get_mut(region) {
+            *q = q.saturating_sub(tokens);
+        }
+    }
+
+    fn engine_arrive(&mut self, i: usize, now: f64) {
+        let region = self.region_of(i);
+        let up = self.stations.get(region).is_some_and(|s| s.up);
+        if !up {
+            self.unqueue(i);
+            self.leave(i, now, false);
+            return;
+        }
+        if let Some(l) = self.live.get_mut(i) {
+            l.reached_at = now;
+        }
+        let admission = match self.stations.get_mut(region) {
+            Some(s) => {
+                s.held.insert(i);
+                s.engine.scheduler.arrive(i as u64)
+            }
+            None => return,
+        };
+        match admission {
+            Admission::Started => self.start(i, now),
+            Admission::Queued => self.set_stage(i, Stage::Waiting),
+        }
+    }
+
+    fn start(&mut self, i: usize, now: f64) {
+        let region = self.region_of(i);
+        let Some(prep) = self.work.prepared.get(i) else {
+            return;
+        };
+        let Some(s) = self.stations.get_mut(region) else {
+            return;
+        };
+        let plan = s.engine.admit(&prep.prompt, now);
+        let decode = s.engine.timing.decode_ms_per_token;
+        self.unqueue(i);
+        let out = self.live.get(i).map_or(1, |l| l.output_tokens).max(1);
+        if let Some(l) = self.live.get_mut(i) {
+            l.stage = Stage::Running;
+            l.started_at = now;
+        }
+        let reached = self.live.get(i).map_or(now, |l| l.reached_at);
+        if let Some(rec) = self.records.get_mut(i) {
+            rec.queued_ms = Some(now - reached);
+            rec.prompt_tokens = plan.prompt_tokens as u64;
+            rec.cached_tokens = plan.cached_tokens as u64;
+        }
+        self.starts.push((now, region));
+        let first = now + plan.prefill_ms;
+        self.q.push(first, Ev::FirstToken(i));
+        self.q
+            .push(first + f64::from(out - 1) * decode, Ev::EngineDone(i));
+    }
+
+    fn engine_done(&mut self, i: usize, now: f64) {
+        if self.stage(i) != Stage::Running {
+            return;
+        }
+        let region = self.region_of(i);
+        let next = match self.stations.get_mut(region) {
+            Some(s) => {
+                s.held.remove(&i);
+                s.engine.record_success();
+                s.engine.scheduler.finish(i as u64)
+            }
+            None => None,
+        };
+        self.account_busy(i, now);
+        self.leave(i, now, true);
+        if let Some(next) = next.and_then(|n| usize::try_from(n).ok()) {
+            self.start(next, now);
+        }
+    }
+
+    fn account_busy(&mut self, i: usize, now: f64) {
+        let (region, started) = self
+            .live
+            .get(i)
+            .map_or((0, now), |l| (l.region, l.started_at));
+        let (lo, hi) = self.window_ms;
+        if let Some(b) = self.busy_ms.get_mut(region) {
+            *b += (now.min(hi) - started.max(lo)).max(0.0);
+        }
+    }
+
+    /// The engine is done with request `i`; the client hears half a round
+    /// trip later.
+    fn leave(&mut self, i: usize, now: f64, ok: bool) {
+        let rtt = self.live.get(i).map_or(0.0, |l| l.rtt);
+        self.set_stage(i, Stage::Leaving);
+        let at = now + rtt / 2.0;
+        self.q.push(
+            at,
+            if ok {
+                Ev::ClientDone(i)
+            } else {
+                Ev::ClientFail(i)
+            },
+        );
+    }
+
+    fn client_first_token(&mut self, i: usize, now: f64) {
+        let t0 = self.work.requests.get(i).map_or(now, |r| r.t_ms);
+        let ttft = now - t0;
+        if let Some(rec) = self.records.get_mut(i) {
+            rec.ttft_ms = Some(ttft);
+        }
+        let client = self.work.prepared.get(i).map_or(0, |p| p.client);
+        let observation = self.live.get(i).and_then(|l| l.observation);
+        if let Mode::Geo(envoys) = &mut self.mode {
+            if let Some(e) = envoys.get_mut(client) {
+                e.first_byte(observation, ttft);
+            }
+        }
+    }
+
+    fn client_end(&mut self, i: usize, now: f64, ok: bool) {
+        if self.stage(i) != Stage::Leaving {
+            return;
+        }
+        let region = self.region_of(i);
+        let t0 = self.work.requests.get(i).map_or(now, |r| r.t_ms);
+        if let Some(rec) = self.records.get_mut(i) {
+            if ok {
+                rec.status = Status::Completed;
+                rec.e2e_ms = Some(now - t0);
+            } else {
+                rec.status = Status::Failed;
+            }
+        }
+        if let Some(o) = self.outstanding.get_mut(region) {
+            *o = o.saturating_sub(1);
+        }
+        let client = self.work.prepared.get(i).map_or(0, |p| p.client);
+        if let Mode::Geo(envoys) = &mut self.mode {
+            if let Some(e) = envoys.get_mut(client) {
+                e.done(region, ok);
+            }
+        }
+        self.set_stage(i, Stage::Resolved);
+        self.unresolved = self.unresolved.saturating_sub(1);
+        self.end_ms = self.end_ms.max(now);
+    }
+
+    fn outage_start(&mut self, region: usize, now: f64) {
+        let held: Vec<usize> = match self.stations.get_mut(region) {
+            Some(s) => {
+                s.up = false;
+                // A lost region comes back as a fresh engine: empty cache.
+                s.engine = Engine::new(s.config);
+                std::mem::take(&mut s.held).into_iter().collect()
+            }
+            None => return,
+        };
+        for i in held {
+            match self.stage(i) {
+                Stage::Waiting => self.unqueue(i),
+                Stage::Running => self.account_busy(i, now),
+                _ => {}
+            }
+            self.leave(i, now, false);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::TraceRequest;
+
+    fn fleet(extra: &str) -> Fleet {
+        fleet_with(2, extra)
+    }
+
+    fn fleet_with(slots: u32, extra: &str) -> Fleet {
+        Fleet::parse(
+            format!(
+                r#"{{"client_regions": ["na", "eu"], "regions": [
+              {{"name": "near", "rtt_ms": {{"na": 10, "eu": 120}}, "max_concurrency": {slots},
+               "prefill_ms_per_token": 0.5, "decode_ms_per_token": 10, "cache_tokens": 100000}},
+              {{"name": "far", "rtt_ms": {{"na": 120, "eu": 10}}, "max_concurrency": {slots},
+               "prefill_ms_per_token": 0.5, "decode_ms_per_token": 10, "cache_tokens": 100000}}]{extra}}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    }
+
+    fn req(
+        t_ms: f64,
+        session: &str,
+        client: &str,
+        segments: &[(&str, u32)],
+        out: u32,
+    ) -> TraceRequest {
+        TraceRequest {
+            t_ms,
+            session: session.into(),
+            client_region: client.into(),
+            tier: "paid".into(),
+            segments: segments.iter().map(|(s, n)| (s.to_string(), *n)).collect(),
+            output_tokens: out,
+        }
+    }
+
+    #[test]
+    fn one_request_ttft_is_rtt_plus_prefill_exactly() {
+        let f = fleet("");
+        // 100 tokens of segment text: the canonical chat text "user\n…\n" is
+        // 406 bytes = 102 engine tokens, none cached: 51 ms of prefill.
+        let w = Workload::new(&f, vec![req(1000.0, "s1", "na", &[("sys-1", 100)], 5)]).unwrap();
+        for p in PolicyName::ALL {
+            let r = run(&f, &w, p, None).unwrap();
+            let rec = &r.records[0];
+            assert_eq!(rec.status, Status::Completed, "{p:?}");
+            assert_eq!(rec.prompt_tokens, 102);
+            // Session affinity hashes the session; every other policy
+            // takes the near region for a lone cold request.
+            let rtt = match rec.region {
+                Some(0) => 10.0,
+                Some(1) if p == PolicyName::SessionAffinity => 120.0,
+                other => panic!("{p:?} chose {other:?}"),
+            };
+            assert_eq!(rec.ttft_ms, Some(rtt + 51.0), "{p:?}");
+            // Four more tokens at 10 ms each.
+            assert_eq!(rec.e2e_ms, Some(rtt + 51.0 + 40.0), "{p:?}");
+        }
+    }
+
+    #[test]
+    fn queueing_and_cache_hits_follow_the_engine_model() {
+        let f = fleet("");
+        let seg = [("doc", 400u32)];
+        // Three at once on a 2-slot engine: the third waits for the first
+        // to finish (prefill 201 ms + 99 × 10 ms decode), then hits the cache.
+        let trace = vec![
+            req(0.0, "a", "na", &seg, 100),
+            req(0.0, "b", "na", &seg, 100),
+            req(0.0, "c", "na", &seg, 100),
+        ];
+        let w = Workload::new(&f, trace).unwrap();
+        let r = run(&f, &w, PolicyName::Nearest, None).unwrap();
+        let ttft: Vec<f64> = r.records.iter().map(|x| x.ttft_ms.unwrap()).collect();
+        assert_eq!(ttft[0], 10.0 + 201.0);
+        // The second is admitted at the same instant: the first one's blocks
+        // are already in the cache (the emulator inserts at admission).
+        assert_eq!(r.records[1].cached_tokens, 400);
+        assert_eq!(ttft[1], 10.0 + 1.0);
+        // The second finishes first (5 + 1 + 99 × 10 ms); the third takes
+        // its slot and hits the cache too.
+        let free_at = 5.0 + 1.0 + 990.0;
+        assert_eq!(ttft[2], free_at + 1.0 + 5.0);
+        assert_eq!(r.records[2].cached_tokens, 400);
+        assert_eq!(r.starts.len(), 3);
+    }
+
+    #[test]
+    fn runs_are_deterministic() {
+        let f = fleet(r#", "outages": [{"region": "near", "from_ms": 3000, "to_ms": 9000}]"#);
+        let mut trace = Vec::new();
+        for k in 0..120u32 {
+            let client = if k % 3 == 0 { "eu" } else { "na" };
+            let session = format!("s{}", k % 7);
+            let turn = format!("{session}-u{k}");
+            trace.push(req(
+                f64::from(k) * 97.0,
+                &session,
+                client,
+                &[("sys", 300), (&session, 200), (&turn, 50)],
+                20 + k % 30,
+            ));
+        }
+        let w = Workload::new(&f, trace).unwrap();
+        for p in PolicyName::ALL {
+            let a = run(&f, &w, p, None).unwrap();
+            let b = run(&f, &w, p, None).unwrap();
+            assert_eq!(a.records, b.records, "{p:?}");
+            assert_eq!(a.starts, b.starts, "{p:?}");
+            assert_eq!(a.levels, b.levels, "{p:?}");
+            // Every request resolved, some failed in the outage.
+            assert!(a.records.iter().any(|r| r.status == Status::Completed));
+        }
+    }
+
+    #[test]
+    fn geo_router_keeps_a_conversation_where_its_prefix_is_and_avoids_a_lost_region() {
+        // Eight slots: one request in flight is not over the bounded-load share.
+        let f = fleet_with(
+            8,
+            r#", "outages": [{"region": "near", "from_ms": 20000, "to_ms": 40000}]"#,
+        );
+        let mut trace = Vec::new();
+        // One na conversation with a long shared prefix, a turn every second.
+        for k in 0..60u32 {
+            let turn = format!("u{k}");
+            trace.push(req(
+                f64::from(k) * 1000.0,
+                "s1",
+                "na",
+                &[("doc", 4000), (&turn, 20)],
+                10,
+            ));
+        }
+        let w = Workload::new(&f, trace).unwrap();
+        let r = run(&f, &w, PolicyName::GeoRouter, None).unwrap();
+        let region = |k: usize| r.records[k].region;
+        // Before the outage: near, from cache after the first turn.
+        assert!(
+            (0..19).all(|k| region(k) == Some(0)),
+            "{:?}",
+            r.records
+                .iter()
+                .map(|x| (x.region, x.cached_tokens, x.ttft_ms))
+                .collect::<Vec<_>>()
+        );
+        assert!(r.records[5].cached_tokens >= 4000);
+        // Once the probe has seen the loss (two failed checks), far serves.
+        assert!(
+            (24..39).all(|k| region(k) == Some(1)),
+            "{:?}",
+            (20..40).map(region).collect::<Vec<_>>()
+        );
+        let failed = r
+            .records
+            .iter()
+            .filter(|x| x.status == Status::Failed)
+            .count();
+        assert!((1..=4).contains(&failed), "{failed}");
+        // Nearest keeps sending to the lost region until its health check
+        // fails, then far: the same loss window.
+        let n = run(&f, &w, PolicyName::Nearest, None).unwrap();
+        let failed_n = n
+            .records
+            .iter()
+            .filter(|x| x.status == Status::Failed)
+            .count();
+        assert!((1..=4).contains(&failed_n), "{failed_n}");
+    }
+}
