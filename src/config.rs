@@ -244,6 +244,9 @@ pub struct CostConfig {
     /// turn's output in its cache, which the directory does not know; it is
     /// kept when its cost is within this many milliseconds of the best.
     pub session_slack_ms: f64,
+    /// Cap on the utilisation ρ in the queue term's congestion factor
+    /// 1/(1 − ρ); 0 turns congestion pricing off.
+    pub congestion_cap: f64,
 }
 
 impl Default for CostConfig {
@@ -255,6 +258,7 @@ impl Default for CostConfig {
             bounded_load_epsilon: 0.25,
             bounded_load_floor: 0.5,
             session_slack_ms: 25.0,
+            congestion_cap: 0.8,
         }
     }
 }
@@ -701,6 +705,13 @@ impl Config {
             ));
         }
         non_negative("cost.session_slack_ms", self.cost.session_slack_ms)?;
+        let cap = self.cost.congestion_cap;
+        if !(cap.is_finite() && (0.0..=0.95).contains(&cap)) {
+            return Err(ConfigError::new(
+                "cost.congestion_cap",
+                format!("{cap} must be within 0..=0.95"),
+            ));
+        }
         self.validate_residency()?;
         self.tuning
             .validate()

@@ -72,6 +72,9 @@ pub struct Cost {
     pub rtt_ms: f64,
     pub prefill_ms: f64,
     pub queue_ms: f64,
+    /// The expected wait itself (unweighted, without congestion pricing):
+    /// what the tuner compares with observed TTFT.
+    pub wait_ms: f64,
     pub total_ms: f64,
     pub cached_tokens: u64,
     /// Requests at the engine counting this Envoy's since the scrape.
@@ -163,6 +166,13 @@ pub fn decide(inp: &Inputs) -> Decision {
         .enumerate()
         .any(|(i, c)| c.healthy && state(i).is_none_or(|s| s.release_ok));
     let ramp_key = inp.first_block.unwrap_or(0);
+    let slots = |i: usize| f64::from(cfg.regions.get(i).map_or(1, |r| r.max_concurrency.max(1)));
+    // The ramp protects a returning region's cold caches from a stampede; it
+    // must not hold it back while every fully ramped region is full.
+    let others_full = costs.iter().enumerate().all(|(i, c)| {
+        let ramping = state(i).is_some_and(|s| s.ramp < 1.0);
+        ramping || !c.healthy || !allowed(i) || c.occupancy + 1.0 > slots(i)
+    });
     for (i, c) in costs.iter_mut().enumerate() {
         let st = state(i);
         let release_ok = !any_release_ok || st.is_none_or(|s| s.release_ok);
@@ -170,7 +180,7 @@ pub fn decide(inp: &Inputs) -> Decision {
         // new prompts, the same share for every proxy (by rendezvous).
         let ramp_ok = st.is_none_or(|s| {
             s.ramp >= 1.0 || (rendezvous(ramp_key, &s.name) as f64 / u64::MAX as f64) < s.ramp
-        });
+        }) || others_full;
         c.healthy = c.healthy && release_ok;
         c.candidate = c.healthy && allowed(i) && ramp_ok;
     }
@@ -260,11 +270,18 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
             let uncached = inp.prompt_tokens - cached_tokens;
             let rtt_ms = w.w_rtt * rtt;
             let prefill_ms = prefill_rate * uncached as f64;
-            let queue = w.w_queue * queue_ms(occupancy, region.max_concurrency, region.service_ms);
+            let wait = queue_ms(occupancy, region.max_concurrency, region.service_ms);
+            // Congestion pricing: a request added to a busy region also delays
+            // the ones behind it; 1/(1 − ρ) (ρ capped) keeps the router from
+            // filling the nearest region to its last slot.
+            let rho =
+                (occupancy / f64::from(region.max_concurrency.max(1))).min(cfg.cost.congestion_cap);
+            let queue = w.w_queue * wait / (1.0 - rho);
             Cost {
                 rtt_ms,
                 prefill_ms,
                 queue_ms: queue,
+                wait_ms: wait,
                 total_ms: rtt_ms + prefill_ms + queue,
                 cached_tokens,
                 occupancy,
@@ -307,7 +324,13 @@ fn apply_bounded_load(cfg: &Config, costs: &mut [Cost]) {
             c.candidate && c.occupancy + 1.0 > bound
         })
         .collect();
-    let room = costs.iter().zip(&over).any(|(c, o)| c.candidate && !o);
+    // "Room" is a free slot: pushing work to a region under its share but
+    // already full would only move the queue.
+    let room = costs
+        .iter()
+        .zip(&over)
+        .enumerate()
+        .any(|(i, (c, o))| c.candidate && !o && c.occupancy + 1.0 <= slots(i));
     if room {
         for (c, o) in costs.iter_mut().zip(over) {
             c.over_bound = o;
@@ -601,11 +624,14 @@ mod tests {
 
     #[test]
     fn bounded_load_overrides_the_cache_when_a_region_is_over_its_share() {
-        let c = cfg();
+        let mut c = cfg();
+        for r in &mut c.regions {
+            r.max_concurrency = 8;
+        }
         let mut s = snap(&c);
-        // mid holds the prompt and is still the cheapest (queue 250 ms), but
-        // it runs 4 of 10 in-flight requests: fair share (10+1)/3 = 3.67,
-        // bound 1.25 x 3.67 = 4.58 < 5.
+        // mid holds the prompt and is the cheapest (free slots, no queue),
+        // but it runs 4 of 10 in-flight requests: fair share (10+1)/3 = 3.67,
+        // bound max(1.25 x 3.67, 0.5 x 8) = 4.58 < 5.
         s.regions[0].running = 3.0;
         s.regions[1].running = 4.0;
         s.regions[2].running = 3.0;

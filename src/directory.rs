@@ -136,10 +136,30 @@ impl Directory {
             read: vec![None; checkpoints.len()],
             calls: 0,
         };
-        let all: Vec<usize> = (0..self.regions).collect();
+        // First probe the first checkpoint: a region that does not hold it
+        // holds nothing, so a cold prompt costs one read, and only the
+        // regions that hold it take part in the binary search.
+        let mut first_holders: Vec<usize> = Vec::new();
+        if let Some(cp) = checkpoints.first() {
+            out.calls += 1;
+            let value = store.get(&self.slot_key(cp.hash)).ok().flatten();
+            for (r, ts) in self.holders(value.as_ref(), cp, now_ms) {
+                if let Some(o) = out.oldest_hit_ms.get_mut(r) {
+                    *o = Some(o.map_or(ts, |old: u64| old.min(ts)));
+                }
+                first_holders.push(r);
+            }
+            if let Some(slot) = out.read.get_mut(0) {
+                *slot = value;
+            }
+        }
         // Invariant of each task: every region in it holds between lo and hi
         // checkpoints (inclusive).
-        let mut tasks = vec![(0usize, checkpoints.len(), all)];
+        let mut tasks = vec![(
+            1usize.min(checkpoints.len()),
+            checkpoints.len(),
+            first_holders,
+        )];
         while let Some((lo, hi, regions)) = tasks.pop() {
             if regions.is_empty() {
                 continue;
@@ -164,7 +184,11 @@ impl Directory {
                     *slot = value;
                 }
             }
-            let holders = self.holders(out.read.get(idx).and_then(|r| r.as_ref()), cp, now_ms);
+            // A slot taken by another prefix (newest wins) reads as "not
+            // held": an under-estimate, the safe side (the request is routed
+            // by distance and load). Size `directory.slots` to the working set.
+            let entry = out.read.get(idx).and_then(|r| r.as_ref());
+            let holders = self.holders(entry, cp, now_ms);
             let (mut yes, mut no) = (Vec::new(), Vec::new());
             for r in regions {
                 match holders.iter().find(|(h, _)| *h == r) {

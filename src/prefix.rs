@@ -1,7 +1,8 @@
 //! Prompt prefix hashing: the canonical prompt text is cut into fixed blocks
 //! and chain-hashed with xxh3 under a configured seed,
-//! `h_i = xxh3(h_{i-1} ‖ block_i)`, so a block's hash names the whole prefix
-//! up to and including it. Only full blocks are hashed (engines cache only
+//! `h_i = xxh3_seeded(block_i, seed ⊕ h_{i-1})` (`h_0 = 0`), so a block's hash
+//! names the whole prefix up to and including it. Chaining through the seed
+//! rather than by concatenation hashes blocks in place, without copying them. Only full blocks are hashed (engines cache only
 //! full blocks too).
 //!
 //! Not every block hash is kept: the prefix directory records prefixes at
@@ -31,6 +32,11 @@ pub struct PromptPrefix {
     pub first_block: Option<u64>,
     /// Checkpoints in increasing block order.
     pub checkpoints: Vec<Checkpoint>,
+    /// The chain hash of the last full block (names the whole hashed prompt).
+    pub last_block: Option<u64>,
+    /// Every block's chain hash, in order (8 bytes per 64-byte block), so a
+    /// session's previous prompt can be matched exactly at any length.
+    pub hashes: Vec<u64>,
 }
 
 /// True for block counts with at most two significant bits.
@@ -50,7 +56,7 @@ pub struct PromptHasher {
     seed: u64,
     block_bytes: usize,
     hashing: bool,
-    /// `prev_hash (8 bytes LE) ‖ partial block`.
+    /// The partial block that spans two pieces fed.
     buf: Vec<u8>,
     prev: u64,
     out: PromptPrefix,
@@ -59,8 +65,7 @@ pub struct PromptHasher {
 impl PromptHasher {
     pub fn new(block_bytes: u32, seed: u64) -> Self {
         let block_bytes = block_bytes.max(1) as usize;
-        let mut buf = Vec::with_capacity(8 + block_bytes);
-        buf.extend_from_slice(&0u64.to_le_bytes());
+        let buf = Vec::with_capacity(block_bytes);
         PromptHasher {
             seed,
             block_bytes,
@@ -84,19 +89,28 @@ impl PromptHasher {
             return;
         }
         while !bytes.is_empty() {
-            let room = 8 + self.block_bytes - self.buf.len();
-            let take = room.min(bytes.len());
+            if self.buf.is_empty() && bytes.len() >= self.block_bytes {
+                // A whole block in this piece: hash it where it is.
+                let (block, rest) = bytes.split_at(self.block_bytes);
+                self.finish_block(block);
+                bytes = rest;
+                continue;
+            }
+            let take = (self.block_bytes - self.buf.len()).min(bytes.len());
             let (head, rest) = bytes.split_at(take);
             self.buf.extend_from_slice(head);
             bytes = rest;
-            if self.buf.len() == 8 + self.block_bytes {
-                self.finish_block();
+            if self.buf.len() == self.block_bytes {
+                let block = std::mem::take(&mut self.buf);
+                self.finish_block(&block);
+                self.buf = block;
+                self.buf.clear();
             }
         }
     }
 
-    fn finish_block(&mut self) {
-        let h = xxh3_64_with_seed(&self.buf, self.seed);
+    fn finish_block(&mut self, block: &[u8]) {
+        let h = xxh3_64_with_seed(block, self.seed ^ self.prev);
         self.prev = h;
         self.out.blocks = self.out.blocks.saturating_add(1);
         let n = self.out.blocks;
@@ -106,8 +120,8 @@ impl PromptHasher {
         if is_checkpoint(n) {
             self.out.checkpoints.push(Checkpoint { blocks: n, hash: h });
         }
-        self.buf.clear();
-        self.buf.extend_from_slice(&self.prev.to_le_bytes());
+        self.out.last_block = Some(h);
+        self.out.hashes.push(h);
     }
 
     pub fn finish(self) -> PromptPrefix {

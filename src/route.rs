@@ -112,6 +112,20 @@ impl Router {
             calls += 1;
             self.sessions.lookup(store, k, now)
         });
+        // The region that served the session's previous prompt holds all of
+        // it (and its output): credit it exactly when this prompt extends it,
+        // not only to the directory's last checkpoint.
+        if let Some(s) = session {
+            if let (Some((region, _)), Some((blocks, hash))) = (s.last, s.prefix) {
+                let extends = blocks
+                    .checked_sub(1)
+                    .and_then(|i| req.prompt.hashes.get(i as usize))
+                    .is_some_and(|h| *h == hash);
+                if let Some(b) = lookup.cached_blocks.get_mut(region).filter(|_| extends) {
+                    *b = (*b).max(blocks);
+                }
+            }
+        }
         // Short prompts have no full block: the session key keeps a
         // conversation's first turns together.
         let first_block = req.prompt.first_block.or(session.map(|s| s.hash));
@@ -144,7 +158,8 @@ impl Router {
                 now,
             );
             if let Some(s) = session {
-                calls += self.sessions.record(store, s, decision.region, now);
+                let prefix = (req.prompt.blocks, req.prompt.last_block.unwrap_or(0));
+                calls += self.sessions.record(store, s, decision.region, now, prefix);
             }
         }
         let kv = migration_for(cfg, &decision, inp);
@@ -229,7 +244,7 @@ impl Routed {
         Some(Observation {
             region: u16::try_from(d.region).ok()?,
             rtt_ms: unweight(c.rtt_ms, w.w_rtt) as f32,
-            queue_ms: unweight(c.queue_ms, w.w_queue) as f32,
+            queue_ms: c.wait_ms as f32,
             uncached_tokens: u32::try_from(self.prompt_tokens.saturating_sub(c.cached_tokens))
                 .unwrap_or(u32::MAX),
             prefill_ms: c.prefill_ms as f32,

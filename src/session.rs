@@ -20,69 +20,87 @@ pub struct Sessions {
 }
 
 /// A looked-up session: its hash, and the region and time of its last
-/// request if known and fresh.
+/// request if known and fresh, with that request's prompt length in blocks
+/// and the chain hash of its last block (so the region's cache of it can be
+/// credited exactly, not just to the last checkpoint).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SessionEntry {
     pub hash: u64,
     pub last: Option<(usize, u64)>,
+    pub prefix: Option<(u32, u64)>,
 }
+
+const RECORD_BYTES: usize = 36;
 
 impl Sessions {
     fn key(&self, hash: u64) -> String {
         format!("{KEY_PREFIX}{}", hash % u64::from(self.slots.max(1)))
     }
 
-    fn encode(&self, hash: u64, region: usize, now_ms: u64) -> Vec<u8> {
-        let mut v = Vec::with_capacity(24);
+    fn encode(&self, hash: u64, region: usize, now_ms: u64, prefix: (u32, u64)) -> Vec<u8> {
+        let mut v = Vec::with_capacity(RECORD_BYTES);
         v.extend_from_slice(&self.layout.to_le_bytes());
         v.extend_from_slice(&hash.to_le_bytes());
         v.extend_from_slice(&(region as u32).to_le_bytes());
         v.extend_from_slice(&now_ms.to_le_bytes());
+        v.extend_from_slice(&prefix.0.to_le_bytes());
+        v.extend_from_slice(&prefix.1.to_le_bytes());
         v
     }
 
-    fn decode(&self, v: &[u8]) -> Option<(u64, usize, u64)> {
-        if v.len() != 24 || u32::from_le_bytes(v.get(0..4)?.try_into().ok()?) != self.layout {
+    #[allow(clippy::type_complexity)]
+    fn decode(&self, v: &[u8]) -> Option<(u64, usize, u64, (u32, u64))> {
+        if v.len() != RECORD_BYTES
+            || u32::from_le_bytes(v.get(0..4)?.try_into().ok()?) != self.layout
+        {
             return None;
         }
         let hash = u64::from_le_bytes(v.get(4..12)?.try_into().ok()?);
         let region = u32::from_le_bytes(v.get(12..16)?.try_into().ok()?) as usize;
         let ts = u64::from_le_bytes(v.get(16..24)?.try_into().ok()?);
-        Some((hash, region, ts))
+        let blocks = u32::from_le_bytes(v.get(24..28)?.try_into().ok()?);
+        let last = u64::from_le_bytes(v.get(28..36)?.try_into().ok()?);
+        Some((hash, region, ts, (blocks, last)))
     }
 
     /// One shared-data read.
     pub fn lookup(&self, store: &mut dyn SharedStore, session: &str, now_ms: u64) -> SessionEntry {
         let hash = xxh3_64_with_seed(session.as_bytes(), self.seed);
-        let last = store
+        let found = store
             .get(&self.key(hash))
             .ok()
             .flatten()
             .and_then(|(v, _)| self.decode(&v))
-            .filter(|(h, _, ts)| *h == hash && now_ms.saturating_sub(*ts) < self.ttl_ms)
-            .map(|(_, r, ts)| (r, ts));
-        SessionEntry { hash, last }
+            .filter(|(h, _, ts, _)| *h == hash && now_ms.saturating_sub(*ts) < self.ttl_ms);
+        SessionEntry {
+            hash,
+            last: found.map(|(_, r, ts, _)| (r, ts)),
+            prefix: found
+                .map(|(_, _, _, p)| p)
+                .filter(|(blocks, _)| *blocks > 0),
+        }
     }
 
-    /// Record the region that now serves the session; skipped (no call) when
-    /// the record already says so and is younger than half the TTL.
+    /// Record the region that now serves the session and the prompt it
+    /// sent (`prefix`: blocks, last block's chain hash); skipped (no call)
+    /// when the record already says exactly that and is younger than half
+    /// the TTL.
     pub fn record(
         &self,
         store: &mut dyn SharedStore,
         entry: SessionEntry,
         region: usize,
         now_ms: u64,
+        prefix: (u32, u64),
     ) -> u32 {
         if let Some((r, ts)) = entry.last {
-            if r == region && now_ms.saturating_sub(ts) < self.ttl_ms / 2 {
+            let fresh = now_ms.saturating_sub(ts) < self.ttl_ms / 2;
+            if r == region && entry.prefix == Some(prefix) && fresh {
                 return 0;
             }
         }
-        let _ = store.set(
-            &self.key(entry.hash),
-            &self.encode(entry.hash, region, now_ms),
-            None,
-        );
+        let value = self.encode(entry.hash, region, now_ms, prefix);
+        let _ = store.set(&self.key(entry.hash), &value, None);
         1
     }
 }
@@ -103,12 +121,14 @@ mod tests {
         let mut m = MemoryStore::default();
         let e = s.lookup(&mut m, "conv-1", 1000);
         assert_eq!(e.last, None);
-        assert_eq!(s.record(&mut m, e, 2, 1000), 1);
+        assert_eq!(s.record(&mut m, e, 2, 1000, (7, 99)), 1);
         let e = s.lookup(&mut m, "conv-1", 2000);
         assert_eq!(e.last, Some((2, 1000)));
-        // Same region, fresh: no write.
-        assert_eq!(s.record(&mut m, e, 2, 2000), 0);
-        assert_eq!(s.lookup(&mut m, "conv-1", 11_000).last, None);
+        assert_eq!(e.prefix, Some((7, 99)));
+        // Same region and prompt, fresh: no write; a longer prompt: written.
+        assert_eq!(s.record(&mut m, e, 2, 2000, (7, 99)), 0);
+        assert_eq!(s.record(&mut m, e, 2, 2000, (9, 5)), 1);
+        assert_eq!(s.lookup(&mut m, "conv-1", 12_000).last, None);
         assert_eq!(s.lookup(&mut m, "conv-2", 2000).last, None);
         // The key is not the session id.
         assert!(m.map.keys().all(|k| !k.contains("conv")));

@@ -409,9 +409,10 @@ impl History {
                 .record(store, &mut lookup, checkpoints, past.region, past.at_ms);
             if let Some(key) = past.session.as_deref().or(req.user.as_deref()) {
                 let entry = router.sessions.lookup(store, key, past.at_ms);
+                let prefix = (req.prompt.blocks, req.prompt.last_block.unwrap_or(0));
                 router
                     .sessions
-                    .record(store, entry, past.region, past.at_ms);
+                    .record(store, entry, past.region, past.at_ms, prefix);
             }
         }
         Ok(())
