@@ -442,7 +442,6 @@ pub fn rendezvous(key: u64, region: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::snapshot::RegionState;
 
     fn cfg() -> Config {
         Config::parse(
@@ -455,19 +454,7 @@ mod tests {
     }
 
     fn snap(c: &Config) -> Snapshot {
-        Snapshot {
-            regions: c
-                .regions
-                .iter()
-                .map(|r| RegionState {
-                    name: r.name.clone(),
-                    healthy: true,
-                    rtt_ms: Some(r.rtt_ms),
-                    ..RegionState::default()
-                })
-                .collect(),
-            ..Snapshot::default()
-        }
+        Snapshot::all_healthy(c)
     }
 
     fn run(

@@ -258,7 +258,6 @@ mod tests {
     use super::*;
     use crate::cost::Reason;
     use crate::directory::MemoryStore;
-    use crate::snapshot::RegionState;
 
     fn cfg() -> Config {
         Config::parse(
@@ -271,19 +270,7 @@ mod tests {
     }
 
     fn snap(c: &Config) -> Snapshot {
-        Snapshot {
-            regions: c
-                .regions
-                .iter()
-                .map(|r| RegionState {
-                    name: r.name.clone(),
-                    healthy: true,
-                    rtt_ms: Some(r.rtt_ms),
-                    ..RegionState::default()
-                })
-                .collect(),
-            ..Snapshot::default()
-        }
+        Snapshot::all_healthy(c)
     }
 
     fn body(system: &str, turn: usize) -> Vec<u8> {

@@ -117,6 +117,24 @@ impl Snapshot {
         Ok(s)
     }
 
+    /// A snapshot in which every configured region is healthy at its
+    /// configured RTT (for tests, tools and the first moments of a probe).
+    pub fn all_healthy(cfg: &crate::config::Config) -> Snapshot {
+        Snapshot {
+            regions: cfg
+                .regions
+                .iter()
+                .map(|r| RegionState {
+                    name: r.name.clone(),
+                    healthy: true,
+                    rtt_ms: Some(r.rtt_ms),
+                    ..RegionState::default()
+                })
+                .collect(),
+            ..Snapshot::default()
+        }
+    }
+
     pub fn region(&self, name: &str) -> Option<&RegionState> {
         self.regions.iter().find(|r| r.name == name)
     }
