@@ -338,9 +338,8 @@ class Fleet:
         deadline = time.time() + timeout
         while time.time() < deadline:
             s = envoy.stats(r"llm_geo_router\.(probe\.snapshot_version|region\.[a-z0-9_]+\.rtt_ms)$")
-            rtts = [v for k, v in s.items() if k.endswith(".rtt_ms")]
-            if s.get("wasmcustom.llm_geo_router.probe.snapshot_version", 0) >= 2 and rtts \
-                    and len(rtts) == len(self.engines) and all(v > 0 for v in rtts):
+            rtts = [s.get(f"wasmcustom.llm_geo_router.region.{n}.rtt_ms", 0) for n in self.engines]
+            if s.get("wasmcustom.llm_geo_router.probe.snapshot_version", 0) >= 2 and all(v > 0 for v in rtts):
                 return
             time.sleep(0.1)
         raise RuntimeError(f"no complete fleet snapshot after {timeout} s; see {envoy.log_path}")

@@ -166,6 +166,7 @@ def test_operator_holds_a_level_at_runtime(fleet):
     path = "/llm-geo-router/ladder"
     assert request(fleet.port, "POST", path, {"level": 3}).status == 403
     assert request(fleet.port, "POST", path, {"level": 3}, headers={"authorization": "Bearer wrong"}).status == 403
+    assert request(fleet.port, "GET", path, headers=OPERATOR).status == 405
     r = request(fleet.port, "POST", path, {"level": 9}, headers=OPERATOR)
     assert r.status == 400 and r.json()["error"]["param"] == "level"
     r = request(fleet.port, "POST", path, {"level": 3}, headers=OPERATOR)

@@ -70,3 +70,22 @@ def test_garbage_metrics_are_survived_and_reported_once(fleet):
     failures = envoy.stat("wasmcustom.llm_geo_router.region.far.metrics_scrape_failure")
     time.sleep(3 * TICK_S)
     assert envoy.stat("wasmcustom.llm_geo_router.region.far.metrics_scrape_failure") == failures
+
+
+def test_unknown_cluster_is_reported_once_and_the_region_is_unhealthy(fleet_factory):
+    import yaml
+
+    import harness
+    from harness import chat
+
+    regions = harness.plugin_config(yaml.safe_load(harness.DEMO_CONFIG.read_text()))["regions"]
+    regions.append({"name": "ghost", "cluster": "no_such_cluster", "capacity_rps": 5, "rtt_ms": 1})
+    fleet = fleet_factory({"regions": regions, "probe": {"tick_ms": 300, "timeout_ms": 300,
+                                                         "snapshot_max_age_ms": 3000}})
+    wait_stat(fleet.envoy, "region.ghost.healthy", lambda v: v == 0)
+    time.sleep(6 * TICK_S)
+    lines = [l for l in fleet.envoy.log().splitlines() if "region ghost: callout to cluster" in l]
+    assert len(lines) == 1, lines
+    # The nearest configured region is a ghost; traffic goes to the real near one.
+    r = chat(fleet.port, [{"role": "user", "content": "still routed"}])
+    assert r.status == 200 and r.replica == "near"

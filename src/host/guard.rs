@@ -131,9 +131,7 @@ impl HttpContext for GuardFilter {
         if !cfg.ladder.operator_keys.is_empty()
             && path.split('?').next() == Some(guard::OPERATOR_PATH)
         {
-            if method != "POST"
-                || !guard::is_operator(cfg, calls::request_header("authorization").as_deref())
-            {
+            if !guard::is_operator(cfg, calls::request_header("authorization").as_deref()) {
                 return self.reject(
                     403,
                     "permission_error",
@@ -141,6 +139,16 @@ impl HttpContext for GuardFilter {
                     "operator token required",
                     None,
                     &[],
+                );
+            }
+            if method != "POST" {
+                return self.reject(
+                    405,
+                    "invalid_request_error",
+                    "method_not_allowed",
+                    "use POST with {\"level\": 0..=5 or null}",
+                    None,
+                    &[("allow", "POST")],
                 );
             }
             self.operator = true;

@@ -71,6 +71,7 @@ pub struct Probe {
     w_rtt_milli: Metric,
     w_queue_milli: Metric,
     metrics_warned: Vec<bool>,
+    dispatch_warned: Vec<bool>,
     queue: Option<u32>,
     assessment: Metric,
     last_assessment: crate::assess::Assessment,
@@ -128,6 +129,7 @@ impl Probe {
             w_rtt_milli: Metric::gauge("llm_geo_router.tuning.w_rtt_milli"),
             w_queue_milli: Metric::gauge("llm_geo_router.tuning.w_queue_milli"),
             metrics_warned: vec![false; cfg.regions.len()],
+            dispatch_warned: vec![false; cfg.regions.len()],
             assessment: Metric::gauge("llm_geo_router.assessment.state"),
             last_assessment: crate::assess::Assessment::Ok,
             override_active: Metric::gauge("llm_geo_router.ladder.override_active"),
@@ -201,15 +203,23 @@ impl Probe {
                 match calls::dispatch(&r.cluster, &headers, Duration::from_millis(timeout_ms)) {
                     Ok(token) => {
                         self.pending.insert(token, (i, kind, now));
+                        if let Some(w) = self.dispatch_warned.get_mut(i) {
+                            *w = false;
+                        }
                     }
                     Err(status) => {
-                        log(
-                            LogLevel::Warn,
-                            &format!(
-                                "llm-geo-router probe: region {}: callout to cluster {:?} refused by the host ({status}); is the cluster defined?",
-                                r.name, r.cluster
-                            ),
-                        );
+                        // Once per region until a callout is accepted again,
+                        // not every tick.
+                        if let Some(w) = self.dispatch_warned.get_mut(i).filter(|w| !**w) {
+                            *w = true;
+                            log(
+                                LogLevel::Warn,
+                                &format!(
+                                    "llm-geo-router probe: region {}: callout to cluster {:?} refused by the host ({status}); is the cluster defined?",
+                                    r.name, r.cluster
+                                ),
+                            );
+                        }
                         if kind == Kind::Health {
                             self.health(i, None);
                         }
