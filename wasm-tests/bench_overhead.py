@@ -246,19 +246,12 @@ def start_envoy(run_dir: Path, name: str, cfg: dict, cpu: int | None) -> tuple[P
          "--base-id", str(admin_port), "--disable-hot-restart"],
         stdout=subprocess.DEVNULL, stderr=open(log, "w"), cwd=ROOT)
     p = Proc(name, proc, log)
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name}: envoy exited with {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/ready", timeout=2) as r:
-                if r.status == 200:
-                    return p, admin_port
-        except OSError:
-            pass
-        time.sleep(0.1)
-    p.stop()
-    raise RuntimeError(f"{name}: envoy not ready in 60 s; see {log}")
+    try:
+        harness.wait_ready(proc, admin_port, log)
+    except RuntimeError as e:
+        p.stop()
+        raise RuntimeError(f"{name}: {e}") from None
+    return p, admin_port
 
 
 def start_emulator(run_dir: Path, name: str, mode: str, cpu: int | None) -> tuple[Proc, int]:

@@ -226,19 +226,29 @@ def start_envoy(run_dir: Path, cfg: dict, name: str = "envoy", concurrency: int 
          "--base-id", str(admin_port), "--disable-hot-restart"],
         stdout=subprocess.DEVNULL, stderr=open(log_path, "w"), cwd=ROOT)
     env = Envoy(proc, admin_port, port, log_path, config_path)
-    deadline = time.time() + 60
+    try:
+        wait_ready(proc, admin_port, log_path)
+    except RuntimeError:
+        env.stop()
+        raise
+    return env
+
+
+def wait_ready(proc: subprocess.Popen, admin_port: int, log_path: Path, timeout: float = 60.0) -> None:
+    """Until Envoy's admin /ready answers 200; raises if Envoy exits or the
+    timeout passes (the caller stops the process)."""
+    deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"envoy exited with {proc.returncode}; see {log_path}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/ready", timeout=2) as r:
                 if r.status == 200:
-                    return env
+                    return
         except OSError:
             pass
         time.sleep(0.1)
-    env.stop()
-    raise RuntimeError(f"envoy not ready in 60 s; see {log_path}")
+    raise RuntimeError(f"envoy not ready in {timeout:.0f} s; see {log_path}")
 
 
 @dataclass

@@ -115,6 +115,51 @@ fn tokens(rng: &mut Rng, median: f64, sigma: f64, lo: f64, hi: f64) -> u32 {
 
 /// Long agentic sessions: a shared system prompt, a shared document, then
 /// turns of tool output and the model's previous answer.
+/// One multi-turn conversation's shape: token distributions as
+/// (median, sigma, min, max) for the answers and the user's (or tool's) next
+/// turns, and the gap between turns as fixed ms + an exponential mean.
+struct Conversation<'a> {
+    name: &'a str,
+    client: &'a str,
+    tier: &'a str,
+    output: (f64, f64, f64, f64),
+    user: (f64, f64, f64, f64),
+    gap_ms: (f64, f64),
+    decode_ms: f64,
+}
+
+impl Conversation<'_> {
+    /// `turns` requests from `start_ms`, each answer and the next user turn
+    /// joining the context.
+    fn push_turns(
+        &self,
+        rng: &mut Rng,
+        trace: &mut Vec<TraceRequest>,
+        mut segments: Vec<(String, u32)>,
+        turns: u64,
+        start_ms: f64,
+    ) {
+        let name = self.name;
+        let (om, os, olo, ohi) = self.output;
+        let (um, us, ulo, uhi) = self.user;
+        let mut at = start_ms;
+        for k in 0..turns {
+            let out = tokens(rng, om, os, olo, ohi);
+            trace.push(TraceRequest {
+                t_ms: at,
+                session: name.to_string(),
+                client_region: self.client.into(),
+                tier: self.tier.to_string(),
+                segments: segments.clone(),
+                output_tokens: out,
+            });
+            segments.push((format!("{name}-a{k}"), out));
+            segments.push((format!("{name}-u{}", k + 1), tokens(rng, um, us, ulo, uhi)));
+            at += self.gap_ms.0 + f64::from(out) * self.decode_ms + rng.exp(self.gap_ms.1);
+        }
+    }
+}
+
 fn agentic(rng: &mut Rng) -> Scenario {
     let decode = 22.0;
     let fleet = Fleet {
@@ -142,7 +187,7 @@ fn agentic(rng: &mut Rng) -> Scenario {
         let sys = rng.zipf(systems.len(), 1.0);
         let doc = rng.zipf(docs.len(), 0.8);
         let name = format!("a{s}");
-        let mut segments = vec![
+        let segments = vec![
             (
                 format!("sys-{sys}"),
                 systems.get(sys).copied().unwrap_or(1000),
@@ -151,25 +196,16 @@ fn agentic(rng: &mut Rng) -> Scenario {
             (format!("{name}-u0"), tokens(rng, 400.0, 0.5, 50.0, 2000.0)),
         ];
         let turns = rng.int(8, 16);
-        let mut at = t;
-        for k in 0..turns {
-            let out = tokens(rng, 180.0, 0.5, 20.0, 800.0);
-            trace.push(TraceRequest {
-                t_ms: at,
-                session: name.clone(),
-                client_region: client.into(),
-                tier: tier.clone(),
-                segments: segments.clone(),
-                output_tokens: out,
-            });
-            // The answer and the next tool result join the context.
-            segments.push((format!("{name}-a{k}"), out));
-            segments.push((
-                format!("{name}-u{}", k + 1),
-                tokens(rng, 1000.0, 0.6, 100.0, 4000.0),
-            ));
-            at += 600.0 + f64::from(out) * decode + rng.exp(2000.0);
-        }
+        let convo = Conversation {
+            name: &name,
+            client,
+            tier: &tier,
+            output: (180.0, 0.5, 20.0, 800.0),
+            user: (1000.0, 0.6, 100.0, 4000.0),
+            gap_ms: (600.0, 2000.0),
+            decode_ms: decode,
+        };
+        convo.push_turns(rng, &mut trace, segments, turns, t);
     }
     Scenario { fleet, trace }
 }
@@ -298,7 +334,7 @@ fn region_loss(rng: &mut Rng) -> Scenario {
         let tier = tier(rng, 0.4, 0.5, 0.1);
         let sys = rng.zipf(systems.len(), 1.0);
         let name = format!("d{s}");
-        let mut segments = vec![
+        let segments = vec![
             (
                 format!("sys-{sys}"),
                 systems.get(sys).copied().unwrap_or(800),
@@ -306,24 +342,16 @@ fn region_loss(rng: &mut Rng) -> Scenario {
             (format!("{name}-u0"), tokens(rng, 300.0, 0.6, 20.0, 2000.0)),
         ];
         let turns = rng.int(4, 10);
-        let mut at = t;
-        for k in 0..turns {
-            let out = tokens(rng, 150.0, 0.5, 10.0, 600.0);
-            trace.push(TraceRequest {
-                t_ms: at,
-                session: name.clone(),
-                client_region: client.into(),
-                tier: tier.clone(),
-                segments: segments.clone(),
-                output_tokens: out,
-            });
-            segments.push((format!("{name}-a{k}"), out));
-            segments.push((
-                format!("{name}-u{}", k + 1),
-                tokens(rng, 150.0, 0.7, 10.0, 1500.0),
-            ));
-            at += 400.0 + f64::from(out) * decode + rng.exp(3000.0);
-        }
+        let convo = Conversation {
+            name: &name,
+            client,
+            tier: &tier,
+            output: (150.0, 0.5, 10.0, 600.0),
+            user: (150.0, 0.7, 10.0, 1500.0),
+            gap_ms: (400.0, 3000.0),
+            decode_ms: decode,
+        };
+        convo.push_turns(rng, &mut trace, segments, turns, t);
         s += 1;
     }
     Scenario { fleet, trace }
