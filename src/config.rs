@@ -240,6 +240,12 @@ pub struct CostConfig {
     /// Below this fraction of its `max_concurrency` a region is never over
     /// its bound: at low load, spreading would only add network distance.
     pub bounded_load_floor: f64,
+    /// Placement of prompts no region holds (new conversations): a tighter
+    /// bound, `(1 + placement_epsilon)` times the fair share. A conversation
+    /// stays where it starts, so its future load is placed with it.
+    pub placement_epsilon: f64,
+    /// The placement bound's floor, as `bounded_load_floor`.
+    pub placement_floor: f64,
     /// The region that served a session's previous turn also holds that
     /// turn's output in its cache, which the directory does not know; it is
     /// kept when its cost is within this many milliseconds of the best.
@@ -255,8 +261,10 @@ impl Default for CostConfig {
             w_rtt: 1.0,
             w_queue: 1.0,
             tie_ms: 2.0,
-            bounded_load_epsilon: 0.25,
+            bounded_load_epsilon: 0.5,
             bounded_load_floor: 0.5,
+            placement_epsilon: 0.1,
+            placement_floor: 0.0,
             session_slack_ms: 25.0,
             congestion_cap: 0.8,
         }
@@ -697,12 +705,17 @@ impl Config {
         positive("cost.w_queue", self.cost.w_queue)?;
         non_negative("cost.tie_ms", self.cost.tie_ms)?;
         non_negative("cost.bounded_load_epsilon", self.cost.bounded_load_epsilon)?;
-        let floor = self.cost.bounded_load_floor;
-        if !(floor.is_finite() && (0.0..=1.0).contains(&floor)) {
-            return Err(ConfigError::new(
-                "cost.bounded_load_floor",
-                format!("{floor} must be within 0..=1"),
-            ));
+        non_negative("cost.placement_epsilon", self.cost.placement_epsilon)?;
+        for (path, floor) in [
+            ("cost.bounded_load_floor", self.cost.bounded_load_floor),
+            ("cost.placement_floor", self.cost.placement_floor),
+        ] {
+            if !(floor.is_finite() && (0.0..=1.0).contains(&floor)) {
+                return Err(ConfigError::new(
+                    path,
+                    format!("{floor} must be within 0..=1"),
+                ));
+            }
         }
         non_negative("cost.session_slack_ms", self.cost.session_slack_ms)?;
         let cap = self.cost.congestion_cap;

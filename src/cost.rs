@@ -187,7 +187,17 @@ pub fn decide(inp: &Inputs) -> Decision {
     if !costs.iter().any(|c| c.candidate) {
         return fallback(inp, costs);
     }
-    apply_bounded_load(cfg, &mut costs);
+    let held = holds_prompt(&costs, inp.prompt_tokens);
+    if held {
+        // Where a region holds the prompt, the choice is between waiting
+        // there and a full prefill elsewhere, which congestion pricing
+        // does not see: the prompt's own expected wait decides.
+        for c in costs.iter_mut() {
+            c.queue_ms = inp.weights.w_queue * c.wait_ms;
+            c.total_ms = c.rtt_ms + c.prefill_ms + c.queue_ms;
+        }
+    }
+    apply_bounded_load(cfg, &mut costs, held);
     let eligible = |c: &Cost| c.candidate && !c.over_bound;
     let Some(region) = pick(inp, &costs, eligible) else {
         return fallback(inp, costs);
@@ -293,11 +303,29 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
         .collect()
 }
 
+/// Whether some candidate holds the prompt: at least half of it beyond what
+/// every other candidate holds (a system prompt held everywhere does not
+/// make a holder).
+fn holds_prompt(costs: &[Cost], prompt_tokens: u64) -> bool {
+    let cached = || {
+        costs
+            .iter()
+            .filter(|c| c.candidate)
+            .map(|c| c.cached_tokens)
+    };
+    let most = cached().max().unwrap_or(0);
+    let least = cached().min().unwrap_or(0);
+    most > 0 && (most - least).saturating_mul(2) >= prompt_tokens
+}
+
 /// Marks candidates whose occupancy, with this request, would exceed
 /// `(1 + ε)` times their fair share (by `max_concurrency`) of all candidates'
 /// occupancy, and above `floor × max_concurrency`. Nothing is marked when no
-/// candidate would be left.
-fn apply_bounded_load(cfg: &Config, costs: &mut [Cost]) {
+/// candidate would be left. A prompt some region holds (`held`) is bounded
+/// by `bounded_load_epsilon`/`_floor`, whatever its cache says; a prompt no
+/// region holds, a new conversation whose later turns will follow it, by the
+/// tighter `placement_epsilon`/`_floor`.
+fn apply_bounded_load(cfg: &Config, costs: &mut [Cost], held: bool) {
     let eps = cfg.cost.bounded_load_epsilon;
     let slots = |i: usize| f64::from(cfg.regions.get(i).map_or(1, |r| r.max_concurrency.max(1)));
     let total_slots: f64 = costs
@@ -320,7 +348,15 @@ fn apply_bounded_load(cfg: &Config, costs: &mut [Cost]) {
         .enumerate()
         .map(|(i, c)| {
             let fair = total_load * slots(i) / total_slots;
-            let bound = ((1.0 + eps) * fair).max(cfg.cost.bounded_load_floor * slots(i));
+            let (e, f) = if held {
+                (eps, cfg.cost.bounded_load_floor)
+            } else {
+                (
+                    eps.min(cfg.cost.placement_epsilon),
+                    cfg.cost.bounded_load_floor.min(cfg.cost.placement_floor),
+                )
+            };
+            let bound = ((1.0 + e) * fair).max(f * slots(i));
             c.candidate && c.occupancy + 1.0 > bound
         })
         .collect();
@@ -617,10 +653,10 @@ mod tests {
         }
         let mut s = snap(&c);
         // mid holds the prompt and is the cheapest (free slots, no queue),
-        // but it runs 4 of 10 in-flight requests: fair share (10+1)/3 = 3.67,
-        // bound max(1.25 x 3.67, 0.5 x 8) = 4.58 < 5.
+        // but it runs 6 of 12 in-flight requests: fair share (12+1)/3 = 4.33,
+        // bound max(1.5 x 4.33, 0.5 x 8) = 6.5 < 7.
         s.regions[0].running = 3.0;
-        s.regions[1].running = 4.0;
+        s.regions[1].running = 6.0;
         s.regions[2].running = 3.0;
         let d = decide(&inputs(&c, &s, &[0, 62, 0], None, None));
         assert!(d.costs[1].over_bound);
@@ -630,6 +666,31 @@ mod tests {
         s.regions[1].running = 3.0;
         let d = decide(&inputs(&c, &s, &[0, 62, 0], None, None));
         assert_eq!((d.region, d.reason), (1, Reason::Cache));
+    }
+
+    #[test]
+    fn new_prompts_are_placed_within_the_tighter_placement_bound() {
+        let mut c = cfg();
+        for r in &mut c.regions {
+            r.max_concurrency = 8;
+        }
+        let mut s = snap(&c);
+        // near runs 2 of 2 in-flight requests: fair share (2+1)/3 = 1; the
+        // placement bound 1.1 x 1 < 3: a prompt no region holds goes
+        // elsewhere. One near holds stays: the general bound is
+        // max(1.5 x 1, 0.5 x 8 slots) = 4 >= 3.
+        s.regions[0].running = 2.0;
+        let d = decide(&inputs(&c, &s, &[0, 0, 0], None, None));
+        assert_eq!(d.reason, Reason::LoadOverride);
+        assert_ne!(d.region, 0);
+        assert!(d.costs[0].over_bound);
+        let d = decide(&inputs(&c, &s, &[62, 0, 0], None, None));
+        assert_eq!((d.region, d.reason), (0, Reason::Cache));
+        // With the placement bound as loose as the general one, near keeps it.
+        c.cost.placement_epsilon = c.cost.bounded_load_epsilon;
+        c.cost.placement_floor = c.cost.bounded_load_floor;
+        let d = decide(&inputs(&c, &s, &[0, 0, 0], None, None));
+        assert_eq!((d.region, d.reason), (0, Reason::Rtt));
     }
 
     #[test]

@@ -25,6 +25,10 @@ use crate::prefix::Checkpoint;
 /// Key prefix of directory slots in shared data.
 pub const KEY_PREFIX: &str = "llm_geo_router.dir.";
 
+/// Checkpoints tried in a row when a lookup finds slots taken by other
+/// prefixes (each try is one shared-data read).
+const COLLISION_PROBES: usize = 2;
+
 /// Outcome of a conditional write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SetOutcome {
@@ -100,6 +104,10 @@ impl Directory {
         v
     }
 
+    fn decode_entry(&self, value: Option<&(Vec<u8>, u32)>) -> Option<Entry> {
+        value.and_then(|(v, _)| self.decode(v))
+    }
+
     /// Regions holding checkpoint `cp` per `value`, as (region, stamp).
     fn holders(
         &self,
@@ -107,7 +115,7 @@ impl Directory {
         cp: &Checkpoint,
         now_ms: u64,
     ) -> Vec<(usize, u64)> {
-        let Some(entry) = value.and_then(|(v, _)| self.decode(v)) else {
+        let Some(entry) = self.decode_entry(value) else {
             return Vec::new();
         };
         if entry.hash != cp.hash {
@@ -173,22 +181,35 @@ impl Directory {
                 continue;
             }
             let mid = (lo + hi).div_ceil(2); // does the region hold `mid` checkpoints?
-            let idx = mid - 1;
-            let Some(cp) = checkpoints.get(idx) else {
-                continue;
-            };
-            if out.read.get(idx).is_some_and(|r| r.is_none()) {
-                out.calls += 1;
-                let value = store.get(&self.slot_key(cp.hash)).ok().flatten();
-                if let Some(slot) = out.read.get_mut(idx) {
-                    *slot = value;
+                                             // A slot taken by another prefix (newest wins) is no evidence
+                                             // either way: ask the next checkpoint instead (a region holding
+                                             // it holds `mid` too); after `COLLISION_PROBES` taken slots the
+                                             // regions are taken not to hold `mid`, an under-estimate (the
+                                             // safe side: the request is routed by distance and load).
+            let mut probe = mid;
+            let mut holders = None;
+            while probe <= hi && probe < mid + COLLISION_PROBES {
+                let idx = probe - 1;
+                let Some(cp) = checkpoints.get(idx) else {
+                    break;
+                };
+                if out.read.get(idx).is_some_and(|r| r.is_none()) {
+                    out.calls += 1;
+                    let value = store.get(&self.slot_key(cp.hash)).ok().flatten();
+                    if let Some(slot) = out.read.get_mut(idx) {
+                        *slot = value;
+                    }
+                }
+                let entry = out.read.get(idx).and_then(|r| r.as_ref());
+                match self.decode_entry(entry) {
+                    Some(e) if e.hash != cp.hash => probe += 1,
+                    _ => {
+                        holders = Some(self.holders(entry, cp, now_ms));
+                        break;
+                    }
                 }
             }
-            // A slot taken by another prefix (newest wins) reads as "not
-            // held": an under-estimate, the safe side (the request is routed
-            // by distance and load). Size `directory.slots` to the working set.
-            let entry = out.read.get(idx).and_then(|r| r.as_ref());
-            let holders = self.holders(entry, cp, now_ms);
+            let holders = holders.unwrap_or_default();
             let (mut yes, mut no) = (Vec::new(), Vec::new());
             for r in regions {
                 match holders.iter().find(|(h, _)| *h == r) {
@@ -201,7 +222,7 @@ impl Directory {
                     None => no.push(r),
                 }
             }
-            tasks.push((mid, hi, yes));
+            tasks.push((probe.min(hi), hi, yes));
             tasks.push((lo, mid - 1, no));
         }
         for r in 0..self.regions {
@@ -288,7 +309,7 @@ impl Directory {
 
 /// An in-memory [`SharedStore`] with Envoy's CAS semantics, for tests, the
 /// CLI and benchmarks.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct MemoryStore {
     pub map: std::collections::HashMap<String, (Vec<u8>, u32)>,
     pub gets: u64,
@@ -383,6 +404,35 @@ mod tests {
         other.extend(text(64 * 50, 2));
         let l = d.lookup(&mut s, &cps(&other), 2000);
         assert_eq!(l.cached_blocks, vec![0, 8, 8]);
+    }
+
+    #[test]
+    fn a_slot_taken_by_another_prefix_is_no_evidence() {
+        let d = dir(3);
+        let mut s = MemoryStore::default();
+        let long = text(64 * 600, 1);
+        let c = cps(&long);
+        let mut l = d.lookup(&mut s, &c, 1000);
+        d.record(&mut s, &mut l, &c, 2, 1000);
+        assert_eq!(d.lookup(&mut s, &c, 2000).cached_blocks, vec![0, 0, 512]);
+        // Another prefix takes each checkpoint's slot in turn (newest wins):
+        // the search asks the next checkpoint instead, so the region keeps
+        // its whole prefix; only the last checkpoint, with none after it,
+        // is lost (credited the one before, never more than it holds).
+        for (i, cp) in c.iter().enumerate().skip(1) {
+            let mut s = s.clone();
+            let other = d.encode(cp.hash ^ 1, &[0, 1500, 0]);
+            s.set(&d.slot_key(cp.hash), &other, None).unwrap();
+            let l = d.lookup(&mut s, &c, 2000);
+            let got = l.cached_blocks[2];
+            let want = if i + 1 < c.len() {
+                512
+            } else {
+                c[i - 1].blocks
+            };
+            assert_eq!(got, want, "slot {i} of {} taken", c.len());
+            assert_eq!(l.cached_blocks[1], 0);
+        }
     }
 
     #[test]

@@ -51,6 +51,10 @@ output:
                    outage. Only geo-router has a guard and a ladder.
   --plots DIR      write ttft_cdf.svg, region_load.svg and (with geo-router)
                    ladder.svg into DIR (created if missing)
+  --requests FILE  also write every request's outcome, one JSON object a
+                   line: policy, index, t_ms, session, client_region,
+                   region, status, ttft_ms, e2e_ms, prompt_tokens,
+                   cached_tokens, queued_ms, reason (geo-router)
   --title TEXT     label in the plots' titles (default: the trace's
                    directory name for trace.jsonl, else its file name)
 
@@ -77,6 +81,10 @@ const OPTIONS: &[Opt] = &[
     },
     Opt {
         name: "title",
+        kind: Kind::Value,
+    },
+    Opt {
+        name: "requests",
         kind: Kind::Value,
     },
     Opt {
@@ -180,6 +188,19 @@ pub fn run(argv: &[String]) -> Result<String, CliError> {
             .text("title")
             .map_or_else(|| label(trace_path), str::to_string);
         write_plots(Path::new(dir), &plot::all(&title, &fleet, &runs))?;
+    }
+    if let Some(path) = p.text("requests") {
+        let mut out = String::new();
+        for run in &runs {
+            for line in report::request_lines(&fleet, &work, run) {
+                out.push_str(&line.to_string());
+                out.push('\n');
+            }
+        }
+        std::fs::write(path, out).map_err(|e| CliError::Refused {
+            output: String::new(),
+            message: format!("--requests {path}: cannot write: {e}"),
+        })?;
     }
     if p.flag("json") {
         let v = report::to_json(&summaries);

@@ -124,6 +124,38 @@ pub fn summarize(fleet: &Fleet, work: &Workload, run: &Run) -> Summary {
     }
 }
 
+/// Every request's outcome as one JSON object (`simulate --requests`).
+pub fn request_lines(fleet: &Fleet, work: &Workload, run: &Run) -> Vec<Value> {
+    work.requests
+        .iter()
+        .zip(&run.records)
+        .enumerate()
+        .map(|(i, (req, rec))| {
+            let status = match rec.status {
+                Status::Completed => "completed",
+                Status::Shed => "shed",
+                Status::TooLong => "too_long",
+                Status::Failed => "failed",
+            };
+            json!({
+                "policy": run.policy.as_str(),
+                "index": i,
+                "t_ms": req.t_ms,
+                "session": req.session,
+                "client_region": req.client_region,
+                "region": rec.region.and_then(|r| fleet.regions.get(r)).map(|r| r.name.as_str()),
+                "status": status,
+                "ttft_ms": rec.ttft_ms,
+                "e2e_ms": rec.e2e_ms,
+                "prompt_tokens": rec.prompt_tokens,
+                "cached_tokens": rec.cached_tokens,
+                "queued_ms": rec.queued_ms,
+                "reason": rec.reason,
+            })
+        })
+        .collect()
+}
+
 fn dist_json(d: Option<Dist>) -> Value {
     match d {
         Some(d) => json!({"mean": d.mean, "p50": d.p50, "p95": d.p95, "p99": d.p99}),
