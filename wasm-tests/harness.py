@@ -195,12 +195,20 @@ def render_config(engines: dict[str, Engine] | None, admin_port: int, port: int,
     for lis in cfg["static_resources"]["listeners"]:
         lis["address"]["socket_address"]["port_value"] = port
     if engines is not None:
+        # An engine's port in the demo config is its cluster's first
+        # endpoint; every endpoint on that port (a region cluster's failover
+        # endpoints too) is moved to where the test started the engine.
         by_cluster = {c: e for n, (c, _, _) in ALL_ENGINES.items() if (e := engines.get(n))}
-        for cl in cfg["static_resources"]["clusters"]:
-            e = by_cluster.get(cl["name"])
-            if e is not None:
-                ep = cl["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-                ep["address"]["socket_address"]["port_value"] = e.port
+        clusters = cfg["static_resources"]["clusters"]
+        demo_port = {cl["name"]: cl["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+                     ["address"]["socket_address"]["port_value"] for cl in clusters}
+        moved = {demo_port[c]: e.port for c, e in by_cluster.items() if c in demo_port}
+        for cl in clusters:
+            for group in cl["load_assignment"]["endpoints"]:
+                for lb in group["lb_endpoints"]:
+                    sa = lb["endpoint"]["address"]["socket_address"]
+                    if sa["port_value"] in moved:
+                        sa["port_value"] = moved[sa["port_value"]]
     plugin = deep_merge(plugin_config(cfg), overrides or {})
     for p in wasm_plugins(cfg):
         p["vm_config"]["code"]["local"]["filename"] = str(WASM)
