@@ -417,6 +417,11 @@ pub struct ProbeConfig {
     /// A snapshot older than this is ignored by the filters, which then
     /// route as if there were none.
     pub snapshot_max_age_ms: u32,
+    /// Passive ejection: a region where most routed requests failed (5xx
+    /// or reset) for `unhealthy_after` ticks in a row is taken out of
+    /// routing for this many seconds, doubled at each ejection in a row (at
+    /// most 32×), as Envoy's outlier detection does. 0 turns it off.
+    pub eject_s: u32,
 }
 
 impl Default for ProbeConfig {
@@ -429,6 +434,7 @@ impl Default for ProbeConfig {
             unhealthy_after: 2,
             healthy_after: 2,
             snapshot_max_age_ms: 10_000,
+            eject_s: 10,
         }
     }
 }
@@ -756,6 +762,12 @@ impl Config {
             return Err(ConfigError::new(
                 "probe.healthy_after",
                 "must be at least 1",
+            ));
+        }
+        if p.eject_s > 3600 {
+            return Err(ConfigError::new(
+                "probe.eject_s",
+                format!("{} must be within 0..=3600", p.eject_s),
             ));
         }
         if p.snapshot_max_age_ms < p.tick_ms.saturating_mul(2) {

@@ -31,8 +31,24 @@ struct Region {
     routable_since_ms: Option<u64>,
     /// Live upstream failures reported by the routers during the last tick.
     upstream_failing: bool,
+    /// Routed requests reported during the last tick.
+    upstream_seen: u64,
+    /// Consecutive ticks with most routed requests failing.
+    upstream_streak: u32,
+    /// Passive ejection: out of routing until then (Unix ms).
+    ejected_until_ms: Option<u64>,
+    /// Ejections in a row (reset by a tick with traffic and no majority
+    /// of failures).
+    ejections: u32,
     /// Since when at least two independent signals say the region is down.
     down_since_ms: Option<u64>,
+}
+
+impl Region {
+    /// Healthy by its probe and not ejected for live failures.
+    fn in_service(&self) -> bool {
+        self.healthy && self.ejected_until_ms.is_none()
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -82,6 +98,10 @@ impl Fleet {
                     routable: true,
                     routable_since_ms: None,
                     upstream_failing: false,
+                    upstream_seen: 0,
+                    upstream_streak: 0,
+                    ejected_until_ms: None,
+                    ejections: 0,
                     down_since_ms: None,
                 })
                 .collect(),
@@ -120,7 +140,46 @@ impl Fleet {
     pub fn on_upstream(&mut self, region: usize, failures: u64, completed: u64) {
         if let Some(r) = self.regions.get_mut(region) {
             r.upstream_failing = failures > 0 && failures * 2 >= completed.max(failures);
+            r.upstream_seen = completed.max(failures);
         }
+    }
+
+    /// Passive ejection (`probe.eject_s`): a region whose routed requests
+    /// mostly failed for `unhealthy_after` ticks in a row leaves routing
+    /// for `eject_s × 2^(ejections in a row)` (at most 32×), whatever its
+    /// health endpoint says; when the time is up it takes traffic again,
+    /// and is ejected again, for longer, if it still fails.
+    fn update_ejection(&mut self, cfg: &Config, now_ms: u64) {
+        let base_ms = u64::from(cfg.probe.eject_s) * 1000;
+        for r in &mut self.regions {
+            if base_ms == 0 {
+                r.ejected_until_ms = None;
+                continue;
+            }
+            if r.ejected_until_ms.is_some_and(|t| now_ms < t) {
+                continue;
+            }
+            r.ejected_until_ms = None;
+            if r.upstream_failing {
+                r.upstream_streak += 1;
+                if r.upstream_streak >= cfg.probe.unhealthy_after {
+                    let factor = 1u64 << r.ejections.min(5);
+                    r.ejected_until_ms = Some(now_ms.saturating_add(base_ms * factor));
+                    r.ejections = r.ejections.saturating_add(1);
+                    r.upstream_streak = 0;
+                }
+            } else if r.upstream_seen > 0 {
+                r.upstream_streak = 0;
+                r.ejections = 0;
+            }
+        }
+    }
+
+    /// Taken out of routing by passive ejection.
+    pub fn is_ejected(&self, region: usize) -> bool {
+        self.regions
+            .get(region)
+            .is_some_and(|r| r.ejected_until_ms.is_some())
     }
 
     /// Parity holds unless the region reported a digest other than the
@@ -272,6 +331,7 @@ impl Fleet {
     /// one rung per tick however often snapshots are published) and a refit
     /// of the tuned cost model. Returns true when the level changed.
     pub fn tick(&mut self, cfg: &Config, now_ms: u64) -> bool {
+        self.update_ejection(cfg, now_ms);
         self.update_routable(cfg, now_ms);
         self.update_queue_growth(cfg, now_ms);
         self.update_assessment(cfg, now_ms);
@@ -300,11 +360,11 @@ impl Fleet {
         let any_matching = self
             .regions
             .iter()
-            .any(|r| r.healthy && Self::release_ok(cfg, r));
+            .any(|r| r.in_service() && Self::release_ok(cfg, r));
         for r in &mut self.regions {
             // A fleet-wide mismatch is a rollback, not a reason to route
             // nowhere: then health alone decides.
-            let routable = r.healthy && (Self::release_ok(cfg, r) || !any_matching);
+            let routable = r.in_service() && (Self::release_ok(cfg, r) || !any_matching);
             if routable && !r.routable {
                 r.routable_since_ms = Some(now_ms);
             }
@@ -377,7 +437,7 @@ impl Fleet {
             .enumerate()
             .map(|(i, (c, r))| RegionState {
                 name: c.name.clone(),
-                healthy: r.healthy,
+                healthy: r.in_service(),
                 rtt_ms: r.rtt_ms,
                 waiting: r.sample.waiting.unwrap_or(0.0),
                 running: r.sample.running.unwrap_or(0.0),
@@ -444,6 +504,61 @@ mod tests {
         assert_eq!(f.on_health(&c, 0, Some(5.0)), HealthChange::None);
         assert_eq!(f.on_health(&c, 0, Some(5.0)), HealthChange::BecameHealthy);
         assert_eq!(f.on_health(&c, 7, None), HealthChange::None);
+    }
+
+    #[test]
+    fn live_failures_eject_a_region_for_a_doubling_time() {
+        let c = cfg(); // unhealthy_after 2, eject_s 10
+        let mut f = Fleet::new(&c, 0);
+        let healthy = |f: &mut Fleet, now| f.snapshot(&c, now).regions[0].healthy;
+        // One bad tick is not enough; a minority of failures never counts.
+        f.on_upstream(0, 9, 10);
+        f.tick(&c, 1_000);
+        f.on_upstream(0, 4, 10);
+        f.tick(&c, 2_000);
+        f.on_upstream(0, 9, 10);
+        f.tick(&c, 3_000);
+        assert!(!f.is_ejected(0) && healthy(&mut f, 3_000));
+        // Two in a row: out for 10 s, though its health probes pass.
+        f.on_upstream(0, 5, 10);
+        f.tick(&c, 4_000);
+        assert!(f.is_ejected(0) && !healthy(&mut f, 4_000));
+        assert!(f.is_healthy(0));
+        f.on_upstream(0, 0, 0);
+        f.tick(&c, 13_999);
+        assert!(f.is_ejected(0));
+        f.tick(&c, 14_000);
+        assert!(!f.is_ejected(0) && healthy(&mut f, 14_000));
+        // Still failing when back: out again, for twice as long.
+        for t in [15_000, 16_000] {
+            f.on_upstream(0, 3, 3);
+            f.tick(&c, t);
+        }
+        assert!(f.is_ejected(0));
+        f.tick(&c, 35_999);
+        assert!(f.is_ejected(0));
+        f.tick(&c, 36_000);
+        assert!(!f.is_ejected(0));
+        // A good tick with traffic resets the doubling.
+        f.on_upstream(0, 0, 10);
+        f.tick(&c, 37_000);
+        for t in [38_000, 39_000] {
+            f.on_upstream(0, 3, 3);
+            f.tick(&c, t);
+        }
+        f.tick(&c, 48_999);
+        assert!(f.is_ejected(0));
+        f.tick(&c, 49_000);
+        assert!(!f.is_ejected(0));
+        // eject_s 0 turns it off.
+        let mut off = cfg();
+        off.probe.eject_s = 0;
+        let mut f = Fleet::new(&off, 0);
+        for t in [1_000, 2_000, 3_000] {
+            f.on_upstream(0, 3, 3);
+            f.tick(&off, t);
+        }
+        assert!(!f.is_ejected(0));
     }
 
     #[test]

@@ -400,7 +400,27 @@ impl Probe {
 
     /// The once-per-tick step (ladder, tuning, assessment), then a publication.
     fn tick_and_publish(&mut self, now: u64) {
+        let ejected_before: Vec<bool> = (0..self.cfg.regions.len())
+            .map(|i| self.fleet.is_ejected(i))
+            .collect();
         let level_changed = self.fleet.tick(&self.cfg, now);
+        for (i, was) in ejected_before.into_iter().enumerate() {
+            let name = self.cfg.regions.get(i).map_or("?", |r| r.name.as_str());
+            match (was, self.fleet.is_ejected(i)) {
+                (false, true) => log(
+                    LogLevel::Warn,
+                    &format!(
+                        "llm-geo-router probe: region {name} ejected: most routed requests failed (5xx or reset) for {} ticks in a row; no new requests go there for now (probe.eject_s)",
+                        self.cfg.probe.unhealthy_after
+                    ),
+                ),
+                (true, false) => log(
+                    LogLevel::Info,
+                    &format!("llm-geo-router probe: region {name} back in routing after its ejection"),
+                ),
+                _ => {}
+            }
+        }
         let snap = self.publish(now);
         if snap.assessment != self.last_assessment {
             self.last_assessment = snap.assessment;

@@ -111,6 +111,13 @@ struct State {
     garbage_metrics: bool,
     requests: BTreeMap<&'static str, u64>,
     garbage_seq: u64,
+    /// Fault injection: inference requests answered at once with this
+    /// status (0: off).
+    fail_status: u16,
+    /// Fault injection: `/health` and `/metrics` never answer (until off).
+    hang_probes: bool,
+    /// Fault injection: inference requests never answer (until off).
+    hang_inference: bool,
 }
 
 struct Shared {
@@ -169,6 +176,9 @@ impl Server {
             healthy: true,
             network_delay_ms: config.network_delay_ms,
             garbage_metrics: false,
+            fail_status: 0,
+            hang_probes: false,
+            hang_inference: false,
             requests: BTreeMap::new(),
             garbage_seq: 0,
         };
@@ -422,6 +432,25 @@ fn dispatch(
         );
         return reply.send(405, JSON, allow, &body);
     }
+    let inference_route = matches!(route, Route::Chat | Route::Completions);
+    let probe_route = matches!(route, Route::Health | Route::Metrics);
+    let hung =
+        |st: &State| (inference_route && st.hang_inference) || (probe_route && st.hang_probes);
+    let fail_status = {
+        let mut st = shared.lock();
+        while hung(&st) {
+            st = shared.wait(st, WATCH_SLICE);
+            if !peer_connected(reply.stream) {
+                return Err(aborted());
+            }
+        }
+        st.fail_status
+    };
+    if inference_route && fail_status != 0 {
+        let name = vec![("x-engine-replica".to_string(), shared.config.name.clone())];
+        let body = openai::error_body("injected failure (admin fail_status)", "server_error");
+        return reply.send(fail_status, JSON, name, &body);
+    }
     match route {
         Route::Chat => inference(shared, Kind::Chat, body, reply),
         Route::Completions => inference(shared, Kind::Completion, body, reply),
@@ -529,6 +558,9 @@ struct StatePatch {
     network_delay_ms: Option<f64>,
     garbage_metrics: Option<bool>,
     paused: Option<bool>,
+    fail_status: Option<u16>,
+    hang_probes: Option<bool>,
+    hang_inference: Option<bool>,
 }
 
 fn admin_state(shared: &Shared, body: &[u8], reply: &mut Reply) -> io::Result<()> {
@@ -549,8 +581,23 @@ fn admin_state(shared: &Shared, body: &[u8], reply: &mut Reply) -> io::Result<()
             );
         }
     }
+    if let Some(f) = patch.fail_status {
+        if f != 0 && !(400..=599).contains(&f) {
+            return reply.error(400, "fail_status must be 0 (off) or 400..=599", INVALID);
+        }
+    }
     let body = {
         let mut st = shared.lock();
+        if let Some(f) = patch.fail_status {
+            st.fail_status = f;
+        }
+        if let Some(h) = patch.hang_probes {
+            st.hang_probes = h;
+        }
+        if let Some(h) = patch.hang_inference {
+            st.hang_inference = h;
+        }
+        shared.wake.notify_all();
         if let Some(h) = patch.healthy {
             st.healthy = h;
         }
@@ -569,6 +616,9 @@ fn admin_state(shared: &Shared, body: &[u8], reply: &mut Reply) -> io::Result<()
             "network_delay_ms": st.network_delay_ms,
             "garbage_metrics": st.garbage_metrics,
             "paused": st.engine.scheduler.is_paused(),
+            "fail_status": st.fail_status,
+            "hang_probes": st.hang_probes,
+            "hang_inference": st.hang_inference,
         })
     };
     reply.json(200, body.to_string().as_bytes())

@@ -416,7 +416,8 @@ fn errors_and_admin_controls() {
     );
     assert_eq!(
         s.json(),
-        json!({"healthy": false, "network_delay_ms": 0.0, "garbage_metrics": true, "paused": false})
+        json!({"healthy": false, "network_delay_ms": 0.0, "garbage_metrics": true, "paused": false,
+               "fail_status": 0, "hang_probes": false, "hang_inference": false})
     );
     assert_eq!(c.request("GET", "/health", &[], b"").status, 503);
     let r = c.post_json("/v1/chat/completions", &chat("x", json!({})));
@@ -438,6 +439,33 @@ fn errors_and_admin_controls() {
         &json!({"healthy": true, "garbage_metrics": false}),
     );
     assert_eq!(c.request("GET", "/health", &[], b"").status, 200);
+
+    // Injected failures: inference answers the status at once, named by
+    // the replica; probes are untouched; out-of-range statuses refused.
+    c.post_json("/admin/state", &json!({"fail_status": 500}));
+    let r = c.post_json("/v1/chat/completions", &chat("x", json!({})));
+    assert_eq!(r.status, 500);
+    assert!(r.header("x-engine-replica").is_some());
+    assert_eq!(c.request("GET", "/health", &[], b"").status, 200);
+    assert_eq!(
+        c.post_json("/admin/state", &json!({"fail_status": 200}))
+            .status,
+        400
+    );
+    c.post_json("/admin/state", &json!({"fail_status": 0}));
+    // Hung probes: no answer until the hang is lifted from another connection.
+    c.post_json("/admin/state", &json!({"hang_probes": true}));
+    let mut hung = emu.connect();
+    hung.send_raw(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n");
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(
+        c.post_json("/v1/chat/completions", &chat("y", json!({})))
+            .status,
+        200
+    );
+    c.post_json("/admin/state", &json!({"hang_probes": false}));
+    assert_eq!(hung.read_response().status, 200);
+
     assert_eq!(c.request("POST", "/admin/reset", &[], b"").status, 200);
     let stats = c.request("GET", "/admin/stats", &[], b"").json();
     assert_eq!(
