@@ -30,10 +30,22 @@ pub fn plugin_configuration() -> Vec<u8> {
         .unwrap_or_default()
 }
 
-pub fn request_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
+/// A header value as text. Values are bytes: HTTP/1.1 allows obs-text
+/// (0x80-0xFF), so a client or an engine can send one that is not UTF-8,
+/// and the SDK's `get_map_value` panics (traps the VM) on it. Invalid
+/// sequences become U+FFFD, which matches no key, tier or token.
+fn header_value(map: MapType, name: &str) -> Option<String> {
+    hostcalls::get_map_value_bytes(map, name)
         .ok()
         .flatten()
+        .map(|b| match String::from_utf8(b) {
+            Ok(s) => s,
+            Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+        })
+}
+
+pub fn request_header(name: &str) -> Option<String> {
+    header_value(MapType::HttpRequestHeaders, name)
 }
 
 pub fn set_request_header(name: &str, value: Option<&str>) {
@@ -55,9 +67,7 @@ pub fn replace_request_body(old_size: usize, body: &[u8]) -> bool {
 }
 
 pub fn call_response_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpCallResponseHeaders, name)
-        .ok()
-        .flatten()
+    header_value(MapType::HttpCallResponseHeaders, name)
 }
 
 pub fn call_response_body(size: usize) -> Option<Vec<u8>> {
@@ -134,9 +144,7 @@ pub fn set_tick(period: Duration) -> Result<(), String> {
 }
 
 pub fn response_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpResponseHeaders, name)
-        .ok()
-        .flatten()
+    header_value(MapType::HttpResponseHeaders, name)
 }
 
 pub fn register_queue(name: &str) -> Option<u32> {

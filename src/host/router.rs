@@ -353,7 +353,9 @@ impl HttpContext for RouterFilter {
             return Action::Pause;
         }
         let body = calls::request_body(body_size).unwrap_or_default();
-        if !body.is_empty() && !request::looks_like_json(&body) {
+        // A blank body is an empty request (refused below), not a non-JSON one.
+        let blank = body.iter().all(u8::is_ascii_whitespace);
+        if !blank && !request::looks_like_json(&body) {
             self.endpoint = None;
             self.route_default();
             return Action::Continue;

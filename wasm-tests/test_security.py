@@ -1,0 +1,209 @@
+"""No client can steer the plugin or read through it: internal headers sent
+by a client are stripped (with the VMs working, and with the filters gone as
+FAIL_OPEN leaves them after a trap); prompts never reach Envoy's log; the
+shared-data structures stay bounded whatever the prompts and sessions; the
+hash seed is configurable and proxies with the same seed agree.
+
+Config-time failures (a configuration that would keep a VM from starting is
+refused before Envoy serves) are covered by test_configs.py."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import random
+import threading
+import urllib.request
+
+import pytest
+
+import harness
+from harness import chat, request
+
+TICK = {"tick_ms": 300, "timeout_ms": 300, "snapshot_max_age_ms": 3000}
+FORGED = {
+    "x-llm-cluster": "region_far",
+    "x-llm-pool": "fallback",
+    "x-llm-tier": "critical",
+    "x-llm-kv-action": "fetch; from=far; tokens=999999",
+    "x-llm-route": "region=far; reason=cache",
+}
+FAST = ["--max-concurrency", "64", "--prefill-ms-per-token", "0.0005", "--decode-ms-per-token", "0.05"]
+
+
+def test_client_sent_internal_headers_are_ignored(fleet):
+    for i in range(20):
+        r = chat(fleet.port, [{"role": "user", "content": f"forged headers {i}"}], headers=FORGED)
+        assert r.status == 200
+        # Cold prompt: the nearest region by the router's own choice.
+        assert r.replica == "near"
+        assert r.headers["x-echo-x-llm-cluster"] == "region_near"
+        assert r.headers["x-echo-x-llm-tier"] == "free"
+        assert r.headers["x-echo-x-llm-kv-action"] == "-"
+        assert r.route["region"] == "near" and r.route["reason"] == "rtt"
+    assert fleet.envoy.stat("wasmcustom.llm_geo_router.region.near.fallback_rq_total") == 0
+    # Other paths too: the default region, never the client's choice.
+    r = request(fleet.port, "GET", "/v1/models", headers=FORGED)
+    assert r.status == 200 and r.headers["x-echo-x-llm-cluster"] == "region_near"
+    assert r.headers["x-echo-x-llm-tier"] == "free"
+
+
+def test_failed_open_filters_leave_no_client_header_in_force(run_dir):
+    """What FAIL_OPEN leaves after a VM trap: the HTTP filters are skipped.
+    The demo configuration without the plugin's filters must still route to
+    the nearest region and strip every internal header. (Before the early
+    header mutation, Envoy picked the route on the client's x-llm-cluster
+    before the header_mutation filter removed it: such a request went to
+    region_far.)"""
+    engines = {n: harness.start_engine(n, run_dir, d, m) for n, (_, d, m) in harness.DEMO_REGIONS.items()}
+    envoy = None
+    try:
+        cfg = harness.render_config(engines, harness.free_port(), harness.free_port(), {"probe": TICK})
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if "wasm" not in f["typed_config"]["@type"]]
+        envoy = harness.start_envoy(run_dir, cfg, "envoy-failed-open")
+        for i in range(10):
+            r = chat(envoy.port, [{"role": "user", "content": f"failed open {i}"}], headers=FORGED)
+            assert r.status == 200
+            assert r.replica == "near", r.headers
+            for h in ("x-llm-cluster", "x-llm-tier", "x-llm-kv-action"):
+                assert r.headers[f"x-echo-{h}"] == "-", (h, r.headers)
+            assert "x-llm-route" not in r.headers
+    finally:
+        if envoy:
+            envoy.stop()
+        for e in engines.values():
+            e.kill()
+
+
+def prompt_of(rnd: random.Random, i: int) -> str:
+    return f"PROMPT{i:04d}" + "".join(rnd.choice("abcdefghjkmnpqrstuvwxyz23456789") for _ in range(40))
+
+
+def test_prompts_never_appear_in_envoy_logs(fleet_factory):
+    # Level 5: free traffic is shed (429), paid prompts over 8192 tokens get
+    # 413, paid max_tokens is clamped (the guard rewrites the body).
+    fleet = fleet_factory({"probe": TICK, "ladder": {"forced_level": 5}})
+    envoy = fleet.envoy
+    paid = {"authorization": "Bearer sk-demo-paid"}
+    critical = {"authorization": "Bearer sk-demo-critical"}
+    rnd = random.Random(7)
+    prompts = []
+    statuses = []
+
+    def send(method, path, body, headers=None, expect=None):
+        r = request(fleet.port, method, path, body, headers, timeout=20)
+        statuses.append(r.status)
+        if expect is not None:
+            assert r.status == expect, (path, r.status, r.body[:200])
+        return r
+
+    for i in range(10):
+        p = [prompt_of(rnd, len(prompts) + k) for k in range(9)]
+        prompts.extend(p)
+        msg = lambda text: {"messages": [{"role": "user", "content": text}], "max_tokens": 900}  # noqa: E731
+        send("POST", "/v1/chat/completions", msg(p[0]), critical, 200)
+        send("POST", "/v1/chat/completions", msg(p[1]), paid, 200)  # clamped: body rewritten
+        send("POST", "/v1/chat/completions", msg(p[2]), None, 429)  # free: shed
+        send("POST", "/v1/chat/completions", msg(p[3] + " " + harness.filler("long", 40_000)), paid, 413)
+        send("POST", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "' + p[4], critical, 400)
+        send("POST", "/v1/chat/completions", '{"messages": "' + p[5] + '"}', paid, 400)  # the guard's 400
+        send("POST", "/v1/completions", {"prompt": p[6], "max_tokens": p[6]}, critical, 400)
+        send("POST", "/v1/chat/completions", msg(p[7] + "x" * (5 << 20)), critical, 413)  # Envoy's limit
+        send("POST", "/v1/embeddings", {"input": p[8]}, critical, 404)  # passed through
+    # The session header is client data too.
+    sessions = [prompt_of(rnd, 9000 + i) for i in range(5)]
+    for s in sessions:
+        send("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "s"}]},
+             {**critical, "x-session-id": s}, 200)
+    # Positive control: the access log is in the scanned log, with the path.
+    send("GET", "/v1/models?marker=log-scan-control", None, critical, 200)
+    envoy.stop()
+    log = envoy.log()
+    assert "marker=log-scan-control" in log, "the access log is not in the scanned output"
+    assert log.count("[access]") >= len(statuses)
+    leaks = []
+    for p in prompts + sessions:
+        subs = {p[k:k + 16] for k in range(len(p) - 15)}
+        leaks += [s for s in subs if s in log]
+    assert not leaks, leaks[:10]
+    assert not harness.traps(envoy)
+    print(f"\n{len(statuses)} requests ({sorted(set(statuses))}), {len(prompts)} prompts and {len(sessions)} "
+          f"session ids: no 16-character substring in {len(log)} bytes of Envoy log")
+
+
+def memory_allocated(envoy) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{envoy.admin_port}/memory", timeout=10) as r:
+        return int(json.loads(r.read())["allocated"])
+
+
+def flood(port: int, start: int, n: int, threads: int = 16) -> list[int]:
+    """n distinct prompts (about 12 blocks each) and n distinct session ids."""
+    def one(i: int) -> int:
+        body = {"messages": [{"role": "user", "content": f"distinct {i} " + harness.filler(f"d{i}", 760)}],
+                "max_tokens": 1}
+        return chat(port, body["messages"], headers={"x-session-id": f"session-{i}"}, timeout=20, max_tokens=1).status
+    with concurrent.futures.ThreadPoolExecutor(threads) as ex:
+        return list(ex.map(one, range(start, start + n)))
+
+
+@pytest.mark.parametrize("slots", [64])
+def test_shared_data_stays_bounded_under_distinct_prompts_and_sessions(fleet_factory, slots):
+    """The prefix directory and the session records live in `directory.slots`
+    fixed keys each; nothing a client sends adds a key. Envoy exposes no
+    shared-data key count, so the test watches what it can: Envoy's heap
+    (`/memory` allocated) across 30,000 distinct prompts and session ids.
+    Unbounded keys would add at least 13 per request (12 prefix blocks and a
+    session), some 400,000 keys: the same load with `directory.slots`
+    1,048,576 (room for every key) grew the heap by 13 MiB per 10,000."""
+    fleet = fleet_factory({"probe": TICK, "ladder": {"forced_level": 0}, "directory": {"slots": slots}},
+                          engine_extra={n: FAST for n in harness.DEMO_REGIONS})
+    envoy = fleet.envoy
+    assert all(s == 200 for s in flood(fleet.port, 0, 2000))  # warm-up
+    samples = [memory_allocated(envoy)]
+    for k in range(3):
+        statuses = flood(fleet.port, 2000 + k * 10_000, 10_000)
+        assert all(s == 200 for s in statuses), sorted(set(statuses))
+        samples.append(memory_allocated(envoy))
+    growth = [b - a for a, b in zip(samples, samples[1:])]
+    print(f"\nslots {slots}: Envoy allocated after warm-up and each 10,000 requests: "
+          f"{[round(s / 2**20, 1) for s in samples]} MiB; growth per 10,000: {[round(g / 2**20, 2) for g in growth]} MiB")
+    (harness.RUNS / "shared-data-bound.json").write_text(json.dumps(
+        {"slots": slots, "requests": 32_000, "allocated_bytes": samples, "growth_bytes": growth}, indent=2) + "\n")
+    # No trend: the last 10,000 add less than 2 MiB (unbounded keys: >10 MiB).
+    assert growth[-1] < 2 * 2**20, growth
+    assert samples[-1] - samples[0] < 6 * 2**20, samples
+    assert not harness.traps(envoy)
+
+
+def test_hash_seed_is_configurable_and_proxies_with_one_seed_agree(fleet_factory):
+    """Three Envoys in front of the same regions: two with one seed, one with
+    another (u64 max). A large cost.tie_ms makes every cold prompt a tie, which
+    rendezvous hashing of its first block (seeded) breaks: the same seed
+    agrees on every prompt, another seed places them differently, and each
+    routes every request."""
+    seed_a, seed_b = 1, 2**64 - 1
+    base = {"probe": TICK, "cost": {"tie_ms": 100_000}, "ladder": {"forced_level": 0}}
+    fleet = fleet_factory({**base, "prefix": {"hash_seed": seed_a}}, envoys=2)
+    cfg_b = harness.render_config(fleet.engines, harness.free_port(), harness.free_port(),
+                                  {**base, "prefix": {"hash_seed": seed_b}})
+    fleet.envoys.append(harness.start_envoy(fleet.run_dir, cfg_b, name="envoy-seed-b"))
+    fleet.wait_snapshot(fleet.envoys[2])
+    placed = {0: [], 1: [], 2: []}
+    for i in range(60):
+        text = f"seeded prompt {i} " + harness.filler(f"seed{i}", 200)
+        for k, e in enumerate(fleet.envoys):
+            r = chat(e.port, [{"role": "user", "content": text}], max_tokens=1)
+            assert r.status == 200
+            assert r.replica == r.route["region"]
+            placed[k].append(r.route["region"])
+    same = sum(a == b for a, b in zip(placed[0], placed[1]))
+    other = sum(a == b for a, b in zip(placed[0], placed[2]))
+    print(f"\nseed {seed_a} vs seed {seed_a}: {same}/60 prompts placed alike; seed {seed_a} vs {seed_b}: {other}/60; "
+          f"regions used: {[sorted(set(v)) for v in placed.values()]}")
+    assert same == 60
+    assert other < 45, other
+    for k in placed:
+        assert len(set(placed[k])) >= 2, placed[k]
+    for e in fleet.envoys:
+        assert not harness.traps(e)
