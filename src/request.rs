@@ -91,8 +91,23 @@ pub fn parse(
             message: "request body is empty; expected a JSON object".into(),
         });
     }
+    // JSON text is UTF-8 (RFC 8259 8.1). serde_json checks it only in the
+    // strings it decodes, not in members it skips, so check the whole body
+    // once; the string reader then skips the per-string check.
+    let text = match std::str::from_utf8(body) {
+        Ok(text) => text,
+        Err(e) => {
+            return Err(RequestError {
+                param: None,
+                message: format!(
+                    "request body is not valid JSON: invalid UTF-8 at byte {}",
+                    e.valid_up_to()
+                ),
+            })
+        }
+    };
     let param = Cell::new(None);
-    let mut de = serde_json::Deserializer::from_slice(body);
+    let mut de = serde_json::Deserializer::from_str(text);
     let top = TopSeed {
         endpoint,
         hasher,
@@ -902,6 +917,20 @@ mod tests {
             PromptHasher::new(64, 1)
         )
         .is_err());
+        // Found by fuzzing (fuzz/corpus/request/invalid-utf8-in-ignored-member):
+        // invalid UTF-8 in a member the router skips was accepted.
+        let e = parse(
+            Endpoint::ChatCompletions,
+            b"{\"messages\":[{\"role\":\"u\",\"content\":\"x\"}],\"tools\":[{\"\x9fype\":1}]}",
+            PromptHasher::new(64, 1),
+        )
+        .unwrap_err();
+        assert_eq!(e.param, None);
+        assert!(
+            e.message.contains("invalid UTF-8 at byte 52"),
+            "{}",
+            e.message
+        );
         let e = parse(
             Endpoint::Completions,
             br#"{"prompt":[]}"#,
