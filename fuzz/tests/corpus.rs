@@ -1,0 +1,212 @@
+//! The stable fallback for the fuzz targets: each target's checks over its
+//! committed corpus plus deterministic mutations of it (byte flips,
+//! insertions, deletions, splices, boundary bytes). No coverage feedback, so
+//! it is far weaker than libFuzzer, but it needs neither nightly nor
+//! cargo-fuzz. `FUZZ_MUTATIONS` sets the mutations per target (default 3000).
+//!
+//! `cargo test --no-default-features --release --test corpus`
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+
+type Check = fn(&[u8]);
+
+const TARGETS: [(&str, Check); 5] = [
+    ("request", fuzz_checks::request),
+    ("metrics", fuzz_checks::metrics),
+    ("config", fuzz_checks::config),
+    ("snapshot", fuzz_checks::snapshot),
+    ("shared_records", fuzz_checks::shared_records),
+];
+
+fn corpus_dir(target: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("corpus")
+        .join(target)
+}
+
+fn seeds(target: &str) -> Vec<Vec<u8>> {
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(corpus_dir(target))
+        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default();
+    paths.sort();
+    paths.iter().filter_map(|p| std::fs::read(p).ok()).collect()
+}
+
+/// xorshift64*: the same mutations on every run and machine.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        if n == 0 {
+            0
+        } else {
+            (self.next() % n as u64) as usize
+        }
+    }
+}
+
+const INTERESTING: &[&[u8]] = &[
+    b"\x00",
+    b"\xff",
+    b"\"",
+    b"\\",
+    b"\\u0000",
+    b"\\ud800",
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b",",
+    b":",
+    b"\n",
+    b"\r\n",
+    b"#",
+    b" ",
+    b"{}",
+    b"[]",
+    b"null",
+    b"-1",
+    b"1e309",
+    b"18446744073709551616",
+    b"NaN",
+    b"+Inf",
+    b"-Inf",
+    b"\xc3\x28",
+    b"\xf0\x9f\x98\x80",
+    b"\"model\":",
+    b"\"prompt\":",
+];
+
+fn mutate(rng: &mut Rng, base: &[u8], other: &[u8]) -> Vec<u8> {
+    let mut v = base.to_vec();
+    for _ in 0..=rng.below(4) {
+        let at = rng.below(v.len() + 1);
+        match rng.below(6) {
+            0 if !v.is_empty() => {
+                let i = rng.below(v.len());
+                v[i] ^= 1 << rng.below(8);
+            }
+            1 => {
+                let piece = INTERESTING[rng.below(INTERESTING.len())];
+                v.splice(at..at, piece.iter().copied());
+            }
+            2 if !v.is_empty() => {
+                let end = (at + 1 + rng.below(16)).min(v.len());
+                v.drain(at.min(end)..end);
+            }
+            3 => {
+                let from = rng.below(other.len());
+                let len = rng.below(64).min(other.len() - from.min(other.len()));
+                let piece = other[from..from + len].to_vec();
+                v.splice(at..at, piece);
+            }
+            4 if !v.is_empty() => {
+                let end = (at + rng.below(32)).min(v.len());
+                let piece = v[at.min(end)..end].to_vec();
+                v.splice(at..at, piece);
+            }
+            _ => v.truncate(at),
+        }
+    }
+    v
+}
+
+fn run(target: &str, check: Check) {
+    let seeds = seeds(target);
+    assert!(!seeds.is_empty(), "no corpus for {target}");
+    let mutations: usize = std::env::var("FUZZ_MUTATIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3000);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ target.len() as u64);
+    let inputs = seeds.iter().cloned().chain((0..mutations).map(|_| {
+        let base = &seeds[rng.below(seeds.len())];
+        let other = &seeds[rng.below(seeds.len())];
+        mutate(&mut rng, base, other)
+    }));
+    let mut ran = 0;
+    for input in inputs {
+        if catch_unwind(AssertUnwindSafe(|| check(&input))).is_err() {
+            let hex: String = input.iter().map(|b| format!("{b:02x}")).collect();
+            panic!("{target}: finding on input (hex) {hex}");
+        }
+        ran += 1;
+    }
+    println!(
+        "{target}: {ran} inputs ({} seeds + {mutations} mutations), no finding",
+        seeds.len()
+    );
+}
+
+#[test]
+fn request() {
+    run("request", fuzz_checks::request);
+}
+
+#[test]
+fn metrics() {
+    run("metrics", fuzz_checks::metrics);
+}
+
+#[test]
+fn config() {
+    run("config", fuzz_checks::config);
+}
+
+#[test]
+fn snapshot() {
+    run("snapshot", fuzz_checks::snapshot);
+}
+
+#[test]
+fn shared_records() {
+    run("shared_records", fuzz_checks::shared_records);
+}
+
+#[test]
+fn every_target_has_a_test() {
+    assert_eq!(TARGETS.len(), 5);
+    for (name, _) in TARGETS {
+        assert!(corpus_dir(name).is_dir(), "{name}");
+    }
+}
+
+/// Regenerates the shared_records seeds:
+/// `cargo test --no-default-features --test corpus -- --ignored write_seeds`
+#[test]
+#[ignore]
+fn write_seeds() {
+    let dir = corpus_dir("shared_records");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, now, turns) in [
+        ("one-prior-turn", 1_700_000_000_000, 1),
+        ("three-prior-turns", 1_700_000_000_000, 3),
+        ("early-clock", 10_000, 2),
+    ] {
+        let seed = fuzz_checks::shared_records_seed(now, turns);
+        assert!(seed.len() > 8, "{name}");
+        std::fs::write(dir.join(name), seed).unwrap();
+    }
+}
+
+/// The snapshot finding, pinned: serde_json (without `float_roundtrip`)
+/// decodes this `demand_rps` one unit in the last place off, so
+/// `decode(encode(x))` is not exactly `x`. When this starts failing the
+/// round trip is exact: tighten `fuzz_checks::snapshot` to equality.
+#[test]
+fn snapshot_floats_round_trip_inexactly() {
+    use llm_geo_router::snapshot::Snapshot;
+    let seed = std::fs::read(corpus_dir("snapshot").join("float-off-by-one-ulp")).unwrap();
+    let x = Snapshot::decode(&seed).unwrap();
+    let y = Snapshot::decode(&x.encode()).unwrap();
+    assert_ne!(x, y);
+    assert_eq!(x.demand_rps.to_bits().abs_diff(y.demand_rps.to_bits()), 1);
+    fuzz_checks::snapshot(&seed);
+}
