@@ -6,6 +6,8 @@
 //! the parse fail with "unknown field `…`, expected one of `a`, `b`, …",
 //! which lists that struct's fields exactly.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::collections::BTreeSet;
 
 use llm_geo_router::config::Config;
