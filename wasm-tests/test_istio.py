@@ -1,0 +1,459 @@
+"""The Istio manifests (envoy/istio/) and the OCI image (oci/Dockerfile).
+
+No Kubernetes here: the Envoy configuration inside the manifests (the
+EXTENSION_CONFIG and HTTP_FILTER patches, the early header mutation, the
+cluster_header route, the VirtualService's fallback route, the ServiceEntry
+clusters with the failover patch, the bootstrap override's singleton) is
+extracted and assembled into one Envoy bootstrap, as istiod and the Istio
+agent would assemble it, with the local .wasm instead of the OCI image and
+emulated engines instead of the regions' hosts. A real Envoy validates it
+and routes requests through it. The plugin JSON in the manifests is checked
+against envoy/envoy.yaml's so the two cannot drift apart, and the manifests
+against Istio's CRD schemas when the npm package that carries them installs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+import harness
+from harness import chat
+
+ISTIO = harness.ROOT / "envoy" / "istio"
+DOCKERFILE = harness.ROOT / "oci" / "Dockerfile"
+WASM_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+HCM = "envoy.filters.network.http_connection_manager"
+
+# The only plugin-JSON fields allowed to differ from envoy/envoy.yaml's: the
+# clusters are named by Istio (outbound|<port>||<host>), and a cluster name
+# with '|' is no valid :authority for the probe's callouts, so each region
+# names its host.
+ISTIO_FIELDS = ("cluster", "fallback_cluster", "authority")
+
+# Where the emulated engines stand in for the manifests' hosts.
+HOST_ENGINE = {
+    "near.llm.example.com": "near", "mid.llm.example.com": "mid", "far.llm.example.com": "far",
+    "near-fallback.llm.example.com": "near_fallback", "mid-fallback.llm.example.com": "mid_fallback",
+    "far-fallback.llm.example.com": "far_fallback",
+}
+
+# (filter manifest, routing manifest, patch context, virtual host)
+FLAVOURS = {
+    "gateway": ("gateway.yaml", "gateway-routing.yaml", "GATEWAY", "llm.example.com:80"),
+    "sidecar": ("sidecar.yaml", "sidecar-routing.yaml", "SIDECAR_OUTBOUND", "llm.internal:8000"),
+}
+
+
+def docs(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((ISTIO / name).read_text()) if d]
+
+
+def patches(name: str, apply_to: str) -> list[dict]:
+    return [p for d in docs(name) if d["kind"] == "EnvoyFilter"
+            for p in d["spec"]["configPatches"] if p["applyTo"] == apply_to]
+
+
+def bootstrap_override() -> dict:
+    (cm,) = docs("bootstrap.yaml")
+    assert cm["kind"] == "ConfigMap"
+    return json.loads(cm["data"]["custom_bootstrap.json"])
+
+
+def singleton() -> dict:
+    (ext,) = bootstrap_override()["bootstrap_extensions"]
+    return ext
+
+
+def extension_configs(name: str) -> dict[str, dict]:
+    return {p["patch"]["value"]["name"]: p["patch"]["value"] for p in patches(name, "EXTENSION_CONFIG")}
+
+
+def embedded_plugin_jsons() -> dict[str, dict]:
+    out = {"bootstrap.yaml probe": json.loads(singleton()["typed_config"]["config"]["configuration"]["value"])}
+    for flavour, (name, *_rest) in FLAVOURS.items():
+        for ext_name, ext in extension_configs(name).items():
+            out[f"{name} {ext_name}"] = json.loads(ext["typed_config"]["config"]["configuration"]["value"])
+    return out
+
+
+def service_clusters() -> dict[str, tuple[str, int]]:
+    """Istio's cluster name of every ServiceEntry host and port -> (host, port)."""
+    out = {}
+    for d in docs("regions.yaml"):
+        if d["kind"] == "ServiceEntry":
+            for host in d["spec"]["hosts"]:
+                for port in d["spec"]["ports"]:
+                    out[f"outbound|{port['number']}||{host}"] = (host, port["number"])
+    return out
+
+
+def without_istio_fields(plugin: dict) -> dict:
+    p = copy.deepcopy(plugin)
+    for r in p.get("regions", []):
+        for f in ISTIO_FIELDS:
+            r.pop(f, None)
+    return p
+
+
+# --- static checks -----------------------------------------------------------------
+
+
+def test_plugin_json_matches_the_demo_config_except_the_istio_fields():
+    demo = harness.plugin_config(yaml.safe_load(harness.DEMO_CONFIG.read_text()))
+    embedded = embedded_plugin_jsons()
+    assert len(embedded) == 5, embedded.keys()
+    for where, plugin in embedded.items():
+        assert without_istio_fields(plugin) == without_istio_fields(demo), where
+        assert [r["name"] for r in plugin["regions"]] == [r["name"] for r in demo["regions"]], where
+    first = next(iter(embedded.values()))
+    for where, plugin in embedded.items():
+        assert plugin == first, f"{where} differs from the probe's"
+
+
+def test_plugin_clusters_are_the_ones_istio_generates_for_the_service_entries():
+    clusters = service_clusters()
+    for where, plugin in embedded_plugin_jsons().items():
+        for r in plugin["regions"]:
+            for f in ("cluster", "fallback_cluster"):
+                assert r[f] in clusters, (where, r["name"], f, r[f])
+            assert r["authority"] == clusters[r["cluster"]][0], (where, r["name"])
+    # The fallback route in each VirtualService goes to a region's cluster.
+    for flavour, (_, routing, _, _) in FLAVOURS.items():
+        vs = next(d for d in docs(routing) if d["kind"] == "VirtualService")
+        dest = vs["spec"]["http"][0]["route"][0]["destination"]
+        assert f"outbound|{dest['port']['number']}||{dest['host']}" in clusters, flavour
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_filters_are_ecds_references_guard_then_router_before_envoys_router(flavour):
+    name, _, context, _ = FLAVOURS[flavour]
+    exts = extension_configs(name)
+    assert set(exts) == {"llm_geo_router_guard", "llm_geo_router_router"}
+    for ext_name, ext in exts.items():
+        tc = ext["typed_config"]
+        assert tc["@type"] == WASM_TYPE
+        c = tc["config"]
+        assert c["root_id"] == ext_name.rsplit("_", 1)[1]
+        assert c["vm_config"]["vm_id"] == "llm_geo_router"
+        assert c["allow_on_headers_stop_iteration"] is True
+        assert c["failure_policy"] == "FAIL_OPEN"
+        remote = c["vm_config"]["code"]["remote"]
+        assert remote["http_uri"]["uri"].startswith(("oci://", "https://"))
+        assert isinstance(remote["sha256"], str) and len(remote["sha256"]) == 64
+    filters = patches(name, "HTTP_FILTER")
+    assert [f["patch"]["value"]["name"] for f in filters] == ["llm_geo_router_guard", "llm_geo_router_router"]
+    for f in filters:
+        # Each INSERT_BEFORE the router lands after the previous insert.
+        assert f["patch"]["operation"] == "INSERT_BEFORE"
+        assert f["match"]["context"] == context
+        assert f["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == "envoy.filters.http.router"
+        cd = f["patch"]["value"]["config_discovery"]
+        assert cd["config_source"] == {"ads": {}, "initial_fetch_timeout": "0s"}
+        assert cd["type_urls"] == [WASM_TYPE]
+
+
+def test_probe_singleton_shares_the_vm_id_and_reloads():
+    ext = singleton()
+    tc = ext["typed_config"]
+    assert ext["name"] == "envoy.bootstrap.wasm"
+    assert tc["singleton"] is True
+    c = tc["config"]
+    assert (c["root_id"], c["failure_policy"], c["vm_config"]["vm_id"]) == ("probe", "FAIL_RELOAD", "llm_geo_router")
+    # A bootstrap extension cannot be pulled by the Istio agent: a local file.
+    assert c["vm_config"]["code"]["local"]["filename"].startswith("/")
+
+
+def test_no_outlier_detection_on_the_region_clusters():
+    # It would move the probe's health callouts to the failover endpoints
+    # and hide a lost region (docs/OPERATIONS.md, "Losing a region").
+    for d in docs("regions.yaml"):
+        if d["kind"] == "DestinationRule":
+            policy = d["spec"].get("trafficPolicy", {})
+            assert "outlierDetection" not in policy and "loadBalancer" not in policy, d["metadata"]["name"]
+
+
+def test_oci_dockerfile_is_the_compat_wasm_image():
+    lines = [l.strip() for l in DOCKERFILE.read_text().splitlines() if l.strip() and not l.strip().startswith("#")]
+    assert lines[0] == "FROM scratch"
+    assert [l.split()[0] for l in lines] == ["FROM", "COPY"], lines
+    _, src, dest = lines[1].split()
+    # The source is where `cargo build --release --target wasm32-wasip1` puts it.
+    assert harness.ROOT / src == harness.WASM, src
+    assert harness.WASM.exists()
+    assert dest in ("plugin.wasm", "./plugin.wasm", "/plugin.wasm")
+    ignore = [l for l in (harness.ROOT / "oci" / "Dockerfile.dockerignore").read_text().splitlines()
+              if l and not l.startswith("#")]
+    assert ignore == ["*", f"!{src}"]
+    header = DOCKERFILE.read_text()
+    assert "cargo build --release --target wasm32-wasip1 -p llm-geo-router" in header
+    assert "docker build -f oci/Dockerfile -t <registry>/llm-geo-router:<tag> ." in header
+
+
+# --- the manifests' Envoy configuration in a real Envoy -----------------------------
+
+
+def local_wasm(wasm_config: dict) -> dict:
+    """The filter configuration as the Istio agent hands it to Envoy: the
+    module downloaded to a local file."""
+    c = copy.deepcopy(wasm_config)
+    c["config"]["vm_config"]["code"] = {"local": {"filename": str(harness.WASM)}}
+    return c
+
+
+def vs_routes(routing: str) -> list[dict]:
+    """The VirtualService's HTTP routes as Envoy routes (only what these use)."""
+    vs = next(d for d in docs(routing) if d["kind"] == "VirtualService")
+    out = []
+    for h in vs["spec"]["http"]:
+        if "directResponse" in h:
+            dr = h["directResponse"]
+            out.append({"name": h["name"], "match": {"prefix": "/"},
+                        "direct_response": {"status": dr["status"], "body": {"inline_string": dr["body"]["string"]}}})
+        else:
+            (m,) = h["match"]
+            dest = h["route"][0]["destination"]
+            out.append({"name": h["name"], "match": {"prefix": m["uri"]["prefix"]},
+                        "route": {"cluster": f"outbound|{dest['port']['number']}||{dest['host']}",
+                                  "timeout": h["timeout"]}})
+    return out
+
+
+def clusters(ports: dict[str, int]) -> list[dict]:
+    """The ServiceEntry clusters (DNS hosts replaced by the emulators'
+    loopback ports), the DestinationRule's connect timeout, and the failover
+    patch merged as istiod merges it."""
+    dr = next(d for d in docs("regions.yaml") if d["kind"] == "DestinationRule")
+    timeout = dr["spec"]["trafficPolicy"]["connectionPool"]["tcp"]["connectTimeout"]
+
+    def endpoint(host: str, port: int) -> dict:
+        assert port == 8000
+        return {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                            "port_value": ports[HOST_ENGINE[host]]}}}}
+
+    out = {}
+    for name, (host, port) in service_clusters().items():
+        out[name] = {"name": name, "connect_timeout": timeout, "type": "STATIC",
+                     "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [endpoint(host, port)]}]}}
+    for p in patches("regions.yaml", "CLUSTER"):
+        assert p["patch"]["operation"] == "MERGE"
+        m = p["match"]["cluster"]
+        cl = out[f"outbound|{m['portNumber']}||{m['service']}"]
+        for group in p["patch"]["value"]["load_assignment"]["endpoints"]:
+            sas = [lb["endpoint"]["address"]["socket_address"] for lb in group["lb_endpoints"]]
+            cl["load_assignment"]["endpoints"].append(
+                {"priority": group["priority"], "lb_endpoints": [endpoint(sa["address"], sa["port_value"]) for sa in sas]})
+    return list(out.values())
+
+
+def assemble(flavour: str, ports: dict[str, int], admin_port: int, port: int, run_dir: Path | None,
+             plugin_override: dict | None = None, wasm_filters: bool = True) -> dict:
+    """One Envoy bootstrap from the manifests. With run_dir, the filters are
+    fetched over ECDS (from files, where Istio serves them over ADS);
+    without, their configurations are inline (for --mode validate, which
+    starts no subscription)."""
+    name, routing, context, vhost_name = FLAVOURS[flavour]
+    exts = extension_configs(name)
+
+    def plugin_json(c: dict) -> dict:
+        if plugin_override:
+            v = json.loads(c["configuration"]["value"])
+            c["configuration"]["value"] = json.dumps(harness.deep_merge(v, plugin_override))
+        return c
+
+    http_filters = []
+    for f in patches(name, "HTTP_FILTER") if wasm_filters else []:
+        ref = f["patch"]["value"]
+        tc = local_wasm(exts[ref["name"]]["typed_config"])
+        plugin_json(tc["config"])
+        if run_dir is None:
+            http_filters.append({"name": ref["name"], "typed_config": tc})
+        else:
+            path = run_dir / f"ecds-{ref['name']}.yaml"
+            path.write_text(yaml.safe_dump({"resources": [{
+                "@type": "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig",
+                "name": ref["name"], "typed_config": tc}]}, sort_keys=False))
+            cd = copy.deepcopy(ref["config_discovery"])
+            cd["config_source"] = {"path_config_source": {"path": str(path)}, "resource_api_version": "V3"}
+            http_filters.append({"name": ref["name"], "config_discovery": cd})
+    http_filters.append({"name": "envoy.filters.http.router", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
+
+    (early,) = patches(name, "NETWORK_FILTER")
+    assert early["match"]["listener"]["filterChain"]["filter"]["name"] == HCM
+    hcm = {"@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+           "stat_prefix": "llm_ingress", "http_filters": http_filters}
+    merged = copy.deepcopy(early["patch"]["value"]["typed_config"])
+    assert merged.pop("@type") == hcm["@type"]
+    hcm.update(merged)
+
+    (route,) = patches(name, "HTTP_ROUTE")
+    assert route["patch"]["operation"] == "INSERT_FIRST"
+    assert route["match"]["routeConfiguration"]["vhost"]["name"] == vhost_name
+    route_value = copy.deepcopy(route["patch"]["value"])
+    hcm["route_config"] = {"name": "istio_route", "virtual_hosts": [
+        {"name": vhost_name, "domains": ["*"], "routes": [route_value, *vs_routes(routing)]}]}
+
+    ext = copy.deepcopy(singleton())
+    cfg = ext["typed_config"]["config"]
+    cfg["vm_config"]["code"]["local"]["filename"] = str(harness.WASM)
+    plugin_json(cfg)
+    return {
+        # Istio's bootstrap names the node; filesystem ECDS requires it.
+        "node": {"id": f"istio-{flavour}", "cluster": f"istio-{flavour}"},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "bootstrap_extensions": [ext],
+        "static_resources": {
+            "listeners": [{"name": "istio_listener",
+                           "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+                           "filter_chains": [{"filters": [{"name": HCM, "typed_config": hcm}]}]}],
+            "clusters": clusters(ports),
+        },
+    }
+
+
+DUMMY_PORTS = {e: 1 for e in HOST_ENGINE.values()}
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_assembled_istio_config_validates(flavour, run_dir):
+    cfg = assemble(flavour, DUMMY_PORTS, harness.free_port(), harness.free_port(), None)
+    path = run_dir / f"istio-{flavour}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    r = harness.validate(path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    # Validate mode configures the filters (not the bootstrap singleton):
+    # the plugin JSON with Istio's cluster names is accepted.
+    for role in ("guard", "router"):
+        assert f"llm-geo-router {role}: configured" in out, out[-3000:]
+
+
+FAST_PROBE = {"probe": {"tick_ms": 300, "timeout_ms": 300, "snapshot_max_age_ms": 3000}}
+FORGED = {"x-llm-cluster": "outbound|8000||far.llm.example.com", "x-llm-tier": "critical", "x-llm-kv-action": "fetch"}
+
+
+def start_istio_fleet(flavour: str, run_dir: Path, wasm_filters: bool = True) -> harness.Fleet:
+    fleet = harness.Fleet(run_dir)
+    try:
+        for n, (_, delay, mode) in {**harness.DEMO_REGIONS, **harness.FALLBACK_REGIONS}.items():
+            engine = harness.start_engine(n, run_dir, delay, mode)
+            (fleet.engines if n in harness.DEMO_REGIONS else fleet.fallbacks)[n] = engine
+        ports = {n: e.port for n, e in {**fleet.engines, **fleet.fallbacks}.items()}
+        cfg = assemble(flavour, ports, harness.free_port(), harness.free_port(), run_dir, FAST_PROBE, wasm_filters)
+        fleet.envoys.append(harness.start_envoy(run_dir, cfg, name=f"envoy-{flavour}"))
+        fleet.wait_snapshot(fleet.envoy)
+    except Exception:
+        fleet.stop()
+        raise
+    return fleet
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_istio_config_routes_through_the_plugin(flavour, run_dir):
+    """The probe measured every region (wait_snapshot), and the router picks
+    the region and sets the cluster Istio named: cold prompts go to the
+    nearest region, a client-sent cluster header is ignored."""
+    fleet = start_istio_fleet(flavour, run_dir)
+    try:
+        for i in range(4):
+            r = chat(fleet.port, [{"role": "user", "content": f"istio {flavour} cold prompt {i}"}], headers=FORGED)
+            assert r.status == 200, r.body[:300]
+            assert r.replica == "near", r.headers
+            assert r.route["region"] == "near" and r.route["reason"] == "rtt", r.route
+            assert r.headers["x-echo-x-llm-cluster"] == "outbound|8000||near.llm.example.com"
+            assert r.headers["x-echo-x-llm-tier"] == "free"
+        r = harness.request(fleet.port, "GET", "/metrics")
+        assert r.status == 404
+        assert not harness.traps(fleet.envoy)
+    finally:
+        fleet.stop()
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_without_the_filters_the_fallback_route_and_early_mutation_hold(flavour, run_dir):
+    """What FAIL_OPEN leaves: no wasm filter ran. The VirtualService's
+    fallback route sends the request to the nearest region, and the early
+    header mutation has removed the client's x-llm-cluster (naming far)
+    before the cluster_header route could match it."""
+    fleet = start_istio_fleet(flavour, run_dir, wasm_filters=False)
+    try:
+        for i in range(3):
+            r = chat(fleet.port, [{"role": "user", "content": f"failed open {i}"}], headers=FORGED)
+            assert r.status == 200, r.body[:300]
+            assert r.replica == "near", r.headers
+            for h in ("x-llm-cluster", "x-llm-tier", "x-llm-kv-action"):
+                assert r.headers[f"x-echo-{h}"] == "-", (h, r.headers)
+    finally:
+        fleet.stop()
+
+
+# --- Istio CRD schemas ---------------------------------------------------------------
+
+SCHEMA_PACKAGE = "@kubernetes-models/istio@3.0.1"
+SCHEMA_DIR = harness.RUNS / "_istio-schemas"
+MODELS = {
+    ("networking.istio.io/v1alpha3", "EnvoyFilter"): "networking.istio.io/v1alpha3/EnvoyFilter",
+    ("networking.istio.io/v1", "ServiceEntry"): "networking.istio.io/v1/ServiceEntry",
+    ("networking.istio.io/v1", "DestinationRule"): "networking.istio.io/v1/DestinationRule",
+    ("networking.istio.io/v1", "Gateway"): "networking.istio.io/v1/Gateway",
+    ("networking.istio.io/v1", "VirtualService"): "networking.istio.io/v1/VirtualService",
+}
+VALIDATE_JS = """
+import { readFileSync } from "node:fs";
+const docs = JSON.parse(readFileSync(0, "utf8"));
+const failures = [];
+for (const [model, doc] of docs) {
+  const mod = await import("@kubernetes-models/istio/" + model);
+  const Kind = mod[doc.kind];
+  try { new Kind(doc).validate(); } catch (e) { failures.push(`${doc.kind}/${doc.metadata.name}: ${e.message}`); }
+}
+console.log(JSON.stringify(failures));
+"""
+
+
+def schema_package() -> Path:
+    """The npm package with Istio's CRD schemas (the OpenAPI schemas of the
+    CRDs, compiled to validators), installed once under wasm-tests/_runs."""
+    if not (shutil.which("node") and shutil.which("npm")):
+        pytest.skip("node/npm not installed: cannot install the Istio CRD schemas")
+    if not (SCHEMA_DIR / "node_modules" / "@kubernetes-models" / "istio").exists():
+        SCHEMA_DIR.mkdir(parents=True, exist_ok=True)
+        (SCHEMA_DIR / "package.json").write_text('{"private": true, "type": "module"}\n')
+        try:
+            r = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--silent", SCHEMA_PACKAGE],
+                               cwd=SCHEMA_DIR, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.skip(f"npm install {SCHEMA_PACKAGE} timed out")
+        if r.returncode != 0:
+            pytest.skip(f"npm install {SCHEMA_PACKAGE} failed: {r.stderr[-500:]}")
+    return SCHEMA_DIR
+
+
+def test_manifests_validate_against_the_istio_crd_schemas():
+    pkg = schema_package()
+    batch, kinds = [], set()
+    for path in sorted(ISTIO.glob("*.yaml")):
+        for d in yaml.safe_load_all(path.read_text()):
+            if d and d["kind"] != "ConfigMap":
+                batch.append([MODELS[(d["apiVersion"], d["kind"])], d])
+                kinds.add(d["kind"])
+    assert kinds == {k for _, k in MODELS}
+    script = pkg / "validate.mjs"
+    script.write_text(VALIDATE_JS)
+    r = subprocess.run(["node", str(script)], input=json.dumps(batch), cwd=pkg, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout) == []
+    # The validator does refuse what the schemas forbid.
+    bad = copy.deepcopy(next(b for b in batch if b[1]["kind"] == "EnvoyFilter"))
+    bad[1]["spec"]["configPatches"][0]["applyTo"] = "FILTER_THAT_DOES_NOT_EXIST"
+    r = subprocess.run(["node", str(script)], input=json.dumps([bad]), cwd=pkg, capture_output=True,
+                       text=True, timeout=120)
+    assert "applyTo" in r.stdout, r.stdout + r.stderr
