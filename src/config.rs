@@ -264,7 +264,7 @@ impl Default for CostConfig {
             bounded_load_epsilon: 0.5,
             bounded_load_floor: 0.5,
             placement_epsilon: 0.1,
-            placement_floor: 0.0,
+            placement_floor: 0.25,
             session_slack_ms: 25.0,
             congestion_cap: 0.8,
         }

@@ -549,7 +549,9 @@ mod tests {
 
     #[test]
     fn own_inflight_since_scrape_counts() {
-        let c = cfg();
+        // The accounting, not the placement bound, is under test here.
+        let mut c = cfg();
+        c.cost.placement_floor = c.cost.bounded_load_floor;
         let s = snap(&c);
         // 8 requests sent to `near` since the last scrape: it is full.
         let d = run(&c, Some(&s), [0, 0, 0], [8.0, 0.0, 0.0], 100);
@@ -703,10 +705,19 @@ mod tests {
         }
         let d = decide(&inputs(&c, &s, &[0, 62, 0], None, None));
         assert!(d.costs.iter().all(|c| !c.over_bound));
-        // Low load: one request in flight at near is below the floor (2 of 4 slots).
+        // Low load: one request in flight at near is below the floor (2 of 4
+        // slots) for a prompt near holds...
         let mut s = snap(&c);
         s.regions[0].running = 1.0;
+        let d = decide(&inputs(&c, &s, &[62, 0, 0], None, None));
+        assert_eq!((d.region, d.reason), (0, Reason::Cache));
+        // ... and, for a new prompt, below the placement floor when it is as
+        // high; at the default (a quarter: 1 of these 4 slots) it is not.
         let d = decide(&inputs(&c, &s, &[0, 0, 0], None, None));
+        assert_eq!((d.region, d.reason), (1, Reason::LoadOverride));
+        let mut c2 = cfg();
+        c2.cost.placement_floor = c2.cost.bounded_load_floor;
+        let d = decide(&inputs(&c2, &s, &[0, 0, 0], None, None));
         assert_eq!((d.region, d.reason), (0, Reason::Rtt));
     }
 
