@@ -343,19 +343,19 @@ fn apply_bounded_load(cfg: &Config, costs: &mut [Cost], held: bool) {
     if total_slots <= 0.0 {
         return;
     }
+    let (e, f) = if held {
+        (eps, cfg.cost.bounded_load_floor)
+    } else {
+        (
+            eps.min(cfg.cost.placement_epsilon),
+            cfg.cost.bounded_load_floor.min(cfg.cost.placement_floor),
+        )
+    };
     let over: Vec<bool> = costs
         .iter()
         .enumerate()
         .map(|(i, c)| {
             let fair = total_load * slots(i) / total_slots;
-            let (e, f) = if held {
-                (eps, cfg.cost.bounded_load_floor)
-            } else {
-                (
-                    eps.min(cfg.cost.placement_epsilon),
-                    cfg.cost.bounded_load_floor.min(cfg.cost.placement_floor),
-                )
-            };
             let bound = ((1.0 + e) * fair).max(f * slots(i));
             c.candidate && c.occupancy + 1.0 > bound
         })

@@ -495,23 +495,35 @@ pub fn shared_records(data: &[u8]) {
     let index: Vec<Option<usize>> = (0..n).map(Some).collect();
     let inflight = vec![0.0; n];
     let mut store = ScriptedStore::new(rest);
-    let inputs = RouteInputs {
-        endpoint: Endpoint::ChatCompletions,
-        body: &body,
-        session_header: Some("session-1"),
-        residency: None,
-        snapshot: Some(&snapshot),
-        snapshot_index: &index,
-        inflight: &inflight,
-        now_ms: now,
-        fallback: false,
-    };
+    let inputs = chat_inputs(&body, &snapshot, &index, &inflight, now);
     match router.route(&cfg, &mut store, &inputs) {
         Ok(routed) => {
             assert!(routed.decision.region < n);
             assert_eq!(routed.decision.costs.len(), n);
         }
         Err(e) => panic!("a valid body was refused: {e:?}"),
+    }
+}
+
+/// The routing inputs of a chat request with session `session-1` and no
+/// residency pin, as the router filter gathers them.
+fn chat_inputs<'a>(
+    body: &'a [u8],
+    snapshot: &'a Snapshot,
+    index: &'a [Option<usize>],
+    inflight: &'a [f64],
+    now_ms: u64,
+) -> RouteInputs<'a> {
+    RouteInputs {
+        endpoint: Endpoint::ChatCompletions,
+        body,
+        session_header: Some("session-1"),
+        residency: None,
+        snapshot: Some(snapshot),
+        snapshot_index: index,
+        inflight,
+        now_ms,
+        fallback: false,
     }
 }
 
@@ -558,17 +570,13 @@ pub fn shared_records_seed(now: u64, turns: u64) -> Vec<u8> {
             inner: &mut memory,
             script: now.to_le_bytes().to_vec(),
         };
-        let inputs = RouteInputs {
-            endpoint: Endpoint::ChatCompletions,
-            body: &body,
-            session_header: Some("session-1"),
-            residency: None,
-            snapshot: Some(&snapshot),
-            snapshot_index: &index,
-            inflight: &inflight,
-            now_ms: now - (turns - turn) * 1000,
-            fallback: false,
-        };
+        let inputs = chat_inputs(
+            &body,
+            &snapshot,
+            &index,
+            &inflight,
+            now - (turns - turn) * 1000,
+        );
         let _ = router.route(&cfg, &mut store, &inputs);
         if turn == turns {
             return store.script;
