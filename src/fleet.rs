@@ -152,8 +152,13 @@ impl Fleet {
     fn update_ejection(&mut self, cfg: &Config, now_ms: u64) {
         let base_ms = u64::from(cfg.probe.eject_s) * 1000;
         for r in &mut self.regions {
-            if base_ms == 0 {
+            // Ejection is for a region whose health endpoint passes while
+            // its requests fail; once the health probe has taken it out,
+            // health alone brings it back.
+            if base_ms == 0 || !r.healthy {
                 r.ejected_until_ms = None;
+                r.upstream_streak = 0;
+                r.ejections = 0;
                 continue;
             }
             if r.ejected_until_ms.is_some_and(|t| now_ms < t) {
@@ -549,6 +554,17 @@ mod tests {
         f.tick(&c, 48_999);
         assert!(f.is_ejected(0));
         f.tick(&c, 49_000);
+        assert!(!f.is_ejected(0));
+        // A region the health probe has taken out is not ejected as well:
+        // when its probes pass again it is back at once.
+        for t in [50_000, 51_000] {
+            f.on_upstream(0, 3, 3);
+            f.tick(&c, t);
+        }
+        assert!(f.is_ejected(0));
+        f.on_health(&c, 0, None);
+        f.on_health(&c, 0, None);
+        f.tick(&c, 52_000);
         assert!(!f.is_ejected(0));
         // eject_s 0 turns it off.
         let mut off = cfg();

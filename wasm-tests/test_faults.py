@@ -40,7 +40,8 @@ def until(cond, timeout=10.0):
 
 
 def test_engine_answering_500_is_ejected_then_readmitted(fleet_factory):
-    fleet = fleet_factory(FAST)
+    # Ejected for 10 s: longer than the 40 requests take on a busy machine.
+    fleet = fleet_factory(harness.deep_merge(FAST, {"probe": {"eject_s": 10}}))
     fleet.engines["near"].set_state(fail_status=500)
     first = send(fleet.port, "fail", 40)
     failed = [r for r in first if r[0] != 200]
@@ -53,9 +54,9 @@ def test_engine_answering_500_is_ejected_then_readmitted(fleet_factory):
     assert len(failed) <= 30, len(failed)
     assert "region near ejected" in fleet.envoy.log()
     assert fleet.envoy.stat("wasmcustom.llm_geo_router.region.near.healthy") == 0
-    # Fixed: after `eject_s` (2 s here) it takes traffic again.
+    # Fixed: after `eject_s` (10 s here) it takes traffic again.
     fleet.engines["near"].set_state(fail_status=0)
-    assert until(lambda: fleet.envoy.stat("wasmcustom.llm_geo_router.region.near.healthy") == 1, 6)
+    assert until(lambda: fleet.envoy.stat("wasmcustom.llm_geo_router.region.near.healthy") == 1, 15)
     again = send(fleet.port, "fixed", 5)
     assert all(s == 200 for s, _, _ in again) and again[0][1] == "near", again
     print(f"engine 500s seen by clients: {len(failed)} of {len(first)}, then none")
