@@ -168,6 +168,12 @@ pub struct Headers {
     /// Internal request header by which the guard sends a request to the
     /// fallback pool (`fallback`); any client value is removed by the guard.
     pub pool: String,
+    /// Request header the router sets to `true` on a streamed request it
+    /// routes, and removes from every other request it routes, so that a
+    /// route can give streams a first-byte deadline (`per_try_idle_timeout`)
+    /// that a non-streamed answer, whose first byte is its last, must not
+    /// get (docs/OPERATIONS.md, "Failures and cancellations").
+    pub stream: String,
 }
 
 impl Default for Headers {
@@ -178,6 +184,7 @@ impl Default for Headers {
             tier: "x-llm-tier".to_string(),
             decision: None,
             pool: "x-llm-pool".to_string(),
+            stream: "x-llm-stream".to_string(),
         }
     }
 }
@@ -417,8 +424,10 @@ pub struct ProbeConfig {
     /// A snapshot older than this is ignored by the filters, which then
     /// route as if there were none.
     pub snapshot_max_age_ms: u32,
-    /// Passive ejection: a region where most routed requests failed (5xx
-    /// or reset) for `unhealthy_after` ticks in a row is taken out of
+    /// Passive ejection: a region whose engines failed most of the requests
+    /// they ended (5xx, or a connection failure, reset or timeout upstream;
+    /// never a client's cancellation) for `unhealthy_after` ticks in a row
+    /// is taken out of
     /// routing for this many seconds, doubled at each ejection in a row (at
     /// most 32×), as Envoy's outlier detection does. 0 turns it off.
     pub eject_s: u32,
@@ -675,6 +684,7 @@ impl Config {
             ("headers.tier", Some(&h.tier)),
             ("headers.decision", h.decision.as_ref()),
             ("headers.pool", Some(&h.pool)),
+            ("headers.stream", Some(&h.stream)),
         ] {
             if let Some(v) = v {
                 if !valid_header_name(v) {

@@ -29,11 +29,13 @@ struct Region {
     /// tick, and since when.
     routable: bool,
     routable_since_ms: Option<u64>,
-    /// Live upstream failures reported by the routers during the last tick.
+    /// Most of the tries the region's engines ended during the last tick
+    /// failed.
     upstream_failing: bool,
-    /// Routed requests reported during the last tick.
+    /// Tries the region's engines ended (failed or answered) during the
+    /// last tick.
     upstream_seen: u64,
-    /// Consecutive ticks with most routed requests failing.
+    /// Consecutive ticks with most of the region's tries failing.
     upstream_streak: u32,
     /// Passive ejection: out of routing until then (Unix ms).
     ejected_until_ms: Option<u64>,
@@ -135,17 +137,20 @@ impl Fleet {
         }
     }
 
-    /// Live upstream results of routed requests to a region since the last
-    /// tick (from the routers' counters): failing when most failed.
-    pub fn on_upstream(&mut self, region: usize, failures: u64, completed: u64) {
+    /// Live results of the region's engines since the last tick (from the
+    /// routers' counters): `failures` tries they failed, out of `outcomes`
+    /// (failures plus requests they answered); failing when most failed.
+    /// A request the client cancelled is in neither: it says nothing about
+    /// the region.
+    pub fn on_upstream(&mut self, region: usize, failures: u64, outcomes: u64) {
         if let Some(r) = self.regions.get_mut(region) {
-            r.upstream_failing = failures > 0 && failures * 2 >= completed.max(failures);
-            r.upstream_seen = completed.max(failures);
+            r.upstream_failing = failures > 0 && failures * 2 >= outcomes.max(failures);
+            r.upstream_seen = outcomes.max(failures);
         }
     }
 
-    /// Passive ejection (`probe.eject_s`): a region whose routed requests
-    /// mostly failed for `unhealthy_after` ticks in a row leaves routing
+    /// Passive ejection (`probe.eject_s`): a region whose engines failed
+    /// most tries they ended for `unhealthy_after` ticks in a row leaves routing
     /// for `eject_s × 2^(ejections in a row)` (at most 32×), whatever its
     /// health endpoint says; when the time is up it takes traffic again,
     /// and is ejected again, for longer, if it still fails.

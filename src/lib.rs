@@ -17,6 +17,7 @@ pub mod ladder;
 pub mod metrics;
 pub mod migration;
 pub mod openai;
+pub mod outcome;
 pub mod prefix;
 pub mod request;
 pub mod route;

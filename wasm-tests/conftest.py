@@ -22,11 +22,11 @@ def run_dir(request):
 def fleet_factory(run_dir):
     started = []
 
-    def make(overrides=None, engine_extra=None, envoys=1, fallback=False):
+    def make(overrides=None, engine_extra=None, envoys=1, fallback=False, envoy_edit=None):
         f = harness.Fleet(run_dir)
         started.append(f)
         try:
-            return f.start(overrides, engine_extra, envoys, fallback)
+            return f.start(overrides, engine_extra, envoys, fallback, envoy_edit)
         except Exception:
             f.stop()
             raise

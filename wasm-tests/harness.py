@@ -338,7 +338,7 @@ class Fleet:
         return self.envoy.port
 
     def start(self, overrides: dict | None = None, engine_extra: dict | None = None, envoys: int = 1,
-              fallback: bool = False) -> "Fleet":
+              fallback: bool = False, envoy_edit=None) -> "Fleet":
         for name, (_, delay, mode) in DEMO_REGIONS.items():
             self.engines[name] = start_engine(name, self.run_dir, delay, mode, (engine_extra or {}).get(name))
         if fallback:
@@ -346,6 +346,8 @@ class Fleet:
                 self.fallbacks[name] = start_engine(name, self.run_dir, delay, mode)
         for i in range(envoys):
             cfg = render_config({**self.engines, **self.fallbacks}, free_port(), free_port(), overrides)
+            if envoy_edit is not None:
+                envoy_edit(cfg)
             self.envoys.append(start_envoy(self.run_dir, cfg, name=f"envoy{i}"))
         for e in self.envoys:
             self.wait_snapshot(e)
@@ -374,6 +376,69 @@ class Fleet:
             e.stop()
         for e in [*self.engines.values(), *self.fallbacks.values()]:
             e.kill()
+
+
+def routes(cfg: dict) -> list[dict]:
+    """The routes of the (first) listener's virtual host in an Envoy bootstrap."""
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm["route_config"]["virtual_hosts"][0]["routes"]
+
+
+def stream_route(cfg: dict) -> dict:
+    """The route the router's streamed requests take (matched on x-llm-stream)."""
+    (route,) = [r for r in routes(cfg)
+                if any(h.get("name") == "x-llm-stream" for h in r["match"].get("headers", []))]
+    return route["route"]
+
+
+def probe_ticks(envoy: Envoy) -> int:
+    """Probe rounds run so far (the plugin's own clock for tests)."""
+    return envoy.stat("wasmcustom.llm_geo_router.probe.ticks")
+
+
+def wait_ticks(envoy: Envoy, n: int, timeout: float = 60.0) -> int:
+    """Until the probe has run `n` more rounds; returns the tick count. The
+    timeout only bounds a stuck probe: on a slow machine ticks come later,
+    and the wait is for them, not for wall-clock time."""
+    target = probe_ticks(envoy) + n
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        t = probe_ticks(envoy)
+        if t >= target:
+            return t
+        time.sleep(0.05)
+    raise AssertionError(f"the probe ran fewer than {n} rounds in {timeout} s; see {envoy.log_path}")
+
+
+LADDER_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3})\].*llm-geo-router probe: ladder level (\d) "
+                         r"\(.*; probe tick (\d+)\)")
+
+
+@dataclass
+class LevelChange:
+    at_s: float  # when the probe logged it (Envoy's log clock, ms resolution)
+    level: int
+    tick: int  # the probe round that made it
+
+
+def ladder_changes(envoy: Envoy) -> list[LevelChange]:
+    """Every ladder level change, as the probe logged it when it made it: a
+    record of the plugin's own, not a poll of a gauge that can miss a step."""
+    from datetime import datetime
+
+    out = []
+    for line in envoy.log().splitlines():
+        m = LADDER_LINE.match(line)
+        if m:
+            at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").timestamp()
+            out.append(LevelChange(at, int(m.group(2)), int(m.group(3))))
+    return out
+
+
+def region_stats(envoy: Envoy, region: str) -> dict[str, int]:
+    """The plugin's per-region counters and gauges, by short name."""
+    prefix = f"wasmcustom.llm_geo_router.region.{region}."
+    return {k[len(prefix):]: v for k, v in envoy.stats(re.escape(prefix)).items() if k.startswith(prefix)}
 
 
 TRAP_PATTERNS = re.compile(r"(panic|Uncaught|Function: proxy_on_\S+ failed|wasm trap|VM failed|out of bounds)", re.I)

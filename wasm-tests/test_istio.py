@@ -232,10 +232,13 @@ def clusters(ports: dict[str, int]) -> list[dict]:
     dr = next(d for d in docs("regions.yaml") if d["kind"] == "DestinationRule")
     timeout = dr["spec"]["trafficPolicy"]["connectionPool"]["tcp"]["connectTimeout"]
 
-    def endpoint(host: str, port: int) -> dict:
+    def endpoint(host: str, port: int, metadata: dict | None = None) -> dict:
         assert port == 8000
-        return {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
-                                                            "port_value": ports[HOST_ENGINE[host]]}}}}
+        ep = {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                          "port_value": ports[HOST_ENGINE[host]]}}}}
+        if metadata:
+            ep["metadata"] = metadata
+        return ep
 
     out = {}
     for name, (host, port) in service_clusters().items():
@@ -246,9 +249,10 @@ def clusters(ports: dict[str, int]) -> list[dict]:
         m = p["match"]["cluster"]
         cl = out[f"outbound|{m['portNumber']}||{m['service']}"]
         for group in p["patch"]["value"]["load_assignment"]["endpoints"]:
-            sas = [lb["endpoint"]["address"]["socket_address"] for lb in group["lb_endpoints"]]
-            cl["load_assignment"]["endpoints"].append(
-                {"priority": group["priority"], "lb_endpoints": [endpoint(sa["address"], sa["port_value"]) for sa in sas]})
+            cl["load_assignment"]["endpoints"].append({"priority": group["priority"], "lb_endpoints": [
+                endpoint(lb["endpoint"]["address"]["socket_address"]["address"],
+                         lb["endpoint"]["address"]["socket_address"]["port_value"], lb.get("metadata"))
+                for lb in group["lb_endpoints"]]})
     return list(out.values())
 
 
@@ -293,12 +297,16 @@ def assemble(flavour: str, ports: dict[str, int], admin_port: int, port: int, ru
     assert merged.pop("@type") == hcm["@type"]
     hcm.update(merged)
 
-    (route,) = patches(name, "HTTP_ROUTE")
-    assert route["patch"]["operation"] == "INSERT_FIRST"
-    assert route["match"]["routeConfiguration"]["vhost"]["name"] == vhost_name
-    route_value = copy.deepcopy(route["patch"]["value"])
+    # INSERT_FIRST patches in order, each before the routes already there
+    # (istiod's patchHTTPRoutes: without a route match, prepended).
+    routes = vs_routes(routing)
+    for route in patches(name, "HTTP_ROUTE"):
+        assert route["patch"]["operation"] == "INSERT_FIRST"
+        assert route["match"]["routeConfiguration"]["vhost"]["name"] == vhost_name
+        assert "route" not in route["match"]["routeConfiguration"]["vhost"]
+        routes.insert(0, copy.deepcopy(route["patch"]["value"]))
     hcm["route_config"] = {"name": "istio_route", "virtual_hosts": [
-        {"name": vhost_name, "domains": ["*"], "routes": [route_value, *vs_routes(routing)]}]}
+        {"name": vhost_name, "domains": ["*"], "routes": routes}]}
 
     ext = copy.deepcopy(singleton())
     cfg = ext["typed_config"]["config"]

@@ -112,7 +112,9 @@ pub struct Envoy {
     pub inflight: Vec<f64>,
     arrivals: u64,
     observations: Vec<Observation>,
-    rq_total: Vec<u64>,
+    /// Per region: requests its engines answered, and tries they failed
+    /// (the routers' `upstream_rq_answered` and `upstream_failure`).
+    answered: Vec<u64>,
     failures: Vec<u64>,
     last_upstream: Vec<(u64, u64)>,
 }
@@ -129,7 +131,7 @@ impl Envoy {
             inflight: vec![0.0; n],
             arrivals: 0,
             observations: Vec::new(),
-            rq_total: vec![0; n],
+            answered: vec![0; n],
             failures: vec![0; n],
             last_upstream: vec![(0, 0); n],
             cfg,
@@ -209,9 +211,6 @@ impl Envoy {
         if let Some(v) = self.inflight.get_mut(region) {
             *v += 1.0;
         }
-        if let Some(v) = self.rq_total.get_mut(region) {
-            *v += 1;
-        }
         Ok(Handled::Routed(Routing {
             region,
             reason: d.reason,
@@ -233,10 +232,13 @@ impl Envoy {
         if let Some(v) = self.inflight.get_mut(region) {
             *v = (*v - 1.0).max(0.0);
         }
-        if !ok {
-            if let Some(v) = self.failures.get_mut(region) {
-                *v += 1;
-            }
+        let counter = if ok {
+            &mut self.answered
+        } else {
+            &mut self.failures
+        };
+        if let Some(v) = counter.get_mut(region) {
+            *v += 1;
         }
     }
 
@@ -248,11 +250,12 @@ impl Envoy {
             self.probe.on_observation(&self.cfg, o);
         }
         for (i, last) in self.last_upstream.iter_mut().enumerate() {
-            let total = self.rq_total.get(i).copied().unwrap_or(0);
+            let answered = self.answered.get(i).copied().unwrap_or(0);
             let failed = self.failures.get(i).copied().unwrap_or(0);
-            let (t0, f0) = std::mem::replace(last, (total, failed));
+            let (a0, f0) = std::mem::replace(last, (answered, failed));
+            let failed = failed.saturating_sub(f0);
             self.probe
-                .on_upstream(i, failed.saturating_sub(f0), total.saturating_sub(t0));
+                .on_upstream(i, failed, failed + answered.saturating_sub(a0));
         }
     }
 

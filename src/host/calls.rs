@@ -23,6 +23,13 @@ pub fn property(path: &[&str]) -> Option<Vec<u8>> {
     hostcalls::get_property(path.to_vec()).ok().flatten()
 }
 
+/// An integer property (Envoy serialises them as 8 little-endian bytes).
+pub fn property_u64(path: &[&str]) -> Option<u64> {
+    let bytes = property(path)?;
+    let raw: [u8; 8] = bytes.get(..8)?.try_into().ok()?;
+    Some(u64::from_le_bytes(raw))
+}
+
 pub fn plugin_configuration() -> Vec<u8> {
     hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
         .ok()

@@ -15,7 +15,7 @@ use proxy_wasm::types::LogLevel;
 
 use super::calls::{self, log, HostStore, Metric};
 use super::guard::ARRIVALS;
-use super::router::{rq_active_name, OBSERVATIONS_QUEUE};
+use super::router::{answered_name, rq_active_name, upstream_failure_name, OBSERVATIONS_QUEUE};
 use crate::config::{Config, ReleaseSource};
 use crate::directory::SharedStore;
 use crate::fleet::{Fleet, HealthChange};
@@ -48,7 +48,7 @@ struct RegionStats {
     scrape_failures: Metric,
     rq_active: Metric,
     prefill_us_per_token: Metric,
-    rq_total: Metric,
+    answered: Metric,
     upstream_failures: Metric,
     last_upstream: Option<(u64, u64)>,
 }
@@ -66,6 +66,7 @@ pub struct Probe {
     demand_rps: Metric,
     capacity_rps: Metric,
     callouts: Metric,
+    ticks: Metric,
     snapshot_version: Metric,
     observations: Metric,
     w_rtt_milli: Metric,
@@ -76,15 +77,23 @@ pub struct Probe {
     assessment: Metric,
     last_assessment: crate::assess::Assessment,
     override_active: Metric,
+    /// The first tick comes `FIRST_TICK_MS` after start; then `tick_ms`.
+    first_tick: bool,
 }
 
 /// Observations drained per tick at most: a bound on the work one tick does.
 const MAX_OBSERVATIONS_PER_TICK: usize = 10_000;
 
+/// The first round runs this soon after start rather than a whole
+/// `probe.tick_ms` later, so that a new Envoy routes on measured figures
+/// within a round trip (and a long tick cannot leave it without a snapshot).
+const FIRST_TICK_MS: u64 = 50;
+
 impl Probe {
     pub fn new(cfg: Rc<Config>, context_id: u32) -> Option<Probe> {
         let now = calls::now_ms();
-        if calls::set_tick(Duration::from_millis(u64::from(cfg.probe.tick_ms))).is_err() {
+        let first = FIRST_TICK_MS.min(u64::from(cfg.probe.tick_ms));
+        if calls::set_tick(Duration::from_millis(first)).is_err() {
             log(
                 LogLevel::Error,
                 "llm-geo-router probe: the host refused a tick period; configuration refused",
@@ -106,8 +115,8 @@ impl Probe {
                     scrape_failures: Metric::counter(&m("metrics_scrape_failure")),
                     rq_active: Metric::gauge(&rq_active_name(&r.name)),
                     prefill_us_per_token: Metric::gauge(&m("prefill_us_per_token")),
-                    rq_total: Metric::counter(&m("rq_total")),
-                    upstream_failures: Metric::counter(&m("upstream_failure")),
+                    answered: Metric::counter(&answered_name(&r.name)),
+                    upstream_failures: Metric::counter(&upstream_failure_name(&r.name)),
                     last_upstream: None,
                 }
             })
@@ -124,6 +133,7 @@ impl Probe {
             demand_rps: Metric::gauge("llm_geo_router.ladder.demand_rps"),
             capacity_rps: Metric::gauge("llm_geo_router.ladder.capacity_rps"),
             callouts: Metric::counter("llm_geo_router.probe.callouts"),
+            ticks: Metric::counter("llm_geo_router.probe.ticks"),
             snapshot_version: Metric::gauge("llm_geo_router.probe.snapshot_version"),
             observations: Metric::counter("llm_geo_router.tuning.observations"),
             w_rtt_milli: Metric::gauge("llm_geo_router.tuning.w_rtt_milli"),
@@ -133,6 +143,7 @@ impl Probe {
             assessment: Metric::gauge("llm_geo_router.assessment.state"),
             last_assessment: crate::assess::Assessment::Ok,
             override_active: Metric::gauge("llm_geo_router.ladder.override_active"),
+            first_tick: true,
             queue: if cfg.tuning.enabled {
                 calls::register_queue(OBSERVATIONS_QUEUE)
             } else {
@@ -167,10 +178,15 @@ impl Probe {
     }
 
     pub fn on_tick(&mut self) {
+        if std::mem::take(&mut self.first_tick) {
+            // From now on, the configured period (accepted at start).
+            let _ = calls::set_tick(Duration::from_millis(u64::from(self.cfg.probe.tick_ms)));
+        }
         let now = calls::now_ms();
         if !self.hold_lease(now) {
             return;
         }
+        self.ticks.add(1);
         let timeout_ms = u64::from(self.cfg.probe.timeout_ms);
         // A callout the host never answered is forgotten after two timeouts.
         self.pending
@@ -317,17 +333,19 @@ impl Probe {
         }
     }
 
-    /// Live results of routed requests since the last tick: the routers'
-    /// per-region counters of requests and of upstream failures.
+    /// Live results since the last tick: the routers' per-region counters
+    /// of requests the region's engines answered and of tries they failed
+    /// (client cancellations are in neither).
     fn read_upstream_results(&mut self) {
         for (i, s) in self.regions.iter_mut().enumerate() {
-            let (total, failed) = (s.rq_total.get(), s.upstream_failures.get());
-            let (t0, f0) = s
+            let (answered, failed) = (s.answered.get(), s.upstream_failures.get());
+            let (a0, f0) = s
                 .last_upstream
-                .replace((total, failed))
-                .unwrap_or((total, failed));
+                .replace((answered, failed))
+                .unwrap_or((answered, failed));
+            let failed = failed.saturating_sub(f0);
             self.fleet
-                .on_upstream(i, failed.saturating_sub(f0), total.saturating_sub(t0));
+                .on_upstream(i, failed, failed + answered.saturating_sub(a0));
         }
     }
 
@@ -410,8 +428,9 @@ impl Probe {
                 (false, true) => log(
                     LogLevel::Warn,
                     &format!(
-                        "llm-geo-router probe: region {name} ejected: most routed requests failed (5xx or reset) for {} ticks in a row; no new requests go there for now (probe.eject_s)",
-                        self.cfg.probe.unhealthy_after
+                        "llm-geo-router probe: region {name} ejected: its engines failed most requests they ended (5xx, connection failure, reset or timeout upstream; client cancellations do not count) for {} ticks in a row; no new requests go there for now (probe.eject_s; probe tick {})",
+                        self.cfg.probe.unhealthy_after,
+                        self.ticks.get()
                     ),
                 ),
                 (true, false) => log(
@@ -449,8 +468,11 @@ impl Probe {
             log(
                 LogLevel::Warn,
                 &format!(
-                    "llm-geo-router probe: ladder level {} (capacity {:.1} rps, demand {:.1} rps)",
-                    snap.level, snap.capacity_rps, snap.demand_rps
+                    "llm-geo-router probe: ladder level {} (capacity {:.1} rps, demand {:.1} rps; probe tick {})",
+                    snap.level,
+                    snap.capacity_rps,
+                    snap.demand_rps,
+                    self.ticks.get()
                 ),
             );
         }

@@ -6,6 +6,11 @@
 //! For streamed requests it measures the TTFT it can see (request routed →
 //! first response body byte) and reports it with the predicted cost terms to
 //! the probe over a shared queue, which tunes the cost model.
+//!
+//! When a request ends it reads from Envoy how (response flags, tries, the
+//! host that served the last try) and charges the outcome to the region
+//! whose engines had it (`outcome`): a failure only for what the upstream
+//! side did, a client's cancellation counted apart.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -18,6 +23,7 @@ use super::view::View;
 use crate::config::{Config, InvalidRequests};
 use crate::cost::Reason;
 use crate::openai;
+use crate::outcome::{Ending, Outcome, VIA_UPSTREAM};
 use crate::request::{self, Endpoint, RequestError};
 use crate::route::{Refusal, RouteInputs, Router};
 use crate::tuning::Observation;
@@ -37,9 +43,17 @@ struct Stats {
     rq_active: Vec<Metric>,
     /// Per region: requests routed there.
     rq_total: Vec<Metric>,
-    /// Per region: routed requests answered with 5xx or reset (a live down
-    /// signal for the probe's assessment).
+    /// Per region: tries its engines failed (engine 5xx, connection
+    /// failure, reset or timeout upstream), by the region whose host had the
+    /// try; with the answered count, the probe's live down signal.
     upstream_failures: Vec<Metric>,
+    /// Per region: requests its engines answered (status below 500).
+    answered: Vec<Metric>,
+    /// Per region: requests whose client went away while the region had them.
+    client_cancelled: Vec<Metric>,
+    /// Retried requests whose last host names no region (no endpoint
+    /// metadata `llm_geo_router.region`): their outcome is charged nowhere.
+    unattributed: Metric,
     /// Per region: requests sent to its fallback pool.
     fallback_routed: Vec<Metric>,
     /// Per reason, in `Reason::ALL` order.
@@ -65,6 +79,24 @@ pub fn rq_active_name(region: &str) -> String {
     format!("llm_geo_router.region.{region}.rq_active")
 }
 
+/// Names of the per-region outcome counters; the probe reads the same stats.
+pub fn upstream_failure_name(region: &str) -> String {
+    format!("llm_geo_router.region.{region}.upstream_failure")
+}
+pub fn answered_name(region: &str) -> String {
+    format!("llm_geo_router.region.{region}.upstream_rq_answered")
+}
+
+/// Endpoint metadata that names an upstream host's region: a retry that
+/// `retry_priority` moved to another region's engine is charged to it.
+const HOST_REGION: [&str; 5] = [
+    "xds",
+    "upstream_host_metadata",
+    "filter_metadata",
+    "llm_geo_router",
+    "region",
+];
+
 impl RouterShared {
     pub fn new(cfg: Rc<Config>) -> Self {
         let stats = Stats {
@@ -81,13 +113,24 @@ impl RouterShared {
             upstream_failures: cfg
                 .regions
                 .iter()
+                .map(|r| Metric::counter(&upstream_failure_name(&r.name)))
+                .collect(),
+            answered: cfg
+                .regions
+                .iter()
+                .map(|r| Metric::counter(&answered_name(&r.name)))
+                .collect(),
+            client_cancelled: cfg
+                .regions
+                .iter()
                 .map(|r| {
                     Metric::counter(&format!(
-                        "llm_geo_router.region.{}.upstream_failure",
+                        "llm_geo_router.region.{}.client_cancelled",
                         r.name
                     ))
                 })
                 .collect(),
+            unattributed: Metric::counter("llm_geo_router.router.outcome_unattributed"),
             fallback_routed: cfg
                 .regions
                 .iter()
@@ -148,10 +191,13 @@ impl RouterShared {
     }
 }
 
-/// What to report about a streamed request once its first byte arrives.
+/// What to report about a streamed request: its predicted terms, and the
+/// time to its first byte once that arrives. Sent when the request ends,
+/// if it was answered on the first try by the region routed to.
 struct Pending {
     routed_ms: u64,
     observation: Observation,
+    first_byte: bool,
 }
 
 pub struct RouterFilter {
@@ -160,8 +206,9 @@ pub struct RouterFilter {
     routed: Option<usize>,
     /// The guard sent this request to the fallback pool.
     fallback: bool,
-    /// Response headers arrived (a request without them was reset).
-    responded: bool,
+    /// The status of the response headers the client got (an engine's, or
+    /// a local reply's), if any.
+    status: Option<u32>,
     decision_header: Option<String>,
     pending: Option<Pending>,
 }
@@ -173,7 +220,7 @@ impl RouterFilter {
             endpoint: None,
             routed: None,
             fallback: false,
-            responded: false,
+            status: None,
             decision_header: None,
             pending: None,
         }
@@ -313,8 +360,12 @@ impl RouterFilter {
             self.pending = routed.observation().map(|observation| Pending {
                 routed_ms: now,
                 observation,
+                first_byte: false,
             });
         }
+        // Streams get the route with a first-byte deadline; a non-streamed
+        // answer's first byte is its last, so it must not.
+        calls::set_request_header(&cfg.headers.stream, routed.stream.then_some("true"));
         self.set_region(d.region, true);
         Action::Continue
     }
@@ -371,19 +422,12 @@ impl HttpContext for RouterFilter {
         {
             calls::add_response_header(name, value);
         }
-        self.responded = true;
-        let status = calls::response_header(":status");
-        if status.as_deref().is_some_and(|s| s.starts_with('5')) {
-            if let Some(m) = self
-                .routed
-                .and_then(|r| self.shared.stats.upstream_failures.get(r))
-            {
-                m.add(1);
-            }
+        if self.routed.is_none() {
+            return Action::Continue;
         }
+        self.status = calls::response_header(":status").and_then(|s| s.parse().ok());
         // Only a successful stream's first byte is a time to first token.
-        let ok = status.is_some_and(|s| s.starts_with('2'));
-        if !ok {
+        if !self.status.is_some_and(|s| (200..300).contains(&s)) {
             self.pending = None;
         }
         Action::Continue
@@ -391,29 +435,71 @@ impl HttpContext for RouterFilter {
 
     fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
         if body_size > 0 {
-            if let Some(p) = self.pending.take() {
-                let mut o = p.observation;
-                o.observed_ms = calls::now_ms().saturating_sub(p.routed_ms) as f32;
-                if let Some(q) = self.shared.queue() {
-                    calls::enqueue(q, &o.encode());
-                }
+            if let Some(p) = self.pending.as_mut().filter(|p| !p.first_byte) {
+                p.first_byte = true;
+                p.observation.observed_ms = calls::now_ms().saturating_sub(p.routed_ms) as f32;
             }
         }
         Action::Continue
     }
 
     fn on_log(&mut self) {
-        if let Some(region) = self.routed {
-            if !self.responded {
-                if let Some(m) = self.shared.stats.upstream_failures.get(region) {
-                    m.add(1);
+        let Some(region) = self.routed.take() else {
+            return;
+        };
+        let stats = &self.shared.stats;
+        if let Some(m) = stats.rq_active.get(region) {
+            m.add(-1);
+        }
+        // The fallback pool is other engines: its outcomes say nothing about
+        // the region's own (Envoy's cluster stats show them).
+        if self.fallback {
+            return;
+        }
+        let outcome = self.outcome(region);
+        if outcome.unattributed() {
+            stats.unattributed.add(1);
+        }
+        for (i, t) in outcome.charges().into_iter().flatten() {
+            for (metric, n) in [
+                (stats.upstream_failures.get(i), t.failures),
+                (stats.answered.get(i), t.answered),
+                (stats.client_cancelled.get(i), t.cancelled),
+            ] {
+                if let (Some(m), true) = (metric, n > 0) {
+                    m.add(n as i64);
                 }
             }
         }
-        if let Some(region) = self.routed.take() {
-            if let Some(m) = self.shared.stats.rq_active.get(region) {
-                m.add(-1);
+        if let Some(p) = self
+            .pending
+            .take()
+            .filter(|p| p.first_byte && outcome.teaches)
+        {
+            if let Some(q) = self.shared.queue() {
+                calls::enqueue(q, &p.observation.encode());
             }
         }
+    }
+}
+
+impl RouterFilter {
+    /// How the request routed to `region` ended, from Envoy's stream info.
+    fn outcome(&self, region: usize) -> Outcome {
+        let cfg = &self.shared.cfg;
+        let mut ending = Ending {
+            flags: calls::property_u64(&["response", "flags"]).unwrap_or(0),
+            status: self.status,
+            via_upstream: None,
+            attempts: calls::property_u64(&["upstream", "request_attempt_count"])
+                .map_or(1, |n| u32::try_from(n).unwrap_or(u32::MAX)),
+            host_region: calls::property(&HOST_REGION)
+                .and_then(|name| cfg.regions.iter().position(|r| r.name.as_bytes() == name)),
+        };
+        if ending.needs_details() {
+            ending.via_upstream = calls::property(&["response", "code_details"])
+                .map(|d| d == VIA_UPSTREAM.as_bytes());
+        }
+        ending.outcome(region)
     }
 }
