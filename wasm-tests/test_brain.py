@@ -6,6 +6,7 @@ queue. Probe tick 300 ms."""
 import threading
 import time
 
+import pytest
 import yaml
 
 import harness
@@ -188,12 +189,42 @@ def test_directory_belief_agrees_with_the_engines_cache(fleet_factory):
     assert 0.66 <= ratio <= 1.0
 
 
-def test_directory_belief_under_engine_eviction(fleet_factory):
-    # Engines with a small prefix cache (3,000 tokens) evict what the
-    # directory still believes is there (its TTL knows nothing of evictions).
-    small = ["--cache-tokens", "3000"]
-    fleet = fleet_factory({"probe": FAST_PROBE}, engine_extra={n: small for n in harness.DEMO_REGIONS})
-    agree, ratio, over, n = replay_agreement(fleet)
-    print(f"directory vs engine, 3k-token cache: hit/miss agreement {agree:.3f}, "
-          f"believed/actual cached tokens {ratio:.3f}, over-estimates {over} of {n}")
-    assert agree >= 0.5
+_EVICTION = {}
+
+
+def eviction_replay(fleet_factory):
+    """The replay against engines with a small prefix cache (3,000 tokens),
+    which evict what the directory still believes is there (its TTL knows
+    nothing of evictions). Deterministic (a seeded trace); run once for the
+    two tests below."""
+    if not _EVICTION:
+        small = ["--cache-tokens", "3000"]
+        fleet = fleet_factory({"probe": FAST_PROBE}, engine_extra={n: small for n in harness.DEMO_REGIONS})
+        agree, ratio, over, n = replay_agreement(fleet)
+        print(f"directory vs engine, 3k-token cache: hit/miss agreement {agree:.3f}, "
+              f"believed/actual cached tokens {ratio:.3f}, over-estimates {over} of {n}")
+        _EVICTION.update(agree=agree, ratio=ratio, over=over, n=n)
+    return _EVICTION
+
+
+def test_directory_belief_under_engine_eviction_is_the_known_over_belief(fleet_factory):
+    # What the directory believes today when engines evict: measured at
+    # hit/miss agreement 0.633 and 1.914x the cached tokens the engines
+    # have (36 of 60 requests over-estimated). This pins that figure so a
+    # change in either direction is seen; the target is the test below.
+    m = eviction_replay(fleet_factory)
+    assert 0.55 <= m["agree"] <= 0.72, m
+    assert 1.7 <= m["ratio"] <= 2.1, m
+    assert 28 <= m["over"] <= 44, m
+
+
+@pytest.mark.xfail(strict=True, reason="issue 15 (route on what the engines report): the directory does not yet "
+                                       "hear of evictions; today 1.9x over-belief, 0.63 agreement")
+def test_directory_belief_follows_engine_evictions(fleet_factory):
+    # Once the router corrects the directory from the cached tokens each
+    # response reports, its belief must track the engines' caches. Strict:
+    # this starts passing only when that lands, and then the mark goes.
+    m = eviction_replay(fleet_factory)
+    assert m["ratio"] <= 1.25, m
+    assert m["agree"] >= 0.85, m
+    assert m["over"] <= m["n"] // 10, m

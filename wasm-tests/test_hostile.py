@@ -904,8 +904,8 @@ def test_hostile_requests(fleet_factory, run_dir):
     plugin_400 = stats.get("wasmcustom.llm_geo_router.router.invalid_request", 0) + stats.get(
         "wasmcustom.llm_geo_router.guard.invalid_request", 0)
 
-    # Still healthy and routing afterwards.
-    time.sleep(1.0)
+    # Still healthy and routing afterwards (the probe has run since).
+    harness.wait_ticks(envoy, 2)
     with urllib.request.urlopen(f"http://127.0.0.1:{envoy.admin_port}/ready", timeout=5) as r:
         ready = r.status
     after = [harness.chat(port, [{"role": "user", "content": f"after the storm {i}"}], timeout=10) for i in range(20)]

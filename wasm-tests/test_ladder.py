@@ -57,42 +57,35 @@ class Load:
         self.thread.join(timeout=20)
 
 
-def record_levels(envoy, until, timeout):
-    changes, last = [], stat(envoy, "ladder.level")
-    deadline = time.time() + timeout
-    while time.time() < deadline and not until(last):
-        lv = stat(envoy, "ladder.level")
-        if lv != last:
-            changes.append((time.time(), lv))
-            last = lv
-        time.sleep(0.02)
-    return changes
-
-
 def test_capacity_loss_raises_the_ladder_and_pages_then_recovers_per_dwell(fleet_factory):
     fleet = fleet_factory({"regions": regions(5), "probe": TICK, "ladder": {"dwell_s": 2},
                            "assessment": {"region_down_minutes": 0.02}})
     envoy = fleet.envoy
     with Load(fleet.port, 10):
-        time.sleep(2.0)  # demand EWMA settles at ~10 rps against 15 rps
+        # The demand EWMA has settled near 10 rps (against 15 rps).
+        wait_stat(envoy, "ladder.demand_rps", lambda v: v >= 9, timeout=20)
         assert stat(envoy, "ladder.level") == 0
         assert stat(envoy, "assessment.state") == 0
         fleet.engines["mid"].kill()
         fleet.engines["far"].kill()
         # Capacity 5 rps for 10 rps: ratio 0.5 -> levels 1..4 (0.5 is not < 0.45).
-        changes = record_levels(envoy, lambda lv: lv >= 4, 10)
-        assert [lv for _, lv in changes] == [1, 2, 3, 4], changes
-        gaps = [b[0] - a[0] for a, b in zip(changes, changes[1:])]
-        assert all(0.15 <= g <= 1.0 for g in gaps), gaps
+        wait_stat(envoy, "ladder.level", lambda v: v >= 4, timeout=15)
+        ups = harness.ladder_changes(envoy)
+        assert [c.level for c in ups] == [1, 2, 3, 4], ups
+        # One rung per probe tick, never two at once.
+        assert [b.tick - a.tick for a, b in zip(ups, ups[1:])] == [1, 1, 1], ups
         # Two signals (health and scrape) for 1.2 s: page and propose failover.
         wait_stat(envoy, "assessment.state", lambda v: v == 2, timeout=6)
         fleet.restart_engine("mid")
         fleet.restart_engine("far")
         wait_stat(envoy, "region.far.healthy", lambda v: v == 1)
-        downs = record_levels(envoy, lambda lv: lv == 0, 20)
-    assert [lv for _, lv in downs] == [3, 2, 1, 0], downs
-    gaps = [b[0] - a[0] for a, b in zip(downs, downs[1:])]
-    assert all(g >= 1.9 for g in gaps), gaps
+        wait_stat(envoy, "ladder.level", lambda v: v == 0, timeout=30)
+    downs = harness.ladder_changes(envoy)[len(ups):]
+    assert [c.level for c in downs] == [3, 2, 1, 0], downs
+    # One rung down per 2 s dwell (the probe's own clock; Envoy logs the
+    # change when the probe makes it, to the millisecond).
+    gaps = [b.at_s - a.at_s for a, b in zip(downs, downs[1:])]
+    assert all(g >= 2.0 - 0.05 for g in gaps), gaps
     wait_stat(envoy, "assessment.state", lambda v: v == 0)
     log = envoy.log()
     for state in ("scale_dr_and_raise_ladder", "page_and_propose_failover", "ok"):
@@ -100,19 +93,44 @@ def test_capacity_loss_raises_the_ladder_and_pages_then_recovers_per_dwell(fleet
 
 
 def test_ratio_near_a_threshold_does_not_flap(fleet_factory):
-    # ~10 rps against 3 x 3.4 = 10.2 rps: the ratio hovers around up_at[0]
-    # = 1.0, crossing it back and forth; stepping back down needs > 1.10 for
-    # the dwell. One-second ticks and a smoother demand EWMA keep the
-    # measurement noise (a few requests per tick) inside that band.
-    tick = {**TICK, "tick_ms": 1000, "timeout_ms": 500, "demand_alpha": 0.3}
-    fleet = fleet_factory({"regions": regions(3.4), "probe": tick, "ladder": {"dwell_s": 1}})
+    # 10 rps of capacity; the load alternates between 12 rps (ratio 0.83,
+    # below up_at[0] = 1.0) and 9.2 rps (1.09, above it but below
+    # down_at[0] = 1.25), so the ratio crosses the first rung's threshold
+    # back and forth inside the hysteresis band. The level must rise once
+    # and hold, not follow each crossing. The band is wider than the
+    # default (1.0 / 1.1) so that the load's own noise stays inside it.
+    ladder = {"dwell_s": 1, "up_at": [1.0, 0.75, 0.6, 0.5, 0.4], "down_at": [1.25, 0.95, 0.8, 0.65, 0.55]}
+    tick = {**TICK, "tick_ms": 1000, "timeout_ms": 500, "demand_alpha": 0.5}
+    fleet = fleet_factory({"regions": regions(10 / 3), "probe": tick, "ladder": ladder})
     envoy = fleet.envoy
-    with Load(fleet.port, 5), Load(fleet.port, 5):
-        time.sleep(3.0)
-        changes = record_levels(envoy, lambda lv: False, 12)
-    print("level changes:", changes)
-    assert len(changes) <= 1, changes
-    assert stat(envoy, "ladder.level") <= 1
+    samples = []
+
+    def phase(rps, ticks, record=True):
+        with Load(fleet.port, rps / 2), Load(fleet.port, rps / 2):
+            end = harness.probe_ticks(envoy) + ticks
+            while harness.probe_ticks(envoy) < end:
+                if record:
+                    samples.append((rps, stat(envoy, "ladder.capacity_ratio_pct"), stat(envoy, "ladder.level")))
+                time.sleep(0.05)
+
+    # Warm-up: the demand EWMA starts from nothing ("plenty" of capacity).
+    phase(12, 3, record=False)
+    for rps in (9.2, 12, 9.2, 12):
+        phase(rps, 4)
+    ratios = [r for _, r, _ in samples]
+    print("ratio % per phase:", [(rps, min(r for p, r, _ in samples if p == rps), max(r for p, r, _ in samples
+                                                                                      if p == rps))
+                                 for rps in (12, 9.2)], "changes:", harness.ladder_changes(envoy))
+    # The ratio did cross up_at[0] (100 %) in both directions ...
+    crossings = [(a < 100) != (b < 100) for a, b in zip(ratios, ratios[1:])]
+    downward = any(a >= 100 > b for a, b in zip(ratios, ratios[1:]))
+    upward = any(a < 100 <= b for a, b in zip(ratios, ratios[1:]))
+    assert downward and upward and sum(crossings) >= 3, ratios
+    # ... inside the band: never a reason to reach level 2 or to step down.
+    assert 75 < min(ratios) and max(ratios) < 125, ratios
+    # One change, to level 1, held through every crossing.
+    assert [c.level for c in harness.ladder_changes(envoy)] == [1]
+    assert stat(envoy, "ladder.level") == 1
 
 
 def test_region_on_another_release_gets_nothing_and_is_reported_then_ramps_back(fleet_factory):

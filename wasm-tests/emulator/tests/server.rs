@@ -182,6 +182,23 @@ impl Client {
         let mut buf = [0u8; 1];
         matches!(self.reader.read(&mut buf), Ok(0) | Err(_))
     }
+
+    /// No byte of an answer has arrived within `wait`, and the connection
+    /// is still open: the request is pending.
+    fn is_pending(&mut self, wait: Duration) -> bool {
+        self.stream.set_read_timeout(Some(wait)).unwrap();
+        let pending = match self.reader.fill_buf() {
+            Ok(_) => false,
+            Err(e) => matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ),
+        };
+        self.stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        pending
+    }
 }
 
 fn chat(content: &str, extra: Value) -> Value {
@@ -457,12 +474,14 @@ fn errors_and_admin_controls() {
     c.post_json("/admin/state", &json!({"hang_probes": true}));
     let mut hung = emu.connect();
     hung.send_raw(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n");
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    // Still unanswered after 300 ms, while inference is served.
+    assert!(hung.is_pending(Duration::from_millis(300)));
     assert_eq!(
         c.post_json("/v1/chat/completions", &chat("y", json!({})))
             .status,
         200
     );
+    assert!(hung.is_pending(Duration::from_millis(50)));
     c.post_json("/admin/state", &json!({"hang_probes": false}));
     assert_eq!(hung.read_response().status, 200);
 
