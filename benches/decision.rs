@@ -25,11 +25,11 @@ use std::time::{Duration, Instant};
 
 use llm_geo_router::config::Config;
 use llm_geo_router::cost::Reason;
-use llm_geo_router::directory::MemoryStore;
 use llm_geo_router::prefix::PromptHasher;
 use llm_geo_router::request::{self, Endpoint};
 use llm_geo_router::route::{RouteInputs, Routed, Router};
 use llm_geo_router::snapshot::{RegionState, Snapshot};
+use llm_geo_router::store::MemoryStore;
 use serde_json::{json, Value};
 
 /// Target body sizes.

@@ -22,7 +22,7 @@ use crate::snapshot::Snapshot;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Why a region was chosen, for counters and the decision header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Reason {
     /// It holds the longest cached prefix among the candidates.
     Cache,

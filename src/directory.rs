@@ -22,27 +22,12 @@
 
 use crate::prefix::Checkpoint;
 
-/// Key prefix of directory slots in shared data.
-pub const KEY_PREFIX: &str = "llm_geo_router.dir.";
+use crate::protocol::DIRECTORY_KEY_PREFIX as KEY_PREFIX;
+use crate::store::{SetOutcome, SharedStore};
 
 /// Checkpoints tried in a row when a lookup finds slots taken by other
 /// prefixes (each try is one shared-data read).
 const COLLISION_PROBES: usize = 2;
-
-/// Outcome of a conditional write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SetOutcome {
-    Stored,
-    CasMismatch,
-}
-
-/// The shared-data operations the directory needs; the host implements it
-/// over proxy-wasm, tests over a map. Errors are host failures: the
-/// directory then degrades to "nothing known", never to a failed request.
-pub trait SharedStore {
-    fn get(&mut self, key: &str) -> Result<Option<(Vec<u8>, u32)>, String>;
-    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, String>;
-}
 
 /// Directory parameters for one configuration.
 #[derive(Debug, Clone, Copy)]
@@ -307,34 +292,6 @@ impl Directory {
     }
 }
 
-/// An in-memory [`SharedStore`] with Envoy's CAS semantics, for tests, the
-/// CLI and benchmarks.
-#[derive(Debug, Default, Clone)]
-pub struct MemoryStore {
-    pub map: std::collections::HashMap<String, (Vec<u8>, u32)>,
-    pub gets: u64,
-    pub sets: u64,
-}
-
-impl SharedStore for MemoryStore {
-    fn get(&mut self, key: &str) -> Result<Option<(Vec<u8>, u32)>, String> {
-        self.gets += 1;
-        Ok(self.map.get(key).cloned())
-    }
-    fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, String> {
-        self.sets += 1;
-        let current = self.map.get(key).map(|(_, c)| *c);
-        if let (Some(want), Some(have)) = (cas, current) {
-            if want != have {
-                return Ok(SetOutcome::CasMismatch);
-            }
-        }
-        let next = current.unwrap_or(0).wrapping_add(1).max(1);
-        self.map.insert(key.to_string(), (value.to_vec(), next));
-        Ok(SetOutcome::Stored)
-    }
-}
-
 /// Layout id of a region list.
 pub fn layout_of<'a>(names: impl Iterator<Item = &'a str>) -> u32 {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
@@ -349,6 +306,7 @@ pub fn layout_of<'a>(names: impl Iterator<Item = &'a str>) -> u32 {
 mod tests {
     use super::*;
     use crate::prefix::PromptHasher;
+    use crate::store::MemoryStore;
 
     fn dir(regions: usize) -> Directory {
         Directory {

@@ -1,18 +1,28 @@
-//! The guard's policy: who the caller is (tier), and what the current ladder
-//! level does to their request: serve it, shed it (429 with a jittered
-//! `Retry-After`), refuse a prompt over the level's cap (413), or clamp
-//! `max_tokens` / `max_completion_tokens` in the body.
+//! The guard: who the caller is (tier), and what the current ladder level
+//! does to their request: serve it, shed it (429 with a jittered
+//! `Retry-After`), refuse a prompt over the level's cap (413), clamp
+//! `max_tokens` / `max_completion_tokens` in the body, or send it to the
+//! fallback pool. The policy functions, then the filter itself
+//! ([`GuardStream`]), which also answers the operator's ladder override.
+//! At a level with no caps for the tier the body is not read.
 //!
 //! The tier never comes from the client: an API key's SHA-256 in the
 //! configured map, else the tier header only when the operator declares it
 //! trusted (a filter before the guard always overwrites it), else the
 //! default tier.
 
+use std::cell::Cell;
+use std::rc::Rc;
+
 use sha2::{Digest, Sha256};
 
-use crate::config::{Config, TierPolicy};
+use crate::config::{Config, InvalidRequests, TierPolicy};
+use crate::effects::{Level, StreamHost};
 use crate::prefix::PromptHasher;
-use crate::request::{self, Endpoint, InferenceRequest, RequestError};
+use crate::protocol::{Global, Stat, TierStat, LADDER_OVERRIDE_KEY, POOL_FALLBACK};
+use crate::request::{self, BodyKind, Endpoint, InferenceRequest, RequestError};
+use crate::stream::{Flow, Headers, Reply};
+use crate::view::View;
 
 /// The caller's tier.
 pub fn resolve_tier<'c>(
@@ -237,6 +247,272 @@ pub fn retry_after_s(cfg: &Config, entropy: u64) -> u32 {
     lo + (mixed % span) as u32
 }
 
+// ---------------------------------------------------------------- the filter
+
+/// The guard filter's per-configuration state (one per root context).
+#[derive(Debug)]
+pub struct Guard {
+    pub cfg: Rc<Config>,
+    /// Mixed into each `Retry-After` so that shed clients spread out.
+    entropy: Cell<u64>,
+    /// The level this worker last wrote to `guard.level` (written on change).
+    level_written: Cell<Option<u8>>,
+}
+
+impl Guard {
+    pub fn new(cfg: Rc<Config>, seed: u64) -> Guard {
+        Guard {
+            cfg,
+            entropy: Cell::new(seed),
+            level_written: Cell::new(None),
+        }
+    }
+}
+
+/// What the guard waits for the body to decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Waiting {
+    Nothing,
+    /// The operator's override request.
+    Operator,
+    /// A capped request: its endpoint, the level and the tier (index).
+    Caps(Endpoint, u8, usize),
+}
+
+/// The guard on one request. Events in, flow out; what it does to the
+/// request goes through the host.
+#[derive(Debug)]
+pub struct GuardStream {
+    waiting: Waiting,
+}
+
+impl Default for GuardStream {
+    fn default() -> Self {
+        GuardStream {
+            waiting: Waiting::Nothing,
+        }
+    }
+}
+
+impl GuardStream {
+    pub fn new() -> GuardStream {
+        GuardStream::default()
+    }
+
+    /// The request headers arrived.
+    pub fn on_request_headers(
+        &mut self,
+        guard: &Guard,
+        host: &mut dyn StreamHost,
+        view: &mut View,
+        headers: &Headers,
+        end_of_stream: bool,
+    ) -> Flow {
+        let cfg = &*guard.cfg;
+        let authorization = headers.get("authorization");
+        let tier = resolve_tier(cfg, authorization, headers.get(&cfg.headers.tier));
+        // Downstream filters and the engine see the resolved tier, never the
+        // client's claim; only the guard chooses the pool.
+        if headers.get(&cfg.headers.tier) != Some(tier) {
+            host.set_request_header(&cfg.headers.tier, Some(tier));
+        }
+        if headers.has(&cfg.headers.pool) {
+            host.set_request_header(&cfg.headers.pool, None);
+        }
+        let path = headers.path();
+        if !cfg.ladder.operator_keys.is_empty() && path.split('?').next() == Some(OPERATOR_PATH) {
+            if !is_operator(cfg, authorization) {
+                return Flow::Reply(Reply::error(
+                    403,
+                    "permission_error",
+                    "forbidden",
+                    "operator token required",
+                    None,
+                    &[],
+                ));
+            }
+            if headers.method() != "POST" {
+                return Flow::Reply(Reply::error(
+                    405,
+                    "invalid_request_error",
+                    "method_not_allowed",
+                    "use POST with {\"level\": 0..=5 or null}",
+                    None,
+                    &[("allow", "POST".to_string())],
+                ));
+            }
+            self.waiting = Waiting::Operator;
+            return self.body_or_pause(guard, host, end_of_stream);
+        }
+        let Some(endpoint) = request::endpoint(headers.method(), path) else {
+            return Flow::Continue;
+        };
+        host.count(Stat::Global(Global::Arrivals), 1);
+        // The level of the fresh snapshot; 0 without one: the guard never
+        // refuses on stale data.
+        let now_ms = host.now_ms();
+        let level = view.current(cfg, host, now_ms).map_or(0, |f| f.level());
+        if guard.level_written.get() != Some(level) {
+            guard.level_written.set(Some(level));
+            host.set_gauge(Stat::Global(Global::GuardLevel), u64::from(level));
+        }
+        let Some(policy) = cfg.tier_policy(level, tier) else {
+            return Flow::Continue;
+        };
+        let tier_index = cfg.tiers.names.iter().position(|t| t == tier).unwrap_or(0);
+        if policy.shed {
+            host.count(Stat::Tier(tier_index, TierStat::Shed), 1);
+            let seed = guard
+                .entropy
+                .get()
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(now_ms | 1);
+            guard.entropy.set(seed);
+            let retry = retry_after_s(cfg, seed).to_string();
+            let msg = format!(
+                "the service is in degraded mode (level {level}) and is not serving tier {tier:?} now; retry after {retry} s"
+            );
+            return Flow::Reply(Reply::error(
+                u32::from(cfg.ladder.shed_status),
+                "rate_limit_error",
+                "degraded_mode_shed",
+                &msg,
+                None,
+                &[("retry-after", retry)],
+            ));
+        }
+        if policy.fallback {
+            host.set_request_header(&cfg.headers.pool, Some(POOL_FALLBACK));
+            host.count(Stat::Tier(tier_index, TierStat::Fallback), 1);
+        }
+        if !needs_body(policy) || request::is_encoded(headers.get("content-encoding")) {
+            // A compressed body is not one the guard can read: the router
+            // sends it to the default region untouched.
+            return Flow::Continue;
+        }
+        self.waiting = Waiting::Caps(endpoint, level, tier_index);
+        self.body_or_pause(guard, host, end_of_stream)
+    }
+
+    fn body_or_pause(&mut self, guard: &Guard, host: &mut dyn StreamHost, end: bool) -> Flow {
+        if end {
+            self.on_request_body(guard, host, &[])
+        } else {
+            Flow::Pause
+        }
+    }
+
+    /// Whether the guard waits for the complete body.
+    pub fn wants_body(&self) -> bool {
+        self.waiting != Waiting::Nothing
+    }
+
+    /// The complete request body.
+    pub fn on_request_body(
+        &mut self,
+        guard: &Guard,
+        host: &mut dyn StreamHost,
+        body: &[u8],
+    ) -> Flow {
+        let cfg = &*guard.cfg;
+        match std::mem::replace(&mut self.waiting, Waiting::Nothing) {
+            Waiting::Nothing => Flow::Continue,
+            Waiting::Operator => operator_override(host, body),
+            Waiting::Caps(endpoint, level, tier_index) => {
+                let tier = cfg.tiers.names.get(tier_index).map_or("", String::as_str);
+                let Some(policy) = cfg.tier_policy(level, tier) else {
+                    return Flow::Continue;
+                };
+                if request::body_kind(body) == BodyKind::Other {
+                    return Flow::Continue;
+                }
+                match check_body(cfg, policy, endpoint, body) {
+                    Ok(Verdict::Pass) => Flow::Continue,
+                    Ok(Verdict::PromptTooLong { tokens, limit }) => {
+                        host.count(Stat::Tier(tier_index, TierStat::PromptTooLong), 1);
+                        let msg = format!(
+                            "the prompt is about {tokens} tokens; in degraded mode tier {tier:?} is limited to {limit} prompt tokens"
+                        );
+                        Flow::Reply(Reply::error(
+                            413,
+                            "invalid_request_error",
+                            "context_length_exceeded",
+                            &msg,
+                            Some("messages"),
+                            &[],
+                        ))
+                    }
+                    Ok(Verdict::Rewrite { body, clamped }) => {
+                        if host.replace_request_body(&body) {
+                            host.set_request_header(
+                                "content-length",
+                                Some(&body.len().to_string()),
+                            );
+                            if clamped {
+                                host.count(Stat::Tier(tier_index, TierStat::MaxTokensClamped), 1);
+                            }
+                        }
+                        Flow::Continue
+                    }
+                    Err(e) => {
+                        host.count(Stat::Global(Global::GuardInvalidRequest), 1);
+                        if cfg.invalid_requests == InvalidRequests::PassThrough {
+                            return Flow::Continue;
+                        }
+                        Flow::Reply(Reply::error(
+                            400,
+                            "invalid_request_error",
+                            "invalid_request",
+                            &e.message,
+                            e.param,
+                            &[],
+                        ))
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `POST /llm-geo-router/ladder` from an operator: store the override
+/// where the probe reads it.
+fn operator_override(host: &mut dyn StreamHost, body: &[u8]) -> Flow {
+    match parse_override(body) {
+        Ok(level) => {
+            let value = level.map(|l| l.to_string()).unwrap_or_default();
+            if host
+                .set(LADDER_OVERRIDE_KEY, value.as_bytes(), None)
+                .is_err()
+            {
+                return Flow::Reply(Reply::error(
+                    500,
+                    "server_error",
+                    "shared_data",
+                    "could not store the override",
+                    None,
+                    &[],
+                ));
+            }
+            host.log(
+                Level::Warn,
+                &format!("llm-geo-router guard: operator set the ladder override to {level:?}"),
+            );
+            Flow::Reply(Reply::json(format!(
+                r#"{{"override":{}}}"#,
+                level.map_or("null".to_string(), |l| l.to_string())
+            )))
+        }
+        Err(e) => Flow::Reply(Reply::error(
+            400,
+            "invalid_request_error",
+            "invalid_override",
+            &e,
+            Some("level"),
+            &[],
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -380,6 +656,219 @@ mod tests {
         for v in 5..=14 {
             let n = values.iter().filter(|&&x| x == v).count();
             assert!((120..=280).contains(&n), "{v}: {n}");
+        }
+    }
+
+    // ------------------------------------------------------- the filter
+
+    mod stream {
+        use super::super::*;
+        use crate::effects::Recorder;
+        use crate::protocol::{Global, Stat, TierStat};
+        use crate::snapshot::Snapshot;
+
+        const NOW: u64 = 1_700_000_000_000;
+
+        fn guard(extra: &str) -> Guard {
+            let c = Config::parse(
+                format!(
+                    r#"{{"regions":[{{"name":"a","cluster":"ca","capacity_rps":1}}],
+                        "tiers":{{"api_keys":{{"{}":"paid"}}}},
+                        "ladder":{{"operator_keys":["{}"]}}{extra}}}"#,
+                    api_key_digest("sk-paid"),
+                    api_key_digest("op-token")
+                )
+                .as_bytes(),
+            )
+            .unwrap();
+            Guard::new(Rc::new(c), 7)
+        }
+
+        fn host_at_level(g: &Guard, level: u8) -> Recorder {
+            let mut host = Recorder {
+                now_ms: NOW,
+                ..Recorder::default()
+            };
+            host.publish(&Snapshot {
+                version: 1,
+                generated_ms: NOW,
+                level,
+                ..Snapshot::all_healthy(&g.cfg)
+            });
+            host
+        }
+
+        fn headers(path: &str, extra: &[(&str, &str)]) -> Headers {
+            let mut h = vec![
+                (":method".to_string(), "POST".to_string()),
+                (":path".to_string(), path.to_string()),
+            ];
+            h.extend(extra.iter().map(|(n, v)| (n.to_string(), v.to_string())));
+            Headers::new(h)
+        }
+
+        /// Headers, then the body if the guard asks for it.
+        fn run(g: &Guard, host: &mut Recorder, h: &Headers, body: &str) -> (Flow, bool) {
+            let mut s = GuardStream::new();
+            let mut view = View::new();
+            let flow = s.on_request_headers(g, host, &mut view, h, false);
+            if flow == Flow::Pause && s.wants_body() {
+                return (s.on_request_body(g, host, body.as_bytes()), true);
+            }
+            (flow, false)
+        }
+
+        fn code(flow: &Flow) -> (u32, String) {
+            let Flow::Reply(r) = flow else {
+                panic!("not a reply: {flow:?}")
+            };
+            let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+            (
+                r.status,
+                v["error"]["code"].as_str().unwrap_or("").to_string(),
+            )
+        }
+
+        const CHAT: &str = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":1000}"#;
+
+        #[test]
+        fn level_zero_resolves_the_tier_and_never_reads_the_body() {
+            let g = guard("");
+            let mut host = host_at_level(&g, 0);
+            let h = headers(
+                "/v1/chat/completions",
+                &[
+                    ("authorization", "Bearer sk-paid"),
+                    ("x-llm-tier", "critical"),
+                    ("x-llm-pool", "fallback"),
+                ],
+            );
+            let (flow, read_body) = run(&g, &mut host, &h, CHAT);
+            assert_eq!((flow, read_body), (Flow::Continue, false));
+            assert_eq!(host.request_header("x-llm-tier"), Some(Some("paid")));
+            assert_eq!(host.request_header("x-llm-pool"), Some(None));
+            assert_eq!(host.value(Stat::Global(Global::Arrivals)), 1);
+            assert_eq!(host.value(Stat::Global(Global::GuardLevel)), 0);
+            // Not an inference path: no arrival, nothing read.
+            let (flow, _) = run(&g, &mut host, &headers("/v1/models", &[]), "");
+            assert_eq!(flow, Flow::Continue);
+            assert_eq!(host.value(Stat::Global(Global::Arrivals)), 1);
+        }
+
+        #[test]
+        fn shed_clamp_cap_and_fallback_per_level() {
+            let g = guard("");
+            // Level 5: free is shed with a Retry-After in range.
+            let mut host = host_at_level(&g, 5);
+            let (flow, _) = run(&g, &mut host, &headers("/v1/chat/completions", &[]), CHAT);
+            assert_eq!(code(&flow), (429, "degraded_mode_shed".into()));
+            let Flow::Reply(r) = flow else { unreachable!() };
+            let retry: u32 = r
+                .headers
+                .iter()
+                .find(|(n, _)| *n == "retry-after")
+                .unwrap()
+                .1
+                .parse()
+                .unwrap();
+            let [lo, hi] = g.cfg.ladder.retry_after_s;
+            assert!((lo..=hi).contains(&retry));
+            assert_eq!(host.value(Stat::Tier(0, TierStat::Shed)), 1);
+            // Level 3: free's max_tokens is clamped to 256 in the body.
+            let mut host = host_at_level(&g, 3);
+            let (flow, read) = run(&g, &mut host, &headers("/v1/chat/completions", &[]), CHAT);
+            assert_eq!((flow, read), (Flow::Continue, true));
+            let body = host.replaced_body.clone().unwrap();
+            assert!(String::from_utf8_lossy(&body).contains(r#""max_tokens":256"#));
+            assert_eq!(
+                host.request_header("content-length"),
+                Some(Some(&*body.len().to_string()))
+            );
+            assert_eq!(host.value(Stat::Tier(0, TierStat::MaxTokensClamped)), 1);
+            // Level 4: free goes to the fallback pool.
+            let mut host = host_at_level(&g, 4);
+            run(&g, &mut host, &headers("/v1/chat/completions", &[]), CHAT);
+            assert_eq!(host.request_header("x-llm-pool"), Some(Some(POOL_FALLBACK)));
+            assert_eq!(host.value(Stat::Tier(0, TierStat::Fallback)), 1);
+            // A prompt over the level's cap: 413.
+            let long = format!(
+                r#"{{"messages":[{{"role":"user","content":"{}"}}]}}"#,
+                "x".repeat(40_000)
+            );
+            let mut host = host_at_level(&g, 3);
+            let (flow, _) = run(&g, &mut host, &headers("/v1/chat/completions", &[]), &long);
+            assert_eq!(code(&flow), (413, "context_length_exceeded".into()));
+        }
+
+        #[test]
+        fn the_body_rule_is_the_routers() {
+            let g = guard("");
+            let mut host = host_at_level(&g, 3);
+            let path = headers("/v1/chat/completions", &[]);
+            // Blank: an empty request, 400.
+            let (flow, _) = run(&g, &mut host, &path, " \n ");
+            assert_eq!(code(&flow), (400, "invalid_request".into()));
+            // Not meant as JSON: left to the router (default region).
+            assert_eq!(run(&g, &mut host, &path, "a=1").0, Flow::Continue);
+            // Malformed JSON: 400, or passed through as configured.
+            assert_eq!(code(&run(&g, &mut host, &path, "{\"messages\":").0).0, 400);
+            let pass = guard(r#","invalid_requests":"pass_through""#);
+            let mut host = host_at_level(&pass, 3);
+            assert_eq!(
+                run(&pass, &mut host, &path, "{\"messages\":").0,
+                Flow::Continue
+            );
+            assert_eq!(host.value(Stat::Global(Global::GuardInvalidRequest)), 1);
+        }
+
+        #[test]
+        fn the_operator_sets_and_clears_the_override() {
+            let g = guard("");
+            let mut host = host_at_level(&g, 0);
+            let op = |extra: &[(&str, &str)]| headers(OPERATOR_PATH, extra);
+            let auth = ("authorization", "Bearer op-token");
+            assert_eq!(code(&run(&g, &mut host, &op(&[]), "").0).0, 403);
+            let get = Headers::new(vec![
+                (":method".into(), "GET".into()),
+                (":path".into(), OPERATOR_PATH.into()),
+                ("authorization".into(), "Bearer op-token".into()),
+            ]);
+            assert_eq!(code(&run(&g, &mut host, &get, "").0).0, 405);
+            let (flow, _) = run(&g, &mut host, &op(&[auth]), r#"{"level": 9}"#);
+            assert_eq!(code(&flow), (400, "invalid_override".into()));
+            let (flow, _) = run(&g, &mut host, &op(&[auth]), r#"{"level": 3}"#);
+            assert_eq!(flow, Flow::Reply(Reply::json(r#"{"override":3}"#.into())));
+            assert_eq!(host.store.map.get(LADDER_OVERRIDE_KEY).unwrap().0, b"3");
+            run(&g, &mut host, &op(&[auth]), r#"{"level": null}"#);
+            assert_eq!(host.store.map.get(LADDER_OVERRIDE_KEY).unwrap().0, b"");
+            assert_eq!(host.logs.len(), 2);
+        }
+
+        #[test]
+        fn the_level_gauge_is_written_on_change_only() {
+            let g = guard("");
+            let mut host = host_at_level(&g, 2);
+            for _ in 0..3 {
+                run(
+                    &g,
+                    &mut host,
+                    &headers("/v1/completions", &[("authorization", "Bearer sk-paid")]),
+                    "",
+                );
+            }
+            assert_eq!(host.value(Stat::Global(Global::GuardLevel)), 2);
+            host.stats.remove(&Stat::Global(Global::GuardLevel));
+            run(
+                &g,
+                &mut host,
+                &headers("/v1/completions", &[("authorization", "Bearer sk-paid")]),
+                "",
+            );
+            assert_eq!(
+                host.value(Stat::Global(Global::GuardLevel)),
+                0,
+                "unchanged level, no write"
+            );
         }
     }
 }

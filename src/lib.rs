@@ -11,6 +11,7 @@ pub mod assess;
 pub mod config;
 pub mod cost;
 pub mod directory;
+pub mod effects;
 pub mod fleet;
 pub mod guard;
 pub mod ladder;
@@ -19,11 +20,17 @@ pub mod migration;
 pub mod openai;
 pub mod outcome;
 pub mod prefix;
+pub mod probe;
+pub mod protocol;
 pub mod request;
 pub mod route;
+pub mod router;
 pub mod session;
 pub mod snapshot;
+pub mod store;
+pub mod stream;
 pub mod tuning;
+pub mod view;
 
 #[cfg(target_arch = "wasm32")]
 mod host;

@@ -3,8 +3,7 @@
 //! ended (its response flags, status and code details), how many tries it
 //! took and which upstream host served the last one. From that this module
 //! decides, for each region involved, whether its engines failed, answered,
-//! or had the request taken away by the client, and whether the observed
-//! time to first byte may teach the cost model.
+//! or had the request taken away by the client.
 //!
 //! A client that gives up is never evidence against a region: the busiest
 //! region is the one whose users press "stop" first, and ejecting it for
@@ -88,9 +87,6 @@ pub struct Outcome {
     pub answered: bool,
     /// The client went away before the response was complete.
     pub cancelled: bool,
-    /// The observed time to first byte is one of the routed region's: the
-    /// request was answered by it on the first try.
-    pub teaches: bool,
 }
 
 impl Ending {
@@ -119,7 +115,6 @@ impl Ending {
             failed,
             answered,
             cancelled: client_gone && !failed,
-            teaches: !retried && served == Some(routed) && answered,
         }
     }
 
@@ -211,16 +206,13 @@ mod tests {
     fn a_client_cancellation_is_never_a_failure() {
         // Cancelled before the first byte: no status at all.
         let o = ending(DOWNSTREAM_CONNECTION_TERMINATION, None).outcome(NEAR);
-        assert!(
-            o.cancelled && !o.failed && !o.answered && !o.teaches,
-            "{o:?}"
-        );
+        assert!(o.cancelled && !o.failed && !o.answered, "{o:?}");
         // An HTTP/2 client resetting its stream.
         let o = ending(DOWNSTREAM_REMOTE_RESET, None).outcome(NEAR);
         assert!(o.cancelled && !o.failed);
         // Cancelled mid-stream: the engine had answered.
         let o = ending(DOWNSTREAM_CONNECTION_TERMINATION, Some(200)).outcome(NEAR);
-        assert!(o.cancelled && o.answered && !o.failed && o.teaches, "{o:?}");
+        assert!(o.cancelled && o.answered && !o.failed, "{o:?}");
         let mut t = [Tally::default(); 2];
         for _ in 0..20 {
             ending(DOWNSTREAM_CONNECTION_TERMINATION, None)
@@ -260,7 +252,7 @@ mod tests {
         assert!(e.needs_details());
         e.via_upstream = Some(true);
         let o = e.outcome(NEAR);
-        assert!(o.failed && !o.answered && !o.teaches);
+        assert!(o.failed && !o.answered);
         // A 503 Envoy or a filter made without touching the upstream (no
         // cluster, a local reply) says nothing about the region.
         e.via_upstream = Some(false);
@@ -284,10 +276,7 @@ mod tests {
         };
         let o = e.outcome(NEAR);
         assert_eq!((o.retried_from, o.served), (Some(NEAR), Some(MID)));
-        assert!(
-            o.answered && !o.teaches,
-            "a retried TTFT is neither region's"
-        );
+        assert!(o.answered);
         let mut t = [Tally::default(); 2];
         o.apply(&mut t);
         assert!(!o.unattributed());
@@ -326,7 +315,7 @@ mod tests {
         }
         .outcome(MID);
         assert_eq!(o.served, Some(MID));
-        assert!(o.answered && o.teaches);
+        assert!(o.answered);
         // Metadata wins: a first try that landed on another region's host
         // (the operator's health checks moved it) is that region's.
         let o = Ending {
@@ -335,7 +324,6 @@ mod tests {
         }
         .outcome(MID);
         assert_eq!(o.served, Some(NEAR));
-        assert!(!o.teaches);
     }
 
     #[test]

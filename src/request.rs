@@ -36,13 +36,29 @@ pub fn endpoint(method: &str, path: &str) -> Option<Endpoint> {
     }
 }
 
-/// True when a body is meant as a JSON object: its first non-blank byte is
-/// `{`. Clients often send JSON with a wrong or missing `content-type`
-/// (`curl -d` says form-urlencoded), so the body decides, not the header. A
-/// body that is not meant as JSON is not an inference request the router
-/// understands; one that is meant as JSON but is malformed is a client error.
-pub fn looks_like_json(body: &[u8]) -> bool {
-    body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{')
+/// How a complete request body is to be taken, the same in both filters
+/// and in `explain`. Clients often send JSON with a wrong or missing
+/// `content-type` (`curl -d` says form-urlencoded), so the body decides,
+/// not the header: a body meant as JSON but malformed is a client error; a
+/// body not meant as JSON is not a request the router understands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyKind {
+    /// Empty or only whitespace: an empty request, refused as such.
+    Blank,
+    /// Meant as JSON (first non-blank byte `{`): parsed; malformed is a
+    /// client error.
+    Json,
+    /// Not meant as JSON: not an inference request the router understands;
+    /// it goes to the default region untouched, where the engine judges it.
+    Other,
+}
+
+pub fn body_kind(body: &[u8]) -> BodyKind {
+    match body.iter().find(|b| !b.is_ascii_whitespace()) {
+        None => BodyKind::Blank,
+        Some(b'{') => BodyKind::Json,
+        Some(_) => BodyKind::Other,
+    }
 }
 
 /// True when a `content-encoding` value means the body is compressed.
@@ -806,9 +822,10 @@ mod tests {
         );
         assert_eq!(endpoint("GET", "/v1/completions"), None);
         assert_eq!(endpoint("POST", "/v1/embeddings"), None);
-        assert!(looks_like_json(b"  {}"));
-        assert!(!looks_like_json(b"a=1"));
-        assert!(!looks_like_json(b""));
+        assert_eq!(body_kind(b"  {}"), BodyKind::Json);
+        assert_eq!(body_kind(b"a=1"), BodyKind::Other);
+        assert_eq!(body_kind(b""), BodyKind::Blank);
+        assert_eq!(body_kind(b" \r\n\t"), BodyKind::Blank);
         assert!(is_encoded(Some("gzip")));
         assert!(!is_encoded(Some("identity")) && !is_encoded(None));
     }

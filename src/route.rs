@@ -6,12 +6,13 @@
 
 use crate::config::Config;
 use crate::cost::{self, Decision, Weights};
-use crate::directory::{layout_of, Directory, SharedStore};
+use crate::directory::{layout_of, Directory};
 use crate::migration::{self, KvAction};
 use crate::prefix::PromptHasher;
 use crate::request::{self, Endpoint, RequestError};
 use crate::session::Sessions;
 use crate::snapshot::Snapshot;
+use crate::store::SharedStore;
 use crate::tuning::Observation;
 
 /// The per-configuration parts of routing.
@@ -201,7 +202,52 @@ fn migration_for(cfg: &Config, d: &Decision, inp: &RouteInputs) -> Option<KvActi
         .zip(&d.costs)
         .map(|(r, c)| c.occupancy / f64::from(r.max_concurrency.max(1)))
         .collect();
-    migration::kv_action(cfg, d, &rtt, &util)
+    kv_action(cfg, d, &rtt, &util)
+}
+
+/// The migration decision for a routing decision, if one is due: the chosen
+/// region holds at least `min_prefix_tokens` fewer cached tokens than the
+/// best-holding healthy region. `rtt_ms` is each region's RTT from this
+/// proxy; `utilization` each region's compute-queue utilisation.
+fn kv_action(cfg: &Config, d: &Decision, rtt_ms: &[f64], utilization: &[f64]) -> Option<KvAction> {
+    let m = &cfg.migration;
+    let model = m.model.as_ref().filter(|_| m.enabled)?;
+    let chosen = d.costs.get(d.region)?;
+    let (from, holder) = d
+        .costs
+        .iter()
+        .enumerate()
+        // The holder may be outside a residency pin: it is only read from.
+        .filter(|(i, c)| *i != d.region && c.healthy)
+        .max_by_key(|(_, c)| c.cached_tokens)?;
+    let tokens = holder.cached_tokens.saturating_sub(chosen.cached_tokens);
+    if tokens < m.min_prefix_tokens.max(1) {
+        return None;
+    }
+    let (to_name, from_name) = (
+        cfg.regions.get(d.region)?.name.as_str(),
+        cfg.regions.get(from)?.name.as_str(),
+    );
+    let link = m.links.iter().find(|l| {
+        (l.from == from_name && l.to == to_name) || (l.from == to_name && l.to == from_name)
+    });
+    let link_rtt = link.and_then(|l| l.rtt_ms).unwrap_or_else(|| {
+        rtt_ms.get(from).copied().unwrap_or(0.0) + rtt_ms.get(d.region).copied().unwrap_or(0.0)
+    });
+    let gbps = link
+        .and_then(|l| l.bandwidth_gbps)
+        .unwrap_or(m.bandwidth_gbps);
+    let util = utilization.get(d.region).copied().unwrap_or(0.0);
+    let plan = migration::decide(
+        model,
+        tokens,
+        link_rtt,
+        gbps,
+        m.fetch_path_utilization,
+        util,
+        m.service_rate_per_s,
+    );
+    Some(KvAction { plan, from, tokens })
 }
 
 impl Routed {
@@ -257,7 +303,7 @@ impl Routed {
 mod tests {
     use super::*;
     use crate::cost::Reason;
-    use crate::directory::MemoryStore;
+    use crate::store::MemoryStore;
 
     fn cfg() -> Config {
         Config::parse(
@@ -337,5 +383,70 @@ mod tests {
             router.route(&c, &mut store, &inp),
             Err(Refusal::Invalid(_))
         ));
+    }
+}
+
+#[cfg(test)]
+mod kv_action_tests {
+    use super::*;
+    use crate::cost::{Cost, Reason};
+    use crate::migration::MigrationAction;
+
+    fn cfg(extra: &str) -> Config {
+        Config::parse(
+            format!(
+                r#"{{"regions":[{{"name":"near","cluster":"n","capacity_rps":1,"rtt_ms":5}},
+                {{"name":"mid","cluster":"m","capacity_rps":1,"rtt_ms":40}}],
+                "migration":{{"enabled":true,"model":{{"layers":80,"kv_heads":8,"head_dim":128,
+                "params":70e9,"tflops":989,"mfu":0.4}}{extra}}}}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    }
+
+    fn decision(region: usize, cached: [u64; 2]) -> Decision {
+        Decision {
+            region,
+            runner_up: None,
+            reason: Reason::Pin,
+            costs: cached
+                .iter()
+                .map(|&c| Cost {
+                    cached_tokens: c,
+                    healthy: true,
+                    candidate: true,
+                    ..Cost::default()
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn fetch_on_a_fast_link_recompute_on_a_slow_one() {
+        let fast = cfg(r#","links":[{"from":"mid","to":"near","rtt_ms":70,"bandwidth_gbps":100}]"#);
+        let a = kv_action(&fast, &decision(0, [0, 8000]), &[5.0, 40.0], &[0.1, 0.1]).unwrap();
+        assert_eq!(a.plan.action, MigrationAction::Fetch);
+        assert_eq!((a.from, a.tokens), (1, 8000));
+        assert_eq!(a.header_value("mid"), "fetch; from=mid; tokens=8000");
+        let slow = cfg(r#","bandwidth_gbps":5"#);
+        let a = kv_action(&slow, &decision(0, [0, 8000]), &[5.0, 40.0], &[0.1, 0.1]).unwrap();
+        assert_eq!(a.plan.action, MigrationAction::Recompute);
+        assert_eq!(a.header_value("mid"), "recompute; tokens=8000");
+    }
+
+    #[test]
+    fn nothing_when_disabled_short_or_already_local() {
+        let c = cfg("");
+        assert!(kv_action(&c, &decision(1, [0, 8000]), &[5.0, 40.0], &[0.0, 0.0]).is_none());
+        assert!(kv_action(&c, &decision(0, [0, 100]), &[5.0, 40.0], &[0.0, 0.0]).is_none());
+        let mut off = cfg("");
+        off.migration.enabled = false;
+        assert!(kv_action(&off, &decision(0, [0, 8000]), &[5.0, 40.0], &[0.0, 0.0]).is_none());
+        let e = Config::parse(
+            br#"{"regions":[{"name":"a","cluster":"a","capacity_rps":1}],"migration":{"enabled":true}}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "migration.model");
     }
 }

@@ -6,10 +6,10 @@
 //! newest session winning a slot; the key is a seeded hash, never the
 //! session id itself.
 
-use crate::directory::SharedStore;
+use crate::store::SharedStore;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-pub const KEY_PREFIX: &str = "llm_geo_router.session.";
+use crate::protocol::SESSION_KEY_PREFIX as KEY_PREFIX;
 
 #[derive(Debug, Clone, Copy)]
 pub struct Sessions {
@@ -108,7 +108,7 @@ impl Sessions {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::directory::MemoryStore;
+    use crate::store::MemoryStore;
 
     #[test]
     fn remembers_the_last_region_within_the_ttl() {

@@ -1,11 +1,9 @@
-//! The fleet snapshot: what `probe` publishes to shared data once per tick
-//! and the filters read. JSON, versioned; the filters re-parse it only when
-//! its shared-data CAS changes, so per request it costs one host call.
+//! The fleet snapshot: what `probe` publishes to shared data
+//! (`protocol::SNAPSHOT_KEY`) and the filters read. JSON, versioned; the
+//! filters copy and decode it only when the probe's version gauge says it
+//! changed (`view`).
 
 use serde::{Deserialize, Serialize};
-
-/// Shared-data key of the snapshot (one per `vm_id`).
-pub const SNAPSHOT_KEY: &str = "llm_geo_router.snapshot";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct Snapshot {

@@ -1,23 +1,28 @@
-//! `explain`: the routing decision for one request, with every term. Runs
-//! `route::Router::route`, the function the router filter runs in the .wasm,
-//! over files instead of Envoy: the plugin configuration, a fleet snapshot,
-//! the request body, and optionally earlier requests replayed into an
-//! in-memory prefix directory. No routing logic of its own: it gathers the
-//! inputs the host layer would and prints what comes back.
+//! `explain`: the routing decision for one request, with every term. Drives
+//! the router filter's own state machine (`router::RouterStream`, what the
+//! .wasm runs) over files instead of Envoy: the plugin configuration, a
+//! fleet snapshot, the request body, and optionally earlier requests
+//! replayed into an in-memory prefix directory. No routing logic of its
+//! own: it hands the stream what Envoy would and prints what comes back.
 
 use crate::args::{self, Kind, Opt, Parsed};
 use crate::CliError;
-use llm_geo_router::config::{Config, InvalidRequests};
+use llm_geo_router::config::Config;
 use llm_geo_router::cost::{Cost, Decision};
-use llm_geo_router::directory::MemoryStore;
+use llm_geo_router::effects::{Effects, Recorder};
 use llm_geo_router::migration::{KvAction, MigrationAction};
-use llm_geo_router::openai;
 use llm_geo_router::prefix::PromptHasher;
+use llm_geo_router::protocol::{Global, RegionStat, Stat, SNAPSHOT_KEY};
 use llm_geo_router::request::{self, Endpoint};
-use llm_geo_router::route::{Refusal, RouteInputs, Routed, Router};
+use llm_geo_router::route::{Routed, Router};
+use llm_geo_router::router::{RouterShared, RouterStream};
 use llm_geo_router::snapshot::Snapshot;
+use llm_geo_router::store::{MemoryStore, SharedStore};
+use llm_geo_router::stream::{Flow, Headers};
+use llm_geo_router::view::View;
 use serde_json::{json, Value};
 use std::path::Path;
+use std::rc::Rc;
 
 pub const SUMMARY: &str = "the routing decision for one request, with every cost term";
 
@@ -27,7 +32,7 @@ usage: llm-geo-router explain --config FILE --snapshot FILE --request FILE
                               [--residency R] [--inflight region=n,...]
                               [--history FILE] [--now-ms T] [--json]
 
-Runs the router filter's own code (route::Router::route) on one request and
+Runs the router filter's own state machine on one request and
 prints the decision: per region whether it is a candidate, healthy and over
 its bounded-load share, the tokens it is believed to hold, and the rtt,
 prefill and queue terms of its expected time to first token; then the chosen
@@ -135,92 +140,104 @@ pub fn run(argv: &[String]) -> Result<String, CliError> {
     let json_out = p.flag("json");
 
     let req_path = p.text("path").unwrap_or(DEFAULT_PATH);
-    let Some(endpoint) = request::endpoint("POST", req_path) else {
-        let why = format!("POST {req_path} is not an inference path");
-        return Ok(Uninterpreted { why }.render(&cfg, json_out));
+    // The filter's own state machine, with the snapshot used whatever its
+    // age (the --snapshot file is the state to explain, not a live one).
+    let mut cfg = cfg;
+    cfg.probe.snapshot_max_age_ms = u32::MAX;
+    let shared = RouterShared::new(Rc::new(cfg));
+    let cfg = &*shared.cfg;
+    let mut host = Recorder {
+        now_ms,
+        ..Recorder::default()
     };
-    if !body.is_empty() && !request::looks_like_json(&body) {
-        let why = "the body's first non-blank byte is not `{`".to_string();
-        return Ok(Uninterpreted { why }.render(&cfg, json_out));
+    let endpoint = request::endpoint("POST", req_path);
+    if let Some(endpoint) = endpoint {
+        history.replay(cfg, &shared.router, endpoint, &mut host.store)?;
     }
-
-    let router = Router::new(&cfg);
-    let mut store = MemoryStore::default();
-    history.replay(&cfg, &router, endpoint, &mut store)?;
     let snapshot_index: Vec<Option<usize>> = cfg
         .regions
         .iter()
         .map(|r| snapshot.regions.iter().position(|s| s.name == r.name))
         .collect();
-    let session = session_record(
-        &cfg,
-        &router,
-        &mut store,
-        p.text("session"),
-        endpoint,
-        &body,
-        now_ms,
+    let session = endpoint.and_then(|endpoint| {
+        session_record(
+            cfg,
+            &shared.router,
+            &mut host.store,
+            p.text("session"),
+            endpoint,
+            &body,
+            now_ms,
+        )
+    });
+    // What the probe would have published, and this Envoy's in-flight counts.
+    let _ = host.store.set(SNAPSHOT_KEY, &snapshot.encode(), None);
+    host.set_gauge(
+        Stat::Global(Global::ProbeSnapshotVersion),
+        snapshot.version.max(1),
     );
-    let inputs = RouteInputs {
-        endpoint,
-        body: &body,
-        session_header: p.text("session"),
-        residency,
-        snapshot: Some(&snapshot),
-        snapshot_index: &snapshot_index,
-        inflight: &inflight,
-        now_ms,
-        fallback: false,
-    };
-    match router.route(&cfg, &mut store, &inputs) {
-        Ok(routed) => {
-            let report = Report {
-                cfg: &cfg,
-                snapshot: &snapshot,
-                snapshot_index: &snapshot_index,
-                routed: &routed,
-                session,
-                req_path,
-                now_ms,
-                replayed: history.entries.len(),
-            };
-            Ok(if json_out {
-                report.json()
-            } else {
-                report.table()
-            })
-        }
-        Err(Refusal::Invalid(e)) => match cfg.invalid_requests {
-            InvalidRequests::PassThrough => {
-                let why = format!(
-                    "invalid request passed through (invalid_requests = pass_through): {}",
-                    e.message
-                );
-                Ok(Uninterpreted { why }.render(&cfg, json_out))
+    for (i, n) in inflight.iter().enumerate() {
+        host.set_gauge(Stat::Region(i, RegionStat::RqActive), n.round() as u64);
+    }
+    let mut headers = vec![
+        (":method".to_string(), "POST".to_string()),
+        (":path".to_string(), req_path.to_string()),
+    ];
+    if let Some(s) = p.text("session") {
+        headers.push((cfg.headers.session.clone(), s.to_string()));
+    }
+    if let (Some(name), Some(value)) = (&cfg.residency.header, residency) {
+        headers.push((name.clone(), value.to_string()));
+    }
+    let mut stream = RouterStream::new();
+    let mut view = View::new();
+    let mut flow =
+        stream.on_request_headers(&shared, &mut host, &mut view, Headers::new(headers), false);
+    if flow == Flow::Pause {
+        flow = stream.on_request_body(&shared, &mut host, &mut view, &body);
+    }
+    if let Flow::Reply(r) = flow {
+        let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
+        let what = match v.pointer("/error/code").and_then(Value::as_str) {
+            Some("invalid_residency") => "residency value not in residency.allowed",
+            _ => "invalid request body",
+        };
+        return Err(CliError::Refused {
+            output: format!("{}\n", String::from_utf8_lossy(&r.body)),
+            message: format!("the router would answer {} ({what})", r.status),
+        });
+    }
+    let Some(routed) = stream.decision() else {
+        let why = match endpoint {
+            None => format!("POST {req_path} is not an inference path"),
+            Some(_) if host.value(Stat::Global(Global::RouterInvalidRequest)) > 0 => {
+                let hasher = PromptHasher::new(cfg.prefix.block_bytes, cfg.prefix.hash_seed);
+                let message = endpoint
+                    .and_then(|e| request::parse(e, &body, hasher).err())
+                    .map_or_else(String::new, |e| e.message);
+                format!(
+                    "invalid request passed through (invalid_requests = pass_through): {message}"
+                )
             }
-            // The same body the router filter sends (`RouterFilter::reject`).
-            InvalidRequests::Reject => Err(refused(
-                "invalid_request",
-                &e.message,
-                e.param,
-                "invalid request body",
-            )),
-        },
-        Err(Refusal::UnknownResidency(message)) => Err(refused(
-            "invalid_residency",
-            &message,
-            None,
-            "residency value not in residency.allowed",
-        )),
-    }
-}
-
-fn refused(code: &str, message: &str, param: Option<&str>, what: &str) -> CliError {
-    let body = openai::error_body(message, "invalid_request_error", param, Some(code));
-    CliError::Refused {
-        output: format!("{}\n", String::from_utf8_lossy(&body)),
-        message: format!("the router would answer 400 ({what})"),
-    }
+            Some(_) => "the body's first non-blank byte is not `{`".to_string(),
+        };
+        return Ok(Uninterpreted { why }.render(cfg, json_out));
+    };
+    let report = Report {
+        cfg,
+        snapshot: &snapshot,
+        snapshot_index: &snapshot_index,
+        routed,
+        session,
+        req_path,
+        now_ms,
+        replayed: history.entries.len(),
+    };
+    Ok(if json_out {
+        report.json()
+    } else {
+        report.table()
+    })
 }
 
 /// The session key the router will use (the header, else the body's

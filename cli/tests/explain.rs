@@ -251,3 +251,24 @@ fn bad_files_and_options_name_what_is_wrong() {
         "{stderr}"
     );
 }
+
+#[test]
+fn blank_and_non_json_bodies_are_taken_as_the_router_takes_them() {
+    // Only whitespace: an empty request, refused with 400 as the router
+    // filter refuses it (not passed through as a non-JSON body).
+    let out = run("blank.json", &[]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["error"]["code"], "invalid_request");
+    assert!(v["error"]["message"].as_str().unwrap().contains("empty"));
+    // Not meant as JSON: the default region, untouched.
+    let out = run("form.txt", &["--json"]);
+    assert!(out.status.success());
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["reason"], "default");
+}

@@ -9,7 +9,8 @@
 //! that runs them over the committed corpus and deterministic mutations.
 
 use llm_geo_router::config::Config;
-use llm_geo_router::directory::{layout_of, Directory, SetOutcome, SharedStore};
+use llm_geo_router::directory::{layout_of, Directory};
+use llm_geo_router::store::{SetOutcome, SharedStore};
 use llm_geo_router::metrics::{self, EngineKind, EngineSample, MetricsError, Sample};
 use llm_geo_router::prefix::PromptHasher;
 use llm_geo_router::request::{self, Endpoint, InferenceRequest};
@@ -35,11 +36,13 @@ const KEYS: [&str; 8] = [
 
 // ---------------------------------------------------------------- request
 
-/// `request::parse` for both endpoints, `looks_like_json`,
+/// `request::parse` for both endpoints, `body_kind`,
 /// `top_level_value_span`, and the guard's body rewrites that build on them.
 pub fn request(data: &[u8]) {
     let first = data.iter().find(|b| !b.is_ascii_whitespace());
-    assert_eq!(request::looks_like_json(data), first == Some(&b'{'));
+    let kind = request::body_kind(data);
+    assert_eq!(kind == request::BodyKind::Json, first == Some(&b'{'));
+    assert_eq!(kind == request::BodyKind::Blank, first.is_none());
 
     for endpoint in [Endpoint::ChatCompletions, Endpoint::Completions] {
         let counted = request::parse(endpoint, data, PromptHasher::counting_only());
@@ -78,7 +81,7 @@ fn is_undecodable_but_valid(e: &serde_json::Error) -> bool {
 
 fn check_accepted(endpoint: Endpoint, data: &[u8], req: &InferenceRequest) {
     // Whatever `parse` accepts is one JSON object and nothing else.
-    assert!(request::looks_like_json(data));
+    assert_eq!(request::body_kind(data), request::BodyKind::Json);
     // Two things are valid JSON grammar that serde_json's `Value` refuses
     // to decode: a `\uXXXX` escape of a lone surrogate (RFC 8259 section
     // 8.2) and a number beyond f64 (section 6). `parse` skips the members it
@@ -310,7 +313,7 @@ pub fn config(data: &[u8]) {
 
     // One decision over the configuration, as the router filter makes it.
     let router = Router::new(&cfg);
-    let mut store = llm_geo_router::directory::MemoryStore::default();
+    let mut store = llm_geo_router::store::MemoryStore::default();
     let index: Vec<Option<usize>> = (0..n).map(Some).collect();
     let inflight = vec![0.0; n];
     let body = chat_body();
@@ -532,7 +535,7 @@ fn chat_inputs<'a>(
 /// prior turns spread over the demo's regions.
 pub fn shared_records_seed(now: u64, turns: u64) -> Vec<u8> {
     struct Recording<'a> {
-        inner: &'a mut llm_geo_router::directory::MemoryStore,
+        inner: &'a mut llm_geo_router::store::MemoryStore,
         script: Vec<u8>,
     }
     impl SharedStore for Recording<'_> {
@@ -559,7 +562,7 @@ pub fn shared_records_seed(now: u64, turns: u64) -> Vec<u8> {
     let snapshot = Snapshot::all_healthy(&cfg);
     let index: Vec<Option<usize>> = (0..n).map(Some).collect();
     let body = chat_body();
-    let mut memory = llm_geo_router::directory::MemoryStore::default();
+    let mut memory = llm_geo_router::store::MemoryStore::default();
     for turn in 0..=turns {
         // Load the chosen region so that the turns spread over regions.
         let mut inflight = vec![0.0; n];

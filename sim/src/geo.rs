@@ -1,23 +1,25 @@
 //! The geo-router as deployed: one Envoy per client region, each with its
-//! own plugin state, running the plugin's own code. Per request: the guard's
-//! policy (`guard::resolve_tier`, `Config::tier_policy`, `guard::check_body`)
-//! then `route::Router::route` over this Envoy's prefix directory (a
-//! `MemoryStore`) and its latest fresh snapshot. Per probe tick: arrivals,
-//! TTFT observations and upstream results into `fleet::Fleet`, health and
-//! metrics callout results as they come back, `Fleet::tick` and a snapshot,
-//! exactly in the order the host layer (`host/probe.rs`) feeds them.
+//! own plugin state, running the plugin's own state machines: per request
+//! the guard's and the router's (`guard::GuardStream`,
+//! `router::RouterStream`), per tick and per callout answer the probe's
+//! (`probe::Probe`), over an in-memory host (`effects::Recorder`: this
+//! Envoy's stats, shared data and queue). This module only turns the
+//! simulation's events into theirs.
+
+use std::collections::HashMap;
+use std::rc::Rc;
 
 use crate::fleet::Fleet;
 use llm_geo_router::config::Config;
 use llm_geo_router::cost::Reason;
-use llm_geo_router::directory::MemoryStore;
-use llm_geo_router::fleet::Fleet as Probe;
-use llm_geo_router::guard::{self, Verdict};
-use llm_geo_router::metrics::EngineSample;
-use llm_geo_router::request::Endpoint;
-use llm_geo_router::route::{RouteInputs, Router};
-use llm_geo_router::snapshot::Snapshot;
-use llm_geo_router::tuning::Observation;
+use llm_geo_router::effects::{Answer, Recorder};
+use llm_geo_router::guard::{Guard, GuardStream};
+use llm_geo_router::outcome;
+use llm_geo_router::probe::Probe;
+use llm_geo_router::protocol::RESPONSE_FLAGS_PROPERTY;
+use llm_geo_router::router::{RouterShared, RouterStream};
+use llm_geo_router::stream::{Flow, Headers};
+use llm_geo_router::view::View;
 use serde_json::{json, Map, Value};
 
 /// The plugin configuration one client region's Envoy gets: the fleet's
@@ -95,203 +97,203 @@ pub enum Handled {
 pub struct Routing {
     pub region: usize,
     pub reason: Reason,
-    /// `max_tokens` after the guard's clamp, when it rewrote the body.
+    /// The body after the guard rewrote it (`max_tokens` clamped).
     pub clamped_body: Option<Vec<u8>>,
-    /// The predicted terms, sent to the probe with the observed TTFT.
-    pub observation: Option<Observation>,
+    /// The queue wait predicted for the chosen region (streams).
+    pub predicted_queue_ms: Option<f32>,
 }
 
+/// A probe callout the simulation must answer: the engine of `region` is
+/// read half a round trip later and the answer arrives a round trip later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Callout {
+    pub token: u32,
+    pub region: usize,
+    pub metrics: bool,
+}
+
+/// One Envoy of the geo-router: the plugin's own guard, router and probe
+/// state machines over an in-memory host (its stats, shared data and
+/// queue), driven by the simulation's events as Envoy would drive them.
 pub struct Envoy {
-    pub cfg: Config,
-    router: Router,
-    store: MemoryStore,
+    pub cfg: Rc<Config>,
+    guard: Guard,
+    router: RouterShared,
     probe: Probe,
-    snapshot: Option<Snapshot>,
-    index: Vec<Option<usize>>,
-    /// Per region: this Envoy's requests in flight (`rq_active`).
-    pub inflight: Vec<f64>,
-    arrivals: u64,
-    observations: Vec<Observation>,
-    /// Per region: requests its engines answered, and tries they failed
-    /// (the routers' `upstream_rq_answered` and `upstream_failure`).
-    answered: Vec<u64>,
-    failures: Vec<u64>,
-    last_upstream: Vec<(u64, u64)>,
+    view: View,
+    host: Recorder,
+    /// Routed requests in flight, by the simulation's request index.
+    streams: HashMap<usize, RouterStream>,
 }
 
 impl Envoy {
     pub fn new(cfg: Config, now_ms: u64) -> Envoy {
-        let n = cfg.regions.len();
+        let cfg = Rc::new(cfg);
+        let mut host = Recorder {
+            now_ms,
+            ..Recorder::default()
+        };
+        let mut probe = Probe::new(cfg.clone(), "sim".into(), now_ms);
+        probe.start(&mut host);
         Envoy {
-            router: Router::new(&cfg),
-            store: MemoryStore::default(),
-            probe: Probe::new(&cfg, now_ms),
-            snapshot: None,
-            index: (0..n).map(Some).collect(),
-            inflight: vec![0.0; n],
-            arrivals: 0,
-            observations: Vec::new(),
-            answered: vec![0; n],
-            failures: vec![0; n],
-            last_upstream: vec![(0, 0); n],
+            guard: Guard::new(cfg.clone(), now_ms),
+            router: RouterShared::new(cfg.clone()),
+            probe,
+            view: View::new(),
+            host,
+            streams: HashMap::new(),
             cfg,
         }
     }
 
-    fn fresh(&self, now_ms: u64) -> Option<&Snapshot> {
-        let max_age = u64::from(self.cfg.probe.snapshot_max_age_ms);
-        self.snapshot
-            .as_ref()
-            .filter(|s| s.is_fresh(now_ms, max_age))
-    }
-
-    /// The ladder level the guard applies now (0 without a fresh snapshot).
-    pub fn level(&self, now_ms: u64) -> u8 {
-        self.fresh(now_ms).map_or(0, |s| s.level)
-    }
-
-    /// The guard, then the router, for one request body.
+    /// The guard, then the router, for request `id`'s body.
     pub fn handle(
         &mut self,
+        id: usize,
         body: &[u8],
         tier: &str,
         session: &str,
         now_ms: u64,
     ) -> Result<Handled, String> {
-        let cfg = &self.cfg;
-        let tier = guard::resolve_tier(cfg, None, Some(tier));
-        self.arrivals += 1;
-        let level = self.level(now_ms);
-        let mut fallback = false;
-        let mut clamped_body = None;
-        if let Some(policy) = cfg.tier_policy(level, tier) {
-            if policy.shed {
-                return Ok(Handled::Shed);
+        let cfg = self.cfg.clone();
+        let host = &mut self.host;
+        host.now_ms = now_ms;
+        host.next_stream();
+        let headers = Headers::new(vec![
+            (":method".into(), "POST".into()),
+            (":path".into(), "/v1/chat/completions".into()),
+            (cfg.headers.tier.clone(), tier.into()),
+            (cfg.headers.session.clone(), session.into()),
+        ]);
+        let mut guard = GuardStream::new();
+        let mut flow = guard.on_request_headers(&self.guard, host, &mut self.view, &headers, false);
+        if flow == Flow::Pause && guard.wants_body() {
+            flow = guard.on_request_body(&self.guard, host, body);
+        }
+        match flow {
+            Flow::Reply(r) if r.status == u32::from(cfg.ladder.shed_status) => {
+                return Ok(Handled::Shed)
             }
-            fallback = policy.fallback;
-            if guard::needs_body(policy) {
-                match guard::check_body(cfg, policy, Endpoint::ChatCompletions, body) {
-                    Ok(Verdict::Pass) => {}
-                    Ok(Verdict::PromptTooLong { .. }) => return Ok(Handled::TooLong),
-                    Ok(Verdict::Rewrite { body, clamped }) => {
-                        if clamped {
-                            clamped_body = Some(body);
-                        }
-                    }
-                    Err(e) => return Err(format!("the guard refuses the body: {}", e.message)),
-                }
+            Flow::Reply(r) if r.status == 413 => return Ok(Handled::TooLong),
+            Flow::Reply(r) => {
+                return Err(format!(
+                    "the guard refuses the body: {}",
+                    String::from_utf8_lossy(&r.body)
+                ))
+            }
+            Flow::Continue | Flow::Pause => {}
+        }
+        let clamped_body = host.replaced_body.take();
+        // What the guard set is what the router sees.
+        let mut pairs: Vec<(String, String)> = vec![
+            (":method".into(), "POST".into()),
+            (":path".into(), "/v1/chat/completions".into()),
+            (cfg.headers.session.clone(), session.into()),
+        ];
+        for (name, value) in &host.request_headers {
+            pairs.retain(|(n, _)| n != name);
+            if let Some(v) = value {
+                pairs.push((name.clone(), v.clone()));
             }
         }
+        host.next_stream();
         let body = clamped_body.as_deref().unwrap_or(body);
-        let snapshot = self
-            .snapshot
-            .as_ref()
-            .filter(|s| s.is_fresh(now_ms, u64::from(cfg.probe.snapshot_max_age_ms)));
-        let inputs = RouteInputs {
-            endpoint: Endpoint::ChatCompletions,
-            body,
-            session_header: Some(session),
-            residency: None,
-            snapshot,
-            snapshot_index: if snapshot.is_some() { &self.index } else { &[] },
-            inflight: &self.inflight,
-            now_ms,
-            fallback,
-        };
-        let routed = self
-            .router
-            .route(cfg, &mut self.store, &inputs)
-            .map_err(|e| format!("the router refuses the request: {e:?}"))?;
-        let d = &routed.decision;
-        let region = d.region;
-        // Only the main pool's streamed TTFT teaches the tuner (host/router.rs).
-        let observation = (routed.stream && d.reason != Reason::Fallback && !fallback)
-            .then(|| routed.observation())
-            .flatten();
-        if let Some(v) = self.inflight.get_mut(region) {
-            *v += 1.0;
+        let mut stream = RouterStream::new();
+        let mut flow = stream.on_request_headers(
+            &self.router,
+            host,
+            &mut self.view,
+            Headers::new(pairs),
+            false,
+        );
+        if flow == Flow::Pause {
+            flow = stream.on_request_body(&self.router, host, &mut self.view, body);
         }
+        if let Flow::Reply(r) = flow {
+            return Err(format!(
+                "the router refuses the request: {}",
+                String::from_utf8_lossy(&r.body)
+            ));
+        }
+        let Some(routed) = stream.decision() else {
+            return Err("the router did not route an inference request".into());
+        };
+        let (region, reason) = (routed.decision.region, routed.decision.reason);
+        // As the router measures it: a stream the main pool serves.
+        let predicted_queue_ms = (routed.stream && reason != Reason::Fallback)
+            .then(|| routed.observation().map(|o| o.queue_ms))
+            .flatten();
+        self.streams.insert(id, stream);
         Ok(Handled::Routed(Routing {
             region,
-            reason: d.reason,
+            reason,
             clamped_body,
-            observation,
+            predicted_queue_ms,
         }))
     }
 
-    /// The first byte of a routed request arrived after `observed_ms`.
-    pub fn first_byte(&mut self, observation: Option<Observation>, observed_ms: f64) {
-        if let Some(mut o) = observation {
-            o.observed_ms = observed_ms as f32;
-            self.observations.push(o);
+    /// The first byte of request `id`'s answer arrived.
+    pub fn first_byte(&mut self, id: usize, now_ms: u64) {
+        let host = &mut self.host;
+        host.now_ms = now_ms;
+        if let Some(s) = self.streams.get_mut(&id) {
+            // Its response headers came first, with 200.
+            host.status = Some(200);
+            s.on_response_headers(&self.router, host);
+            if s.awaiting_first_byte() {
+                s.on_first_byte(&self.router, host);
+            }
         }
     }
 
-    /// A routed request ended (`ok`: answered completely).
-    pub fn done(&mut self, region: usize, ok: bool) {
-        if let Some(v) = self.inflight.get_mut(region) {
-            *v = (*v - 1.0).max(0.0);
-        }
-        let counter = if ok {
-            &mut self.answered
-        } else {
-            &mut self.failures
+    /// Request `id` ended: answered completely (`ok`), or its region was
+    /// lost under it (a connection failure, as Envoy would report it).
+    pub fn done(&mut self, id: usize, ok: bool, now_ms: u64) {
+        let host = &mut self.host;
+        host.now_ms = now_ms;
+        let Some(mut s) = self.streams.remove(&id) else {
+            return;
         };
-        if let Some(v) = counter.get_mut(region) {
-            *v += 1;
+        host.next_stream();
+        if !ok {
+            let upstream_failure = outcome::flags::UPSTREAM_CONNECTION_FAILURE
+                | outcome::flags::UPSTREAM_RETRY_LIMIT_EXCEEDED;
+            host.properties.insert(
+                RESPONSE_FLAGS_PROPERTY.join("."),
+                upstream_failure.to_le_bytes().to_vec(),
+            );
+            host.status = Some(503);
+            s.on_response_headers(&self.router, host);
         }
+        s.on_log(&self.router, host);
     }
 
-    /// The start of a probe tick: what the host reads before dispatching
-    /// its callouts.
-    pub fn tick_begin(&mut self, now_ms: u64) {
-        self.probe.on_arrivals(&self.cfg, self.arrivals, now_ms);
-        for o in self.observations.drain(..) {
-            self.probe.on_observation(&self.cfg, o);
-        }
-        for (i, last) in self.last_upstream.iter_mut().enumerate() {
-            let answered = self.answered.get(i).copied().unwrap_or(0);
-            let failed = self.failures.get(i).copied().unwrap_or(0);
-            let (a0, f0) = std::mem::replace(last, (answered, failed));
-            let failed = failed.saturating_sub(f0);
-            self.probe
-                .on_upstream(i, failed, failed + answered.saturating_sub(a0));
-        }
+    /// A probe tick: the callouts it sent, and the ladder level published.
+    pub fn tick(&mut self, now_ms: u64) -> (Vec<Callout>, u8) {
+        self.host.now_ms = now_ms;
+        self.probe.on_tick(&mut self.host);
+        let callouts = self
+            .host
+            .callouts
+            .drain(..)
+            .filter_map(|(token, cluster, path)| {
+                let region = self.cfg.regions.iter().position(|r| r.cluster == cluster)?;
+                let metrics = self.cfg.regions.get(region)?.metrics_path == path;
+                Some(Callout {
+                    token,
+                    region,
+                    metrics,
+                })
+            })
+            .collect();
+        (callouts, self.probe.fleet().level())
     }
 
-    /// The end of a probe tick: the controller step and a publication.
-    /// Returns the level published.
-    pub fn tick_end(&mut self, now_ms: u64) -> u8 {
-        self.probe.tick(&self.cfg, now_ms);
-        self.publish(now_ms)
-    }
-
-    fn publish(&mut self, now_ms: u64) -> u8 {
-        let snap = self.probe.snapshot(&self.cfg, now_ms);
-        let level = snap.level;
-        self.snapshot = Some(snap);
-        level
-    }
-
-    /// A health callout (`rtt_ms`: `Some` on success) and a metrics callout
-    /// (`sample`: `None` on failure) came back from `region`.
-    pub fn probed(
-        &mut self,
-        region: usize,
-        rtt_ms: Option<f64>,
-        sample: Option<EngineSample>,
-        now_ms: u64,
-    ) {
-        let changed = self.probe.on_health(&self.cfg, region, rtt_ms);
-        if changed != llm_geo_router::fleet::HealthChange::None {
-            self.publish(now_ms);
-        }
-        let inflight = self.inflight.get(region).copied().unwrap_or(0.0);
-        let ok = sample.is_some();
-        self.probe.on_metrics(region, sample, inflight);
-        if ok {
-            self.publish(now_ms);
-        }
+    /// A callout's answer arrived.
+    pub fn answer(&mut self, token: u32, mut answer: Answer, now_ms: u64) {
+        self.host.now_ms = now_ms;
+        self.probe
+            .on_callout_response(&mut self.host, token, &mut answer);
     }
 }
 

@@ -13,14 +13,15 @@
 
 use crate::events::EventQueue;
 use crate::fleet::Fleet;
-use crate::geo::{self, Envoy, Handled};
+use crate::geo::{self, Callout, Envoy, Handled};
 use crate::policy::{Ask, Baseline, PolicyName, View};
 use crate::trace;
 use crate::workload::Workload;
+use engine_emulator::config::Mode as EngineMode;
+use engine_emulator::metrics as exposition;
 use engine_emulator::model::{Admission, Engine, EngineConfig, Timing, DEFAULT_BLOCK_TOKENS};
 use engine_emulator::openai::{self, Kind};
-use llm_geo_router::metrics::EngineSample;
-use llm_geo_router::tuning::Observation;
+use llm_geo_router::effects::Answer;
 use serde_json::Value;
 use std::collections::BTreeSet;
 
@@ -96,12 +97,12 @@ enum Ev {
     ClientFail(usize),
     ProbeSample {
         client: usize,
-        region: usize,
+        callout: Callout,
     },
     ProbeDeliver {
         client: usize,
-        region: usize,
-        sample: Option<Box<EngineSample>>,
+        token: u32,
+        answer: Box<Answer>,
     },
     OutageStart(usize),
     OutageEnd(usize),
@@ -127,7 +128,6 @@ struct Live {
     output_tokens: u32,
     started_at: f64,
     reached_at: f64,
-    observation: Option<Observation>,
 }
 
 struct Station {
@@ -263,7 +263,6 @@ pub fn run(
                 output_tokens: 0,
                 started_at: 0.0,
                 reached_at: 0.0,
-                observation: None,
             };
             n
         ],
@@ -346,38 +345,48 @@ impl Sim<'_> {
             Ev::EngineDone(i) => self.engine_done(i, now),
             Ev::ClientDone(i) => self.client_end(i, now, true),
             Ev::ClientFail(i) => self.client_end(i, now, false),
-            Ev::ProbeSample { client, region } => {
-                let sample = self.stations.get(region).filter(|s| s.up).map(|s| {
-                    let c = &s.engine.cache;
-                    Box::new(EngineSample {
-                        waiting: Some(s.engine.scheduler.waiting() as f64),
-                        running: Some(s.engine.scheduler.running() as f64),
-                        kv_usage: Some(c.usage()),
-                        prefix_queries: Some(c.query_tokens() as f64),
-                        prefix_hits: Some(c.hit_tokens() as f64),
-                        ..EngineSample::default()
-                    })
+            Ev::ProbeSample { client, callout } => {
+                // The callout reaches the engine: what it answers now.
+                let answer = self.stations.get(callout.region).filter(|s| s.up).map(|s| {
+                    let mut a = Answer {
+                        status: Some(200),
+                        ..Answer::default()
+                    };
+                    if callout.metrics {
+                        let c = &s.engine.cache;
+                        let sample = exposition::Snapshot {
+                            running: s.engine.scheduler.running(),
+                            waiting: s.engine.scheduler.waiting(),
+                            cache_usage: c.usage(),
+                            query_tokens: c.query_tokens(),
+                            hit_tokens: c.hit_tokens(),
+                            completed: 0,
+                            requests: Vec::new(),
+                        };
+                        a.body = exposition::render(EngineMode::Vllm, trace::MODEL, "", &sample)
+                            .into_bytes();
+                    }
+                    a
                 });
-                let rtt = self.fleet.rtt(client, region);
+                let rtt = self.fleet.rtt(client, callout.region);
                 self.q.push(
                     now + rtt / 2.0,
                     Ev::ProbeDeliver {
                         client,
-                        region,
-                        sample,
+                        token: callout.token,
+                        // A lost region does not answer: the callout fails.
+                        answer: Box::new(answer.unwrap_or_default()),
                     },
                 );
             }
             Ev::ProbeDeliver {
                 client,
-                region,
-                sample,
+                token,
+                answer,
             } => {
-                let rtt = self.fleet.rtt(client, region);
                 if let Mode::Geo(envoys) = &mut self.mode {
                     if let Some(e) = envoys.get_mut(client) {
-                        let ok = sample.is_some();
-                        e.probed(region, ok.then_some(rtt), sample.map(|b| *b), core_ms(now));
+                        e.answer(token, *answer, core_ms(now));
                     }
                 }
             }
@@ -405,19 +414,13 @@ impl Sim<'_> {
         match &mut self.mode {
             Mode::Geo(envoys) => {
                 for (c, e) in envoys.iter_mut().enumerate() {
-                    e.tick_begin(core_ms(now));
-                    for r in 0..self.stations.len() {
-                        let rtt = self.fleet.rtt(c, r);
+                    let (callouts, level) = e.tick(core_ms(now));
+                    for callout in callouts {
+                        let rtt = self.fleet.rtt(c, callout.region);
                         // The callout reads the engine half a round trip later.
-                        self.q.push(
-                            now + rtt / 2.0,
-                            Ev::ProbeSample {
-                                client: c,
-                                region: r,
-                            },
-                        );
+                        self.q
+                            .push(now + rtt / 2.0, Ev::ProbeSample { client: c, callout });
                     }
-                    let level = e.tick_end(core_ms(now));
                     if let Some(series) = self.levels.get_mut(c) {
                         series.push((now, level));
                     }
@@ -440,14 +443,13 @@ impl Sim<'_> {
         };
         let client = prep.client;
         let mut output_tokens = prep.output_tokens;
-        let mut observation = None;
         let region = match &mut self.mode {
             Mode::Geo(envoys) => {
                 let Some(e) = envoys.get_mut(client) else {
                     return Ok(());
                 };
                 let body = trace::request_body(req);
-                match e.handle(&body, &req.tier, &req.session, core_ms(now)) {
+                match e.handle(i, &body, &req.tier, &req.session, core_ms(now)) {
                     Ok(Handled::Shed) => {
                         self.resolve_early(i, Status::Shed, now);
                         return Ok(());
@@ -466,12 +468,10 @@ impl Sim<'_> {
                                 rec.clamped = true;
                             }
                         }
-                        observation = routing.observation;
                         *self.reasons.entry(routing.reason.as_str()).or_insert(0) += 1;
                         if let Some(rec) = self.records.get_mut(i) {
                             rec.reason = Some(routing.reason.as_str());
-                            rec.predicted_queue_ms =
-                                routing.observation.map(|o| f64::from(o.queue_ms));
+                            rec.predicted_queue_ms = routing.predicted_queue_ms.map(f64::from);
                         }
                         routing.region
                     }
@@ -509,7 +509,6 @@ impl Sim<'_> {
                 output_tokens,
                 started_at: 0.0,
                 reached_at: 0.0,
-                observation,
             };
         }
         if let Some(rec) = self.records.get_mut(i) {
@@ -653,10 +652,9 @@ impl Sim<'_> {
             rec.ttft_ms = Some(ttft);
         }
         let client = self.work.prepared.get(i).map_or(0, |p| p.client);
-        let observation = self.live.get(i).and_then(|l| l.observation);
         if let Mode::Geo(envoys) = &mut self.mode {
             if let Some(e) = envoys.get_mut(client) {
-                e.first_byte(observation, ttft);
+                e.first_byte(i, core_ms(now));
             }
         }
     }
@@ -681,7 +679,7 @@ impl Sim<'_> {
         let client = self.work.prepared.get(i).map_or(0, |p| p.client);
         if let Mode::Geo(envoys) = &mut self.mode {
             if let Some(e) = envoys.get_mut(client) {
-                e.done(region, ok);
+                e.done(i, ok, core_ms(now));
             }
         }
         self.set_stage(i, Stage::Resolved);

@@ -1,21 +1,28 @@
 //! The host layer: the only code that talks to `proxy_wasm`. One module, one
 //! `vm_id`, three root ids: `probe` (bootstrap singleton service), `guard` and
-//! `router` (HTTP filters). Each root parses its configuration once in
-//! `on_configure` and hands an immutable `Rc` to its HTTP contexts.
+//! `router` (HTTP filters). Each callback is handed to the core's state
+//! machine ([`crate::guard::GuardStream`], [`crate::router::RouterStream`],
+//! [`crate::probe::Probe`]) with a [`effects::Host`] that carries out what
+//! it asks; this layer decides nothing itself.
 
 mod calls;
-mod guard;
-mod probe;
-mod router;
-mod view;
+mod effects;
 
+use std::cell::RefCell;
 use std::rc::Rc;
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{ContextType, LogLevel};
+use proxy_wasm::types::{Action, ContextType, LogLevel};
 
 use crate::config::Config;
+use crate::guard::{Guard, GuardStream};
+use crate::probe::Probe;
+use crate::protocol::OBSERVATIONS_QUEUE;
+use crate::router::{RouterShared, RouterStream};
+use crate::stream::{Flow, Headers};
+use crate::view::View;
 use calls::log;
+use effects::{define_stats, Callout, Host, Queue, Stats};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -26,6 +33,12 @@ proxy_wasm::main! {{
     proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> { Box::new(Root::new(context_id)) });
 }}
 
+thread_local! {
+    /// This VM's view of the snapshot, shared by the guard and the router
+    /// (same `vm_id`, same worker): one copy per published version.
+    static VIEW: RefCell<View> = RefCell::new(View::new());
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Role {
     Probe,
@@ -33,11 +46,28 @@ enum Role {
     Router,
 }
 
+struct GuardRoot {
+    guard: Guard,
+    stats: Stats,
+}
+
+struct RouterRoot {
+    shared: RouterShared,
+    stats: Stats,
+    queue: Queue,
+}
+
+struct ProbeRoot {
+    probe: Probe,
+    stats: Stats,
+    queue: Queue,
+}
+
 enum State {
     Unconfigured,
-    Probe(Box<probe::Probe>),
-    Guard(Rc<guard::GuardShared>),
-    Router(Rc<router::RouterShared>),
+    Probe(Box<ProbeRoot>),
+    Guard(Rc<GuardRoot>),
+    Router(Rc<RouterRoot>),
 }
 
 struct Root {
@@ -77,7 +107,14 @@ impl Context for Root {
         _num_trailers: usize,
     ) {
         if let State::Probe(p) = &mut self.state {
-            p.on_response(token_id, num_headers, body_size);
+            let mut host = Host::new(&p.stats);
+            host.queue = Some(&p.queue);
+            let mut answer = Callout {
+                num_headers,
+                body_size,
+            };
+            p.probe
+                .on_callout_response(&mut host, token_id, &mut answer);
         }
     }
 }
@@ -107,13 +144,42 @@ impl RootContext for Root {
                 return false;
             }
         };
+        let stats = define_stats(&config);
+        let vm_id = calls::property(&["plugin_vm_id"])
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default();
         self.state = match role {
-            Role::Probe => match probe::Probe::new(config, self.context_id) {
-                Some(p) => State::Probe(Box::new(p)),
-                None => return false,
-            },
-            Role::Guard => State::Guard(Rc::new(guard::GuardShared::new(config))),
-            Role::Router => State::Router(Rc::new(router::RouterShared::new(config))),
+            Role::Probe => {
+                let now = calls::now_ms();
+                let mut root = ProbeRoot {
+                    probe: Probe::new(config, format!("{}-{now}", self.context_id), now),
+                    stats,
+                    queue: Queue {
+                        vm_id,
+                        ..Queue::default()
+                    },
+                };
+                if root.probe.wants_observations() {
+                    root.queue.id.set(calls::register_queue(OBSERVATIONS_QUEUE));
+                }
+                let mut host = Host::new(&root.stats);
+                if !root.probe.start(&mut host) {
+                    return false;
+                }
+                State::Probe(Box::new(root))
+            }
+            Role::Guard => State::Guard(Rc::new(GuardRoot {
+                guard: Guard::new(config, calls::now_ms()),
+                stats,
+            })),
+            Role::Router => State::Router(Rc::new(RouterRoot {
+                shared: RouterShared::new(config),
+                stats,
+                queue: Queue {
+                    vm_id,
+                    ..Queue::default()
+                },
+            })),
         };
         log(
             LogLevel::Info,
@@ -128,7 +194,9 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         if let State::Probe(p) = &mut self.state {
-            p.on_tick();
+            let mut host = Host::new(&p.stats);
+            host.queue = Some(&p.queue);
+            p.probe.on_tick(&mut host);
         }
     }
 
@@ -143,8 +211,14 @@ impl RootContext for Root {
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(match &self.state {
-            State::Guard(g) => Box::new(guard::GuardFilter::new(g.clone())),
-            State::Router(r) => Box::new(router::RouterFilter::new(r.clone())),
+            State::Guard(g) => Box::new(GuardFilter {
+                root: g.clone(),
+                stream: GuardStream::new(),
+            }),
+            State::Router(r) => Box::new(RouterFilter {
+                root: r.clone(),
+                stream: RouterStream::new(),
+            }),
             State::Unconfigured | State::Probe(_) => Box::new(PassThrough),
         })
     }
@@ -155,6 +229,127 @@ fn role_name(role: Role) -> &'static str {
         Role::Probe => "probe",
         Role::Guard => "guard",
         Role::Router => "router",
+    }
+}
+
+/// Carry out the core's flow decision.
+fn act(flow: Flow) -> Action {
+    match flow {
+        Flow::Continue => Action::Continue,
+        Flow::Pause => Action::Pause,
+        Flow::Reply(r) => {
+            let headers: Vec<(&str, &str)> =
+                r.headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+            calls::send_response(r.status, &headers, &r.body);
+            Action::Pause
+        }
+    }
+}
+
+struct GuardFilter {
+    root: Rc<GuardRoot>,
+    stream: GuardStream,
+}
+
+impl Context for GuardFilter {}
+
+impl HttpContext for GuardFilter {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let headers = Headers::new(calls::request_headers());
+        let mut host = Host::new(&self.root.stats);
+        let flow = VIEW.with(|v| {
+            self.stream.on_request_headers(
+                &self.root.guard,
+                &mut host,
+                &mut v.borrow_mut(),
+                &headers,
+                end_of_stream,
+            )
+        });
+        act(flow)
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if !self.stream.wants_body() {
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = calls::request_body(body_size).unwrap_or_default();
+        let mut host = Host::new(&self.root.stats);
+        host.body_size = body_size;
+        act(self
+            .stream
+            .on_request_body(&self.root.guard, &mut host, &body))
+    }
+}
+
+struct RouterFilter {
+    root: Rc<RouterRoot>,
+    stream: RouterStream,
+}
+
+impl Context for RouterFilter {}
+
+impl HttpContext for RouterFilter {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let headers = Headers::new(calls::request_headers());
+        let root = self.root.clone();
+        let mut host = Host::new(&root.stats);
+        host.queue = Some(&root.queue);
+        let flow = VIEW.with(|v| {
+            self.stream.on_request_headers(
+                &root.shared,
+                &mut host,
+                &mut v.borrow_mut(),
+                headers,
+                end_of_stream,
+            )
+        });
+        act(flow)
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if !self.stream.wants_body() {
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = calls::request_body(body_size).unwrap_or_default();
+        let root = self.root.clone();
+        let mut host = Host::new(&root.stats);
+        host.queue = Some(&root.queue);
+        let flow = VIEW.with(|v| {
+            self.stream
+                .on_request_body(&root.shared, &mut host, &mut v.borrow_mut(), &body)
+        });
+        act(flow)
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let root = self.root.clone();
+        let mut host = Host::new(&root.stats);
+        act(self.stream.on_response_headers(&root.shared, &mut host))
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+        // O(1) for every chunk but the first byte of a measured stream.
+        if body_size > 0 && self.stream.awaiting_first_byte() {
+            let root = self.root.clone();
+            let mut host = Host::new(&root.stats);
+            host.queue = Some(&root.queue);
+            self.stream.on_first_byte(&root.shared, &mut host);
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        let root = self.root.clone();
+        let mut host = Host::new(&root.stats);
+        host.queue = Some(&root.queue);
+        self.stream.on_log(&root.shared, &mut host);
     }
 }
 

@@ -1,0 +1,796 @@
+//! The probe singleton: every tick, one health and one `/metrics` callout
+//! per region through its Envoy cluster; their answers, the routers'
+//! per-region outcome counters, their TTFT observations (shared queue) and
+//! the operator's override feed the pure [`Fleet`], which decides health,
+//! ejection, the ladder and the assessment; the probe publishes the
+//! snapshot to shared data and the gauges.
+//!
+//! Exactly one probe loop per Envoy process: Envoy may run `on_configure`
+//! for more than one root context of the singleton, so a lease in shared
+//! data (owner id + heartbeat) decides which of them acts; the others stay
+//! idle unless the owner stops renewing it for three ticks.
+
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use crate::assess::Assessment;
+use crate::config::{Config, ReleaseSource};
+use crate::effects::{CalloutResponse, Level, ProbeHost};
+use crate::fleet::{Fleet, HealthChange};
+use crate::metrics::parse_engine_metrics;
+use crate::protocol::{
+    Global, RegionStat, Stat, LADDER_OVERRIDE_KEY, LEASE_KEY, OBSERVATIONS_QUEUE, SNAPSHOT_KEY,
+};
+use crate::snapshot::Snapshot;
+use crate::store::SetOutcome;
+use crate::tuning::Observation;
+
+/// `ladder.capacity_ratio_pct` is capped at 100x (10000 %).
+const RATIO_PCT_CAP: u64 = 10_000;
+
+/// Observations drained per tick at most: a bound on the work one tick does.
+const MAX_OBSERVATIONS_PER_TICK: usize = 10_000;
+
+/// The first round runs this soon after start rather than a whole
+/// `probe.tick_ms` later, so that a new Envoy routes on measured figures
+/// within a round trip (and a long tick cannot leave it without a snapshot).
+pub const FIRST_TICK_MS: u64 = 50;
+
+/// Health bodies read at most (a release digest in JSON).
+const HEALTH_BODY_MAX: usize = 64 * 1024;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Health,
+    Metrics,
+}
+
+#[derive(Debug)]
+pub struct Probe {
+    cfg: Rc<Config>,
+    fleet: Fleet,
+    owner: String,
+    /// Callouts in flight: token → (region, kind, sent at).
+    pending: HashMap<u32, (usize, Kind, u64)>,
+    /// Per region: the outcome counters (answered, failures) at the last tick.
+    last_upstream: Vec<Option<(u64, u64)>>,
+    metrics_warned: Vec<bool>,
+    dispatch_warned: Vec<bool>,
+    last_assessment: Assessment,
+    first_tick: bool,
+}
+
+impl Probe {
+    /// `owner` names this root context in the lease (unique per process).
+    pub fn new(cfg: Rc<Config>, owner: String, now_ms: u64) -> Probe {
+        let n = cfg.regions.len();
+        Probe {
+            fleet: Fleet::new(&cfg, now_ms),
+            owner,
+            pending: HashMap::new(),
+            last_upstream: vec![None; n],
+            metrics_warned: vec![false; n],
+            dispatch_warned: vec![false; n],
+            last_assessment: Assessment::Ok,
+            first_tick: true,
+            cfg,
+        }
+    }
+
+    /// Whether the routers' observation queue is needed (tuning on).
+    pub fn wants_observations(&self) -> bool {
+        self.cfg.tuning.enabled
+    }
+
+    /// Arm the first tick; false (configuration refused) when the host
+    /// refuses a tick period.
+    pub fn start(&mut self, host: &mut dyn ProbeHost) -> bool {
+        let first = FIRST_TICK_MS.min(u64::from(self.cfg.probe.tick_ms));
+        if !host.set_tick_ms(first) {
+            host.log(
+                Level::Error,
+                "llm-geo-router probe: the host refused a tick period; configuration refused",
+            );
+            return false;
+        }
+        true
+    }
+
+    pub fn fleet(&self) -> &Fleet {
+        &self.fleet
+    }
+
+    /// Take or renew the lease; true when this root context runs the loop.
+    fn hold_lease(&self, host: &mut dyn ProbeHost, now: u64) -> bool {
+        let stale_after = 3 * u64::from(self.cfg.probe.tick_ms);
+        let (current, cas) = match host.get(LEASE_KEY) {
+            Ok(Some((v, cas))) => (Some(v), cas),
+            Ok(None) => (None, 0),
+            Err(_) => return false,
+        };
+        if let Some(v) = current {
+            let text = String::from_utf8_lossy(&v);
+            let (owner, beat) = text.rsplit_once(':').unwrap_or(("", "0"));
+            let beat: u64 = beat.parse().unwrap_or(0);
+            if owner != self.owner && now.saturating_sub(beat) <= stale_after {
+                return false;
+            }
+        }
+        let value = format!("{}:{now}", self.owner);
+        matches!(
+            host.set(LEASE_KEY, value.as_bytes(), (cas != 0).then_some(cas)),
+            Ok(SetOutcome::Stored)
+        )
+    }
+
+    /// One round: inputs since the last tick, a health and a metrics callout
+    /// per region (unless the last one is still out), the controller step,
+    /// a publication.
+    pub fn on_tick(&mut self, host: &mut dyn ProbeHost) {
+        if std::mem::take(&mut self.first_tick) {
+            // From now on, the configured period (accepted at start).
+            host.set_tick_ms(u64::from(self.cfg.probe.tick_ms));
+        }
+        let now = host.now_ms();
+        if !self.hold_lease(host, now) {
+            return;
+        }
+        host.count(Stat::Global(Global::ProbeTicks), 1);
+        let timeout_ms = u64::from(self.cfg.probe.timeout_ms);
+        // A callout the host never answered is forgotten after two timeouts.
+        self.pending
+            .retain(|_, (_, _, sent)| now.saturating_sub(*sent) <= 2 * timeout_ms + 1000);
+        let arrivals = host.stat(Stat::Global(Global::Arrivals));
+        self.fleet.on_arrivals(&self.cfg, arrivals, now);
+        self.drain_observations(host);
+        self.read_upstream_results(host);
+        self.read_override(host);
+        let cfg = self.cfg.clone();
+        for (i, r) in cfg.regions.iter().enumerate() {
+            let authority = cfg.region_authority(i).unwrap_or(&r.cluster);
+            for (kind, path) in [
+                (Kind::Health, &r.health_path),
+                (Kind::Metrics, &r.metrics_path),
+            ] {
+                if self
+                    .pending
+                    .values()
+                    .any(|(ri, k, _)| *ri == i && *k == kind)
+                {
+                    continue;
+                }
+                let headers = [
+                    (":method", "GET"),
+                    (":path", path.as_str()),
+                    (":authority", authority),
+                    ("user-agent", "llm-geo-router-probe"),
+                ];
+                host.count(Stat::Global(Global::ProbeCallouts), 1);
+                match host.dispatch(&r.cluster, &headers, timeout_ms) {
+                    Ok(token) => {
+                        self.pending.insert(token, (i, kind, now));
+                        if let Some(w) = self.dispatch_warned.get_mut(i) {
+                            *w = false;
+                        }
+                    }
+                    Err(status) => {
+                        // Once per region until a callout is accepted again,
+                        // not every tick.
+                        if let Some(w) = self.dispatch_warned.get_mut(i).filter(|w| !**w) {
+                            *w = true;
+                            host.log(
+                                Level::Warn,
+                                &format!(
+                                    "llm-geo-router probe: region {}: callout to cluster {:?} refused by the host ({status}); is the cluster defined?",
+                                    r.name, r.cluster
+                                ),
+                            );
+                        }
+                        if kind == Kind::Health {
+                            self.health(host, i, None);
+                        }
+                    }
+                }
+            }
+        }
+        self.tick_and_publish(host, now);
+    }
+
+    /// A callout came back (or failed: no status).
+    pub fn on_callout_response(
+        &mut self,
+        host: &mut dyn ProbeHost,
+        token: u32,
+        response: &mut dyn CalloutResponse,
+    ) {
+        let Some((region, kind, sent)) = self.pending.remove(&token) else {
+            return;
+        };
+        let now = host.now_ms();
+        let status = response.status();
+        let ok = status.is_some_and(|s| (200..300).contains(&s));
+        match kind {
+            Kind::Health => {
+                let rtt = ok.then(|| now.saturating_sub(sent) as f64);
+                if ok && self.cfg.release.source != ReleaseSource::MetricsLabel {
+                    let digest = self.health_release(response);
+                    self.fleet.on_release(region, digest);
+                }
+                if self.health(host, region, rtt) {
+                    self.publish(host, now);
+                }
+            }
+            Kind::Metrics => self.metrics(host, region, status, response, now),
+        }
+    }
+
+    fn metrics(
+        &mut self,
+        host: &mut dyn ProbeHost,
+        region: usize,
+        status: Option<u32>,
+        response: &mut dyn CalloutResponse,
+        now: u64,
+    ) {
+        let ok = status.is_some_and(|s| (200..300).contains(&s));
+        let name = self
+            .cfg
+            .regions
+            .get(region)
+            .map_or("?", |r| r.name.as_str())
+            .to_string();
+        let engine = self.cfg.regions.get(region).map(|r| r.engine);
+        let parsed = match (ok, engine) {
+            (true, Some(engine)) => {
+                let body = response.body(usize::MAX).unwrap_or_default();
+                let label = (self.cfg.release.source == ReleaseSource::MetricsLabel)
+                    .then_some(self.cfg.release.name.as_str());
+                parse_engine_metrics(engine, &body, label).map_err(|e| e.to_string())
+            }
+            _ => Err(format!(
+                "status {}",
+                status.map_or("none (no response)".to_string(), |s| s.to_string())
+            )),
+        };
+        let inflight = host.stat(Stat::Region(region, RegionStat::RqActive)) as f64;
+        match parsed {
+            Ok(sample) => {
+                if let Some(w) = self.metrics_warned.get_mut(region) {
+                    *w = false;
+                }
+                if self.cfg.release.source == ReleaseSource::MetricsLabel {
+                    self.fleet.on_release(region, sample.release.clone());
+                }
+                self.fleet.on_metrics(region, Some(sample), inflight);
+                self.publish(host, now);
+            }
+            Err(e) => {
+                host.count(Stat::Region(region, RegionStat::MetricsScrapeFailure), 1);
+                if let Some(w) = self.metrics_warned.get_mut(region).filter(|w| !**w) {
+                    *w = true;
+                    host.log(
+                        Level::Warn,
+                        &format!("llm-geo-router probe: region {name}: metrics scrape failed: {e}"),
+                    );
+                }
+                self.fleet.on_metrics(region, None, inflight);
+            }
+        }
+    }
+
+    /// The release digest in a health response, per `release.source`.
+    fn health_release(&self, response: &mut dyn CalloutResponse) -> Option<String> {
+        let r = &self.cfg.release;
+        match r.source {
+            ReleaseSource::HealthHeader => response.header(&r.name),
+            ReleaseSource::HealthJson => {
+                let body = response.body(HEALTH_BODY_MAX)?;
+                let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+                v.get(&r.name)?.as_str().map(str::to_string)
+            }
+            ReleaseSource::MetricsLabel => None,
+        }
+    }
+
+    /// Live results since the last tick: the routers' per-region counters
+    /// of requests the region's engines answered and of tries they failed
+    /// (client cancellations are in neither).
+    fn read_upstream_results(&mut self, host: &mut dyn ProbeHost) {
+        for (i, last) in self.last_upstream.iter_mut().enumerate() {
+            let answered = host.stat(Stat::Region(i, RegionStat::UpstreamRqAnswered));
+            let failed = host.stat(Stat::Region(i, RegionStat::UpstreamFailure));
+            let (a0, f0) = last
+                .replace((answered, failed))
+                .unwrap_or((answered, failed));
+            let failed = failed.saturating_sub(f0);
+            self.fleet
+                .on_upstream(i, failed, failed + answered.saturating_sub(a0));
+        }
+    }
+
+    /// The operator's runtime override of the ladder level, if any.
+    fn read_override(&mut self, host: &mut dyn ProbeHost) {
+        // Without operator keys there is no override (one left in shared data
+        // from an earlier configuration does not count).
+        let level = if self.cfg.ladder.operator_keys.is_empty() {
+            None
+        } else {
+            host.get(LADDER_OVERRIDE_KEY)
+                .ok()
+                .flatten()
+                .and_then(|(v, _)| parse_override_value(&v))
+        };
+        host.set_gauge(
+            Stat::Global(Global::LadderOverrideActive),
+            u64::from(level.is_some()),
+        );
+        self.fleet.set_override(level);
+    }
+
+    fn drain_observations(&mut self, host: &mut dyn ProbeHost) {
+        if !self.cfg.tuning.enabled {
+            return;
+        }
+        for _ in 0..MAX_OBSERVATIONS_PER_TICK {
+            let Some(bytes) = host.dequeue(OBSERVATIONS_QUEUE) else {
+                break;
+            };
+            if let Some(o) = Observation::decode(&bytes) {
+                self.fleet.on_observation(&self.cfg, o);
+                host.count(Stat::Global(Global::TuningObservations), 1);
+            }
+        }
+    }
+
+    /// Feed one health result; true when the region's health changed.
+    fn health(&mut self, host: &mut dyn ProbeHost, region: usize, rtt: Option<f64>) -> bool {
+        if rtt.is_none() {
+            host.count(Stat::Region(region, RegionStat::HealthProbeFailure), 1);
+        }
+        let change = self.fleet.on_health(&self.cfg, region, rtt);
+        let name = self
+            .cfg
+            .regions
+            .get(region)
+            .map_or("?", |r| r.name.as_str());
+        match change {
+            HealthChange::None => false,
+            HealthChange::BecameHealthy => {
+                host.log(
+                    Level::Info,
+                    &format!("llm-geo-router probe: region {name} is healthy again"),
+                );
+                true
+            }
+            HealthChange::BecameUnhealthy => {
+                host.log(
+                    Level::Warn,
+                    &format!(
+                        "llm-geo-router probe: region {name} is unhealthy; no new requests go there"
+                    ),
+                );
+                true
+            }
+        }
+    }
+
+    /// The once-per-tick step (ladder, tuning, assessment), then a publication.
+    fn tick_and_publish(&mut self, host: &mut dyn ProbeHost, now: u64) {
+        let cfg = self.cfg.clone();
+        let ejected_before: Vec<bool> = (0..cfg.regions.len())
+            .map(|i| self.fleet.is_ejected(i))
+            .collect();
+        let level_changed = self.fleet.tick(&cfg, now);
+        let tick = host.stat(Stat::Global(Global::ProbeTicks));
+        for (i, was) in ejected_before.into_iter().enumerate() {
+            let name = cfg.regions.get(i).map_or("?", |r| r.name.as_str());
+            match (was, self.fleet.is_ejected(i)) {
+                (false, true) => host.log(
+                    Level::Warn,
+                    &format!(
+                        "llm-geo-router probe: region {name} ejected: its engines failed most requests they ended (5xx, connection failure, reset or timeout upstream; client cancellations do not count) for {} ticks in a row; no new requests go there for now (probe.eject_s; probe tick {tick})",
+                        cfg.probe.unhealthy_after
+                    ),
+                ),
+                (true, false) => host.log(
+                    Level::Info,
+                    &format!("llm-geo-router probe: region {name} back in routing after its ejection"),
+                ),
+                _ => {}
+            }
+        }
+        let snap = self.publish(host, now);
+        if snap.assessment != self.last_assessment {
+            self.last_assessment = snap.assessment;
+            let healthy: Vec<&str> = snap
+                .regions
+                .iter()
+                .filter(|r| r.healthy && r.release_ok)
+                .map(|r| r.name.as_str())
+                .collect();
+            host.log(
+                Level::Warn,
+                &format!(
+                    "llm-geo-router probe: assessment {} (routable regions {}/{}: [{}]; capacity {:.1} rps, demand {:.1} rps)",
+                    snap.assessment.as_str(),
+                    healthy.len(),
+                    snap.regions.len(),
+                    healthy.join(", "),
+                    snap.capacity_rps,
+                    snap.demand_rps
+                ),
+            );
+        }
+        if level_changed {
+            host.log(
+                Level::Warn,
+                &format!(
+                    "llm-geo-router probe: ladder level {} (capacity {:.1} rps, demand {:.1} rps; probe tick {tick})",
+                    snap.level, snap.capacity_rps, snap.demand_rps
+                ),
+            );
+        }
+    }
+
+    /// Publish the current state: on every tick, on a health change, and on
+    /// each engine scrape, so queue depths reach the routers within one
+    /// callout rather than a tick later. The snapshot first, then the
+    /// version gauge the filters watch.
+    fn publish(&mut self, host: &mut dyn ProbeHost, now: u64) -> Snapshot {
+        let snap = self.fleet.snapshot(&self.cfg, now);
+        let _ = host.set(SNAPSHOT_KEY, &snap.encode(), None);
+        self.export(host, &snap);
+        snap
+    }
+
+    fn export(&self, host: &mut dyn ProbeHost, snap: &Snapshot) {
+        let g = |host: &mut dyn ProbeHost, s: Global, v: u64| host.set_gauge(Stat::Global(s), v);
+        g(host, Global::LadderLevel, u64::from(snap.level));
+        g(host, Global::AssessmentState, snap.assessment.gauge());
+        g(
+            host,
+            Global::LadderLevelChangedUnixS,
+            snap.level_changed_ms / 1000,
+        );
+        // No demand: "plenty", shown as the cap (100x) rather than 0, which
+        // would read as no capacity.
+        let cap = RATIO_PCT_CAP as f64;
+        let ratio = snap.ratio.map_or(RATIO_PCT_CAP, |r| {
+            (r * 100.0).round().clamp(0.0, cap) as u64
+        });
+        g(host, Global::LadderCapacityRatioPct, ratio);
+        g(
+            host,
+            Global::LadderDemandRps,
+            snap.demand_rps.round() as u64,
+        );
+        g(
+            host,
+            Global::LadderCapacityRps,
+            snap.capacity_rps.round() as u64,
+        );
+        let w = snap
+            .weights
+            .map_or((self.cfg.cost.w_rtt, self.cfg.cost.w_queue), |w| {
+                (w.w_rtt, w.w_queue)
+            });
+        g(host, Global::TuningWRttMilli, (w.0 * 1000.0).round() as u64);
+        g(
+            host,
+            Global::TuningWQueueMilli,
+            (w.1 * 1000.0).round() as u64,
+        );
+        // The snapshot lists the configured regions in order.
+        for (ci, r) in snap.regions.iter().enumerate() {
+            let rg = |host: &mut dyn ProbeHost, s: RegionStat, v: u64| {
+                host.set_gauge(Stat::Region(ci, s), v)
+            };
+            rg(host, RegionStat::Healthy, u64::from(r.healthy));
+            rg(
+                host,
+                RegionStat::RttMs,
+                r.rtt_ms.map_or(0, |v| v.round() as u64),
+            );
+            rg(host, RegionStat::EngineWaiting, r.waiting.round() as u64);
+            rg(host, RegionStat::EngineRunning, r.running.round() as u64);
+            rg(
+                host,
+                RegionStat::EngineKvUsagePct,
+                r.kv_usage.map_or(0, |v| (v * 100.0).round() as u64),
+            );
+            let rate = r
+                .prefill_ms_per_token
+                .or_else(|| self.cfg.regions.get(ci).map(|c| c.prefill_ms_per_token))
+                .unwrap_or(0.0);
+            rg(
+                host,
+                RegionStat::PrefillUsPerToken,
+                (rate * 1000.0).round() as u64,
+            );
+        }
+        // Last: the filters copy the snapshot in when this changes.
+        g(host, Global::ProbeSnapshotVersion, snap.version);
+    }
+}
+
+/// The override value in shared data: a level, or empty for none.
+fn parse_override_value(v: &[u8]) -> Option<u8> {
+    std::str::from_utf8(v).ok()?.trim().parse::<u8>().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::effects::{Answer, Effects, Recorder, StreamHost};
+    use crate::guard::api_key_digest;
+    use crate::store::SharedStore;
+
+    const T0: u64 = 1_700_000_000_000;
+    const VLLM: &str = "vllm:num_requests_waiting{model_name=\"m\"} 3.0\nvllm:num_requests_running{model_name=\"m\"} 5.0\n";
+
+    fn cfg(extra: &str) -> Rc<Config> {
+        Rc::new(
+            Config::parse(
+                format!(
+                    r#"{{"regions":[
+                      {{"name":"near","cluster":"cn","capacity_rps":5,"rtt_ms":5}},
+                      {{"name":"mid","cluster":"cm","capacity_rps":5,"rtt_ms":40}}],
+                      "probe":{{"tick_ms":1000,"timeout_ms":500}}{extra}}}"#
+                )
+                .as_bytes(),
+            )
+            .unwrap(),
+        )
+    }
+
+    fn started(c: &Rc<Config>, owner: &str, host: &mut Recorder) -> Probe {
+        host.now_ms = T0;
+        let mut p = Probe::new(c.clone(), owner.into(), T0);
+        assert!(p.start(host));
+        p
+    }
+
+    /// Answer every callout of the last tick `ms` later: health 200, metrics
+    /// with `metrics` as the body (or `status` for both).
+    fn answer_all(p: &mut Probe, host: &mut Recorder, ms: u64, status: Option<u32>, metrics: &str) {
+        let sent = host.now_ms;
+        host.now_ms = sent + ms;
+        for (token, _, path) in std::mem::take(&mut host.callouts) {
+            let mut a = Answer {
+                status,
+                ..Answer::default()
+            };
+            if path == "/metrics" {
+                a.body = metrics.as_bytes().to_vec();
+            }
+            p.on_callout_response(host, token, &mut a);
+        }
+        host.now_ms = sent;
+    }
+
+    fn tick(p: &mut Probe, host: &mut Recorder, at: u64) {
+        host.now_ms = at;
+        p.on_tick(host);
+    }
+
+    #[test]
+    fn the_first_round_comes_at_once_then_every_tick_and_publishes() {
+        let c = cfg("");
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        assert_eq!(host.tick_ms, Some(FIRST_TICK_MS));
+        tick(&mut p, &mut host, T0 + 50);
+        assert_eq!(host.tick_ms, Some(1000));
+        assert_eq!(host.value(Stat::Global(Global::ProbeTicks)), 1);
+        // One health and one metrics callout per region, with its authority.
+        let paths: Vec<_> = host
+            .callouts
+            .iter()
+            .map(|(_, c, p)| (c.clone(), p.clone()))
+            .collect();
+        assert_eq!(
+            paths,
+            [
+                ("cn", "/health"),
+                ("cn", "/metrics"),
+                ("cm", "/health"),
+                ("cm", "/metrics")
+            ]
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+        );
+        answer_all(&mut p, &mut host, 12, Some(200), VLLM);
+        // The snapshot is in shared data, its version gauge written after it.
+        let (bytes, _) = host.store.map.get(SNAPSHOT_KEY).unwrap().clone();
+        let snap = Snapshot::decode(&bytes).unwrap();
+        assert_eq!(
+            host.value(Stat::Global(Global::ProbeSnapshotVersion)) as u64,
+            snap.version
+        );
+        assert_eq!(snap.regions[0].waiting, 3.0);
+        assert_eq!(snap.regions[1].running, 5.0);
+        assert_eq!(snap.regions[0].rtt_ms, Some(12.0));
+        assert_eq!(host.value(Stat::Region(1, RegionStat::EngineWaiting)), 3);
+        // A callout still out is not sent again.
+        tick(&mut p, &mut host, T0 + 1050);
+        tick(&mut p, &mut host, T0 + 1100);
+        assert_eq!(
+            host.callouts.len(),
+            4,
+            "the second round's callouts are still out"
+        );
+    }
+
+    #[test]
+    fn one_loop_per_process_by_the_lease() {
+        let c = cfg("");
+        let mut host = Recorder::default();
+        let mut a = started(&c, "a", &mut host);
+        let mut b = started(&c, "b", &mut host);
+        tick(&mut a, &mut host, T0 + 50);
+        tick(&mut b, &mut host, T0 + 60);
+        assert_eq!(
+            host.value(Stat::Global(Global::ProbeTicks)),
+            1,
+            "b stays idle"
+        );
+        assert_eq!(host.callouts.len(), 4);
+        // a stops renewing: after three ticks' time b takes over.
+        tick(&mut b, &mut host, T0 + 50 + 3000);
+        assert_eq!(host.value(Stat::Global(Global::ProbeTicks)), 1);
+        tick(&mut b, &mut host, T0 + 50 + 3001);
+        assert_eq!(host.value(Stat::Global(Global::ProbeTicks)), 2);
+        tick(&mut a, &mut host, T0 + 50 + 3002);
+        assert_eq!(
+            host.value(Stat::Global(Global::ProbeTicks)),
+            2,
+            "a lost the lease"
+        );
+    }
+
+    #[test]
+    fn engines_that_fail_most_requests_are_ejected_and_cancellations_do_not_count() {
+        let c = cfg(r#","release":{"ramp_s":0}"#);
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        let mut at = T0;
+        let mut round = |p: &mut Probe, host: &mut Recorder, near: [i64; 3]| {
+            for (st, n) in [
+                (RegionStat::UpstreamFailure, near[0]),
+                (RegionStat::UpstreamRqAnswered, near[1]),
+                (RegionStat::ClientCancelled, near[2]),
+            ] {
+                host.count(Stat::Region(0, st), n);
+            }
+            at += 1000;
+            tick(p, host, at);
+            answer_all(p, host, 5, Some(200), VLLM);
+        };
+        round(&mut p, &mut host, [0, 0, 0]);
+        // A storm of cancellations: no evidence against near.
+        for _ in 0..4 {
+            round(&mut p, &mut host, [0, 0, 30]);
+        }
+        assert!(!p.fleet().is_ejected(0));
+        assert!(!host.logs.iter().any(|(_, m)| m.contains("ejected")));
+        // Most tries failing for unhealthy_after (2) ticks: ejected, logged
+        // with the tick.
+        round(&mut p, &mut host, [6, 2, 0]);
+        assert!(!p.fleet().is_ejected(0));
+        round(&mut p, &mut host, [5, 5, 0]);
+        assert!(p.fleet().is_ejected(0));
+        let line = host
+            .logs
+            .iter()
+            .find(|(_, m)| m.contains("region near ejected"))
+            .unwrap();
+        assert!(line.1.ends_with("probe tick 7)"), "{}", line.1);
+        assert_eq!(host.value(Stat::Region(0, RegionStat::Healthy)), 0);
+    }
+
+    #[test]
+    fn garbage_metrics_refused_callouts_and_releases() {
+        let c = cfg(r#","release":{"expected":"sha256:a","source":"health_json","name":"digest"}"#);
+        let mut host = Recorder {
+            refuse_clusters: vec!["cm".into()],
+            ..Recorder::default()
+        };
+        let mut p = started(&c, "a", &mut host);
+        for i in 0..3 {
+            tick(&mut p, &mut host, T0 + 1000 * (i + 1));
+            let sent = host.now_ms;
+            host.now_ms += 5;
+            for (token, _, path) in std::mem::take(&mut host.callouts) {
+                let mut a = Answer {
+                    status: Some(200),
+                    body: if path == "/metrics" {
+                        b"\x00garbage{".to_vec()
+                    } else {
+                        br#"{"digest":"sha256:a"}"#.to_vec()
+                    },
+                    ..Answer::default()
+                };
+                p.on_callout_response(&mut host, token, &mut a);
+            }
+            host.now_ms = sent;
+        }
+        let warned = |what: &str| host.logs.iter().filter(|(_, m)| m.contains(what)).count();
+        // Once per region, not per tick.
+        assert_eq!(warned("region near: metrics scrape failed"), 1);
+        assert_eq!(warned("region mid: callout to cluster \"cm\" refused"), 1);
+        assert_eq!(
+            host.value(Stat::Region(0, RegionStat::MetricsScrapeFailure)),
+            3
+        );
+        assert_eq!(
+            host.value(Stat::Region(1, RegionStat::HealthProbeFailure)),
+            3
+        );
+        // Health by the health probe: near up, on the expected release; mid
+        // (no callout possible) down.
+        let snap = p.fleet.snapshot(&c, T0 + 4000);
+        assert!(snap.regions[0].healthy && snap.regions[0].release_ok);
+        assert!(!snap.regions[1].healthy);
+    }
+
+    #[test]
+    fn the_operators_override_counts_only_with_operator_keys() {
+        let key = api_key_digest("op");
+        for (extra, value, expect) in [
+            (
+                format!(r#","ladder":{{"operator_keys":["{key}"]}}"#),
+                "3",
+                Some(3),
+            ),
+            (
+                format!(r#","ladder":{{"operator_keys":["{key}"]}}"#),
+                " 4\n",
+                Some(4),
+            ),
+            (
+                format!(r#","ladder":{{"operator_keys":["{key}"]}}"#),
+                "",
+                None,
+            ),
+            (
+                format!(r#","ladder":{{"operator_keys":["{key}"]}}"#),
+                "x",
+                None,
+            ),
+            (String::new(), "3", None),
+        ] {
+            let c = cfg(&extra);
+            let mut host = Recorder::default();
+            host.store
+                .set(LADDER_OVERRIDE_KEY, value.as_bytes(), None)
+                .unwrap();
+            let mut p = started(&c, "a", &mut host);
+            tick(&mut p, &mut host, T0 + 50);
+            assert_eq!(p.fleet.level(), expect.unwrap_or(0), "{extra} {value:?}");
+            assert_eq!(
+                host.value(Stat::Global(Global::LadderOverrideActive)),
+                i64::from(expect.is_some())
+            );
+        }
+    }
+
+    #[test]
+    fn observations_from_the_queue_tune_the_cost() {
+        let c = cfg(r#","tuning":{"min_samples":4}"#);
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        for i in 0..6 {
+            let o = Observation {
+                region: 0,
+                rtt_ms: 5.0,
+                queue_ms: 0.0,
+                uncached_tokens: 1000 + 100 * i,
+                prefill_ms: 100.0,
+                observed_ms: 5.0 + 0.4 * (1000.0 + 100.0 * i as f32),
+            };
+            host.enqueue(OBSERVATIONS_QUEUE, &o.encode());
+        }
+        tick(&mut p, &mut host, T0 + 50);
+        assert_eq!(host.value(Stat::Global(Global::TuningObservations)), 6);
+        assert!(host.queues[OBSERVATIONS_QUEUE].is_empty());
+    }
+}

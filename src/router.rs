@@ -1,0 +1,649 @@
+//! The router filter on one request: wait for an inference request's body,
+//! route it (`route`), set the cluster header and clear the route cache;
+//! send everything else to the default region untouched; remove any
+//! client-sent cluster header. For a streamed request it measures the time
+//! to first byte; when the request ends it reads from Envoy how, charges the
+//! outcome to the region whose engine had it (`outcome`) and, for a request
+//! answered on the first try by the region routed to, reports the observed
+//! TTFT with the predicted cost terms to the probe, which tunes the cost.
+
+use std::rc::Rc;
+
+use crate::config::{Config, InvalidRequests};
+use crate::cost::Reason;
+use crate::effects::StreamHost;
+use crate::outcome::{Ending, VIA_UPSTREAM};
+use crate::protocol::{
+    Global, RegionStat, Stat, ATTEMPTS_PROPERTY, CODE_DETAILS_PROPERTY, DECISION_FILTER_STATE,
+    HOST_REGION_PROPERTY, OBSERVATIONS_QUEUE, POOL_FALLBACK, RESPONSE_FLAGS_PROPERTY,
+};
+use crate::request::{self, BodyKind, Endpoint, RequestError};
+use crate::route::{Refusal, RouteInputs, Routed, Router};
+use crate::stream::{Flow, Headers, Reply};
+use crate::tuning::Observation;
+use crate::view::View;
+
+/// The router filter's per-configuration state (one per root context).
+#[derive(Debug)]
+pub struct RouterShared {
+    pub cfg: Rc<Config>,
+    pub router: Router,
+    /// Per region: its in-flight count, reused per request (no allocation).
+    inflight: std::cell::RefCell<Vec<f64>>,
+}
+
+impl RouterShared {
+    pub fn new(cfg: Rc<Config>) -> RouterShared {
+        RouterShared {
+            router: Router::new(&cfg),
+            inflight: std::cell::RefCell::new(vec![0.0; cfg.regions.len()]),
+            cfg,
+        }
+    }
+}
+
+/// A streamed request's predicted terms, until its first byte arrives.
+#[derive(Debug)]
+struct Pending {
+    routed_ms: u64,
+    observation: Observation,
+}
+
+/// The router on one request.
+#[derive(Debug, Default)]
+pub struct RouterStream {
+    headers: Headers,
+    /// An inference request waiting for its body.
+    endpoint: Option<Endpoint>,
+    /// The region routed to (counted in flight there until the end).
+    routed: Option<usize>,
+    /// The guard sent this request to the fallback pool.
+    fallback: bool,
+    /// The status of the response headers the client got, if any.
+    status: Option<u32>,
+    decision_header: Option<String>,
+    pending: Option<Pending>,
+    /// The decision made for this request, with every cost term.
+    decided: Option<Routed>,
+}
+
+impl RouterStream {
+    pub fn new() -> RouterStream {
+        RouterStream::default()
+    }
+
+    /// The request headers arrived (the stream keeps them for the body).
+    pub fn on_request_headers(
+        &mut self,
+        shared: &RouterShared,
+        host: &mut dyn StreamHost,
+        view: &mut View,
+        headers: Headers,
+        end_of_stream: bool,
+    ) -> Flow {
+        let cfg = &*shared.cfg;
+        // Never let a client pick the cluster or speak for the router (Envoy
+        // removes them earlier too; this holds without that).
+        for name in [&cfg.headers.cluster, &cfg.migration.header] {
+            if headers.has(name) {
+                host.set_request_header(name, None);
+            }
+        }
+        // Only the guard sets the pool (it removes any client value first).
+        self.fallback = headers.get(&cfg.headers.pool) == Some(POOL_FALLBACK);
+        self.endpoint = request::endpoint(headers.method(), headers.path())
+            .filter(|_| !request::is_encoded(headers.get("content-encoding")));
+        self.headers = headers;
+        if self.endpoint.is_none() {
+            self.route_default(shared, host);
+            return Flow::Continue;
+        }
+        if end_of_stream {
+            return self.on_request_body(shared, host, view, &[]);
+        }
+        Flow::Pause
+    }
+
+    /// Whether the router waits for the complete body.
+    pub fn wants_body(&self) -> bool {
+        self.endpoint.is_some()
+    }
+
+    /// The decision the router made for this request, once it has (none
+    /// for a request sent to the default region uninterpreted).
+    pub fn decision(&self) -> Option<&Routed> {
+        self.decided.as_ref()
+    }
+
+    /// The complete request body.
+    pub fn on_request_body(
+        &mut self,
+        shared: &RouterShared,
+        host: &mut dyn StreamHost,
+        view: &mut View,
+        body: &[u8],
+    ) -> Flow {
+        let Some(endpoint) = self.endpoint.take() else {
+            return Flow::Continue;
+        };
+        // A blank body is an empty request (refused below), not a non-JSON one.
+        if request::body_kind(body) == BodyKind::Other {
+            self.route_default(shared, host);
+            return Flow::Continue;
+        }
+        self.route(shared, host, view, endpoint, body)
+    }
+
+    fn route(
+        &mut self,
+        shared: &RouterShared,
+        host: &mut dyn StreamHost,
+        view: &mut View,
+        endpoint: Endpoint,
+        body: &[u8],
+    ) -> Flow {
+        let cfg = &*shared.cfg;
+        let now = host.now_ms();
+        let fresh = view.current(cfg, host, now);
+        let mut inflight = shared.inflight.borrow_mut();
+        for (i, v) in inflight.iter_mut().enumerate() {
+            *v = host.stat(Stat::Region(i, RegionStat::RqActive)) as f64;
+        }
+        let residency = cfg
+            .residency
+            .header
+            .as_deref()
+            .and_then(|h| self.headers.get(h));
+        let inputs = RouteInputs {
+            endpoint,
+            body,
+            session_header: self.headers.get(&cfg.headers.session),
+            residency,
+            snapshot: fresh.as_ref().map(|f| &*f.snapshot),
+            snapshot_index: fresh.as_ref().map_or(&[][..], |f| f.index.as_slice()),
+            inflight: &inflight,
+            now_ms: now,
+            fallback: self.fallback,
+        };
+        let routed = match shared.router.route(cfg, host, &inputs) {
+            Ok(r) => r,
+            Err(Refusal::Invalid(e)) => return self.invalid(shared, host, &e),
+            Err(Refusal::UnknownResidency(msg)) => {
+                // The residency pin is a hard constraint: an unknown value is
+                // refused rather than routed somewhere it may not go.
+                host.count(Stat::Global(Global::RouterResidencyRejected), 1);
+                return reject("invalid_residency", &msg, None);
+            }
+        };
+        drop(inflight);
+        let d = &routed.decision;
+        host.count(Stat::Decision(d.reason), 1);
+        host.count(Stat::RegionDecision(d.region, d.reason), 1);
+        if let Some(kv) = &routed.kv {
+            let from = cfg.regions.get(kv.from).map_or("", |r| r.name.as_str());
+            host.set_request_header(&cfg.migration.header, Some(&kv.header_value(from)));
+        }
+        let mut text = routed.describe(cfg, fresh.as_ref().map_or(0, |f| f.level()));
+        if self.fallback {
+            text.push_str("; pool=fallback");
+        }
+        host.set_filter_state(DECISION_FILTER_STATE, text.as_bytes());
+        if cfg.headers.decision.is_some() {
+            self.decision_header = Some(text);
+        }
+        // The fallback pool's TTFT says nothing about the main pool's model.
+        if routed.stream && d.reason != Reason::Fallback && !self.fallback {
+            self.pending = routed.observation().map(|observation| Pending {
+                routed_ms: now,
+                observation,
+            });
+        }
+        // Streams get the route with a first-byte deadline; a non-streamed
+        // answer's first byte is its last, so it must not.
+        if routed.stream {
+            host.set_request_header(&cfg.headers.stream, Some("true"));
+        } else if self.headers.has(&cfg.headers.stream) {
+            host.set_request_header(&cfg.headers.stream, None);
+        }
+        self.set_region(shared, host, d.region, true);
+        self.decided = Some(routed);
+        Flow::Continue
+    }
+
+    /// Send the request to `region`'s cluster (its fallback pool's, when the
+    /// guard chose that pool); `inflight`: count it in flight there.
+    fn set_region(
+        &mut self,
+        shared: &RouterShared,
+        host: &mut dyn StreamHost,
+        region: usize,
+        inflight: bool,
+    ) {
+        let cfg = &*shared.cfg;
+        let Some(r) = cfg.regions.get(region) else {
+            return;
+        };
+        let cluster = match (&r.fallback_cluster, self.fallback) {
+            (Some(fallback), true) => {
+                host.count(Stat::Region(region, RegionStat::FallbackRqTotal), 1);
+                fallback
+            }
+            _ => &r.cluster,
+        };
+        host.set_request_header(&cfg.headers.cluster, Some(cluster));
+        host.clear_route_cache();
+        host.count(Stat::Region(region, RegionStat::RqTotal), 1);
+        if inflight {
+            host.count(Stat::Region(region, RegionStat::RqActive), 1);
+            self.routed = Some(region);
+        }
+    }
+
+    /// A request the router does not interpret: the default region.
+    fn route_default(&mut self, shared: &RouterShared, host: &mut dyn StreamHost) {
+        host.count(Stat::Global(Global::RouterPassthrough), 1);
+        let region = shared.cfg.default_region_index();
+        self.set_region(shared, host, region, false);
+        if shared.cfg.headers.decision.is_some() {
+            let name = shared
+                .cfg
+                .regions
+                .get(region)
+                .map_or("", |r| r.name.as_str());
+            self.decision_header = Some(format!("region={name}; reason=default"));
+        }
+    }
+
+    /// An invalid inference request: 400, or the default region untouched,
+    /// as configured.
+    fn invalid(
+        &mut self,
+        shared: &RouterShared,
+        host: &mut dyn StreamHost,
+        e: &RequestError,
+    ) -> Flow {
+        host.count(Stat::Global(Global::RouterInvalidRequest), 1);
+        if shared.cfg.invalid_requests == InvalidRequests::PassThrough {
+            self.route_default(shared, host);
+            return Flow::Continue;
+        }
+        reject("invalid_request", &e.message, e.param)
+    }
+
+    /// The response headers arrived (an engine's, or a local reply's).
+    pub fn on_response_headers(
+        &mut self,
+        shared: &RouterShared,
+        host: &mut dyn StreamHost,
+    ) -> Flow {
+        if let (Some(name), Some(value)) = (&shared.cfg.headers.decision, &self.decision_header) {
+            host.add_response_header(name, value);
+        }
+        if self.routed.is_some() {
+            self.status = host.response_status();
+            // Only a successful stream's first byte is a time to first token.
+            if !self.status.is_some_and(|s| (200..300).contains(&s)) {
+                self.pending = None;
+            }
+        }
+        Flow::Continue
+    }
+
+    /// Whether the next response byte is news: the first of a stream whose
+    /// TTFT is measured. Every other chunk costs nothing.
+    pub fn awaiting_first_byte(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// The first response body byte arrived: the observed TTFT goes to the
+    /// probe, unless Envoy retried the request (then the first byte came
+    /// from another try, maybe another region: neither region's TTFT).
+    pub fn on_first_byte(&mut self, shared: &RouterShared, host: &mut dyn StreamHost) {
+        let Some(mut p) = self.pending.take() else {
+            return;
+        };
+        p.observation.observed_ms = host.now_ms().saturating_sub(p.routed_ms) as f32;
+        let attempts = host
+            .property(&ATTEMPTS_PROPERTY)
+            .and_then(u64_le)
+            .unwrap_or(1);
+        if attempts <= 1 && shared.cfg.tuning.enabled {
+            host.enqueue(OBSERVATIONS_QUEUE, &p.observation.encode());
+        }
+    }
+
+    /// The stream ended: outcome accounting and the TTFT report.
+    pub fn on_log(&mut self, shared: &RouterShared, host: &mut dyn StreamHost) {
+        let Some(region) = self.routed.take() else {
+            return;
+        };
+        host.count(Stat::Region(region, RegionStat::RqActive), -1);
+        // The fallback pool is other engines: its outcomes say nothing about
+        // the region's own (Envoy's cluster stats show them).
+        if self.fallback {
+            return;
+        }
+        let outcome = ending(&shared.cfg, host, self.status).outcome(region);
+        if outcome.unattributed() {
+            host.count(Stat::Global(Global::RouterOutcomeUnattributed), 1);
+        }
+        for (i, t) in outcome.charges().into_iter().flatten() {
+            for (stat, n) in [
+                (RegionStat::UpstreamFailure, t.failures),
+                (RegionStat::UpstreamRqAnswered, t.answered),
+                (RegionStat::ClientCancelled, t.cancelled),
+            ] {
+                if n > 0 {
+                    host.count(Stat::Region(i, stat), i64::try_from(n).unwrap_or(i64::MAX));
+                }
+            }
+        }
+    }
+}
+
+/// How a routed request ended, from Envoy's stream info: two property
+/// reads, a third only after a retry (which region's host served it), a
+/// fourth only for a 5xx without an upstream flag (whose 5xx it was).
+fn ending(cfg: &Config, host: &mut dyn StreamHost, status: Option<u32>) -> Ending {
+    let mut e = Ending {
+        flags: host
+            .property(&RESPONSE_FLAGS_PROPERTY)
+            .and_then(u64_le)
+            .unwrap_or(0),
+        status,
+        via_upstream: None,
+        attempts: host
+            .property(&ATTEMPTS_PROPERTY)
+            .and_then(u64_le)
+            .map_or(1, |n| u32::try_from(n).unwrap_or(u32::MAX)),
+        host_region: None,
+    };
+    // Without a retry the try went to the routed region's own endpoints.
+    if e.attempts > 1 {
+        e.host_region = host
+            .property(&HOST_REGION_PROPERTY)
+            .and_then(|name| cfg.regions.iter().position(|r| r.name.as_bytes() == name));
+    }
+    if e.needs_details() {
+        e.via_upstream = host
+            .property(&CODE_DETAILS_PROPERTY)
+            .map(|d| d == VIA_UPSTREAM.as_bytes());
+    }
+    e
+}
+
+/// An integer property (Envoy serialises them as 8 little-endian bytes).
+fn u64_le(b: Vec<u8>) -> Option<u64> {
+    Some(u64::from_le_bytes(b.get(..8)?.try_into().ok()?))
+}
+
+fn reject(code: &str, message: &str, param: Option<&str>) -> Flow {
+    Flow::Reply(Reply::error(
+        400,
+        "invalid_request_error",
+        code,
+        message,
+        param,
+        &[],
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::effects::Recorder;
+    use crate::outcome::flags;
+    use crate::snapshot::Snapshot;
+
+    const NOW: u64 = 1_700_000_000_000;
+
+    fn shared(extra: &str) -> RouterShared {
+        let c = Config::parse(
+            format!(
+                r#"{{"regions":[
+                  {{"name":"near","cluster":"cn","capacity_rps":5,"rtt_ms":5,"max_concurrency":8,"fallback_cluster":"cn_fb"}},
+                  {{"name":"mid","cluster":"cm","capacity_rps":5,"rtt_ms":40,"max_concurrency":8}}],
+                  "headers":{{"decision":"x-llm-route"}},
+                  "residency":{{"header":"x-res","allowed":{{"eu":["mid"]}}}}{extra}}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        RouterShared::new(Rc::new(c))
+    }
+
+    fn new_host(sh: &RouterShared) -> Recorder {
+        let mut host = Recorder {
+            now_ms: NOW,
+            ..Recorder::default()
+        };
+        let mut snap = Snapshot::all_healthy(&sh.cfg);
+        snap.version = 1;
+        snap.generated_ms = NOW;
+        host.publish(&snap);
+        host
+    }
+
+    fn headers(path: &str, extra: &[(&str, &str)]) -> Headers {
+        let mut h = vec![
+            (":method".to_string(), "POST".to_string()),
+            (":path".to_string(), path.to_string()),
+        ];
+        h.extend(extra.iter().map(|(n, v)| (n.to_string(), v.to_string())));
+        Headers::new(h)
+    }
+
+    fn request(
+        sh: &RouterShared,
+        host: &mut Recorder,
+        h: Headers,
+        body: &str,
+    ) -> (RouterStream, Flow) {
+        let mut s = RouterStream::new();
+        let mut view = View::new();
+        let mut flow = s.on_request_headers(sh, host, &mut view, h, false);
+        if flow == Flow::Pause {
+            flow = s.on_request_body(sh, host, &mut view, body.as_bytes());
+        }
+        (s, flow)
+    }
+
+    const CHAT: &str = r#"{"messages":[{"role":"user","content":"hello there"}]}"#;
+    const STREAM: &str = r#"{"messages":[{"role":"user","content":"hello there"}],"stream":true}"#;
+
+    #[test]
+    fn an_inference_request_is_routed_and_counted_in_flight() {
+        let sh = shared("");
+        let mut host = new_host(&sh);
+        let h = headers(
+            "/v1/chat/completions",
+            &[("x-llm-cluster", "cm"), ("x-llm-stream", "true")],
+        );
+        let (mut s, flow) = request(&sh, &mut host, h, CHAT);
+        assert_eq!(flow, Flow::Continue);
+        // The client's cluster and stream headers are gone; the router's is set.
+        assert_eq!(host.request_headers[0], ("x-llm-cluster".into(), None));
+        assert_eq!(host.request_header("x-llm-cluster"), Some(Some("cn")));
+        assert_eq!(host.request_header("x-llm-stream"), Some(None));
+        assert_eq!(host.route_cache_cleared, 1);
+        assert_eq!(host.value(Stat::Region(0, RegionStat::RqTotal)), 1);
+        assert_eq!(host.value(Stat::Region(0, RegionStat::RqActive)), 1);
+        assert_eq!(host.value(Stat::Decision(Reason::Rtt)), 1);
+        assert_eq!(host.value(Stat::RegionDecision(0, Reason::Rtt)), 1);
+        let (key, text) = &host.filter_state[0];
+        assert_eq!(key, DECISION_FILTER_STATE);
+        assert!(text.starts_with(b"region=near; reason=rtt; ttft_ms="));
+        host.status = Some(200);
+        s.on_response_headers(&sh, &mut host);
+        assert!(host.response_headers[0]
+            .1
+            .starts_with("region=near; reason=rtt"));
+        s.on_log(&sh, &mut host);
+        assert_eq!(host.value(Stat::Region(0, RegionStat::RqActive)), 0);
+        assert_eq!(
+            host.value(Stat::Region(0, RegionStat::UpstreamRqAnswered)),
+            1
+        );
+    }
+
+    #[test]
+    fn a_stream_is_marked_and_its_first_byte_teaches_unless_retried() {
+        let sh = shared("");
+        for (attempts, taught) in [(1u64, 1usize), (2, 0)] {
+            let mut host = new_host(&sh);
+            let (mut s, _) = request(&sh, &mut host, headers("/v1/chat/completions", &[]), STREAM);
+            assert_eq!(host.request_header("x-llm-stream"), Some(Some("true")));
+            host.status = Some(200);
+            s.on_response_headers(&sh, &mut host);
+            assert!(s.awaiting_first_byte());
+            host.now_ms = NOW + 42;
+            host.properties
+                .insert(ATTEMPTS_PROPERTY.join("."), attempts.to_le_bytes().to_vec());
+            s.on_first_byte(&sh, &mut host);
+            assert!(!s.awaiting_first_byte(), "later chunks are no news");
+            let q = host.queues.get(OBSERVATIONS_QUEUE).map_or(0, |q| q.len());
+            assert_eq!(q, taught, "attempts {attempts}");
+            if taught == 1 {
+                let o = Observation::decode(&host.queues[OBSERVATIONS_QUEUE][0]).unwrap();
+                assert_eq!((o.region, o.observed_ms), (0, 42.0));
+            }
+        }
+        // An error status: no TTFT to report.
+        let mut host = new_host(&sh);
+        let (mut s, _) = request(&sh, &mut host, headers("/v1/chat/completions", &[]), STREAM);
+        host.status = Some(503);
+        s.on_response_headers(&sh, &mut host);
+        assert!(!s.awaiting_first_byte());
+    }
+
+    #[test]
+    fn bodies_paths_and_residency_the_router_does_not_route() {
+        let sh = shared("");
+        let mut host = new_host(&sh);
+        let reply = |f: Flow| match f {
+            Flow::Reply(r) => (
+                r.status,
+                serde_json::from_slice::<serde_json::Value>(&r.body).unwrap(),
+            ),
+            other => panic!("{other:?}"),
+        };
+        // Blank: an empty request.
+        let (_, f) = request(&sh, &mut host, headers("/v1/chat/completions", &[]), "  \n");
+        let (status, v) = reply(f);
+        assert_eq!(status, 400);
+        assert!(v["error"]["message"].as_str().unwrap().contains("empty"));
+        // Not JSON, another path, a compressed body: the default region.
+        for (h, body) in [
+            (headers("/v1/chat/completions", &[]), "a=1"),
+            (headers("/v1/embeddings", &[]), CHAT),
+            (
+                headers("/v1/chat/completions", &[("content-encoding", "gzip")]),
+                CHAT,
+            ),
+        ] {
+            host.next_stream();
+            let (s, f) = request(&sh, &mut host, h, body);
+            assert_eq!(f, Flow::Continue);
+            assert_eq!(host.request_header("x-llm-cluster"), Some(Some("cn")));
+            assert!(s.decision().is_none());
+        }
+        assert_eq!(host.value(Stat::Global(Global::RouterPassthrough)), 3);
+        assert_eq!(host.value(Stat::Region(0, RegionStat::RqActive)), 0);
+        // Unknown residency: 400, whatever the body.
+        let (_, f) = request(
+            &sh,
+            &mut host,
+            headers("/v1/chat/completions", &[("x-res", "mars")]),
+            CHAT,
+        );
+        let (status, v) = reply(f);
+        assert_eq!(
+            (status, v["error"]["code"].as_str()),
+            (400, Some("invalid_residency"))
+        );
+        // Malformed, passed through when configured so.
+        let pass = shared(r#","invalid_requests":"pass_through""#);
+        let mut host = new_host(&pass);
+        let (_, f) = request(
+            &pass,
+            &mut host,
+            headers("/v1/completions", &[]),
+            "{\"prompt\":",
+        );
+        assert_eq!(f, Flow::Continue);
+        assert_eq!(host.value(Stat::Global(Global::RouterInvalidRequest)), 1);
+    }
+
+    #[test]
+    fn outcomes_are_charged_where_the_engine_had_the_request() {
+        let sh = shared("");
+        let end = |flags: u64, status: Option<u32>, attempts: u64, host_region: &str| {
+            let mut host = new_host(&sh);
+            let (mut s, _) = request(&sh, &mut host, headers("/v1/chat/completions", &[]), CHAT);
+            host.next_stream();
+            host.status = status;
+            if status.is_some() {
+                s.on_response_headers(&sh, &mut host);
+            }
+            host.properties.insert(
+                RESPONSE_FLAGS_PROPERTY.join("."),
+                flags.to_le_bytes().to_vec(),
+            );
+            host.properties
+                .insert(ATTEMPTS_PROPERTY.join("."), attempts.to_le_bytes().to_vec());
+            host.properties.insert(
+                HOST_REGION_PROPERTY.join("."),
+                host_region.as_bytes().to_vec(),
+            );
+            host.properties
+                .insert(CODE_DETAILS_PROPERTY.join("."), b"via_upstream".to_vec());
+            s.on_log(&sh, &mut host);
+            let r = |i, st| host.value(Stat::Region(i, st));
+            (
+                [
+                    r(0, RegionStat::UpstreamFailure),
+                    r(0, RegionStat::UpstreamRqAnswered),
+                    r(0, RegionStat::ClientCancelled),
+                ],
+                [
+                    r(1, RegionStat::UpstreamFailure),
+                    r(1, RegionStat::UpstreamRqAnswered),
+                    r(1, RegionStat::ClientCancelled),
+                ],
+                r(0, RegionStat::RqActive),
+            )
+        };
+        // Cancelled before the first byte: counted apart, never a failure.
+        assert_eq!(
+            end(flags::DOWNSTREAM_CONNECTION_TERMINATION, None, 1, "near"),
+            ([0, 0, 1], [0, 0, 0], 0)
+        );
+        // The engine's 500 and an upstream timeout: near's failures.
+        assert_eq!(end(0, Some(500), 1, "near").0, [1, 0, 0]);
+        assert_eq!(
+            end(flags::UPSTREAM_REQUEST_TIMEOUT, Some(504), 1, "near").0,
+            [1, 0, 0]
+        );
+        // Retried on mid's engine: one failure for near, the answer for mid.
+        assert_eq!(end(0, Some(200), 2, "mid"), ([1, 0, 0], [0, 1, 0], 0));
+        // ... and on a host without metadata: only the first try is charged.
+        assert_eq!(end(0, Some(200), 2, "elsewhere"), ([1, 0, 0], [0, 0, 0], 0));
+    }
+
+    #[test]
+    fn the_fallback_pool_is_routed_but_its_outcomes_are_not_the_regions() {
+        let sh = shared("");
+        let mut host = new_host(&sh);
+        let h = headers("/v1/chat/completions", &[("x-llm-pool", POOL_FALLBACK)]);
+        let (mut s, _) = request(&sh, &mut host, h, CHAT);
+        assert_eq!(host.request_header("x-llm-cluster"), Some(Some("cn_fb")));
+        assert_eq!(host.value(Stat::Region(0, RegionStat::FallbackRqTotal)), 1);
+        host.properties.insert(
+            RESPONSE_FLAGS_PROPERTY.join("."),
+            flags::UPSTREAM_CONNECTION_FAILURE.to_le_bytes().to_vec(),
+        );
+        s.on_log(&sh, &mut host);
+        assert_eq!(host.value(Stat::Region(0, RegionStat::UpstreamFailure)), 0);
+        assert_eq!(host.value(Stat::Region(0, RegionStat::RqActive)), 0);
+    }
+}

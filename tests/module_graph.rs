@@ -1,0 +1,126 @@
+//! The plugin's modules form no import cycle: each core module depends only
+//! on modules below it, and only the host layer (`host`) uses proxy-wasm.
+//! Read from the source: every `crate::<module>` a file names is an edge.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+fn module_of(path: &Path, src: &Path) -> String {
+    let rel = path.strip_prefix(src).unwrap_or(path);
+    let first = rel
+        .components()
+        .next()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned());
+    first
+        .unwrap_or_default()
+        .trim_end_matches(".rs")
+        .to_string()
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = entry.path();
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|e| e == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+fn graph() -> BTreeMap<String, BTreeSet<String>> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for f in files {
+        let from = module_of(&f, &src);
+        if from == "lib" {
+            continue;
+        }
+        let text = std::fs::read_to_string(&f).unwrap();
+        // Test modules may use anything.
+        let code = text.split("#[cfg(test)]").next().unwrap_or("");
+        let edges = g.entry(from.clone()).or_default();
+        for (i, _) in code.match_indices("crate::") {
+            let name: String = code[i + 7..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            if !name.is_empty() && name != from {
+                edges.insert(name);
+            }
+        }
+    }
+    g
+}
+
+fn cycle_from(
+    g: &BTreeMap<String, BTreeSet<String>>,
+    node: &str,
+    path: &mut Vec<String>,
+    done: &mut BTreeSet<String>,
+) -> Option<Vec<String>> {
+    if let Some(at) = path.iter().position(|n| n == node) {
+        let mut c = path[at..].to_vec();
+        c.push(node.to_string());
+        return Some(c);
+    }
+    if done.contains(node) {
+        return None;
+    }
+    path.push(node.to_string());
+    for next in g.get(node).into_iter().flatten() {
+        if let Some(c) = cycle_from(g, next, path, done) {
+            return Some(c);
+        }
+    }
+    path.pop();
+    done.insert(node.to_string());
+    None
+}
+
+#[test]
+fn no_import_cycles_in_src() {
+    let g = graph();
+    assert!(g.len() > 20, "read {} modules", g.len());
+    let mut done = BTreeSet::new();
+    for node in g.keys() {
+        let cycle = cycle_from(&g, node, &mut Vec::new(), &mut done);
+        assert!(
+            cycle.is_none(),
+            "import cycle: {}",
+            cycle.unwrap().join(" -> ")
+        );
+    }
+}
+
+#[test]
+fn only_the_host_layer_uses_proxy_wasm_and_no_core_module_uses_the_host() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    for f in files {
+        let module = module_of(&f, &src);
+        let text = std::fs::read_to_string(&f).unwrap();
+        if module != "host" && module != "lib" {
+            assert!(
+                !text.contains("proxy_wasm"),
+                "{} uses proxy_wasm",
+                f.display()
+            );
+        }
+    }
+    for (module, edges) in graph() {
+        if module != "host" {
+            assert!(!edges.contains("host"), "{module} imports the host layer");
+        }
+    }
+}
