@@ -23,7 +23,7 @@
 use crate::prefix::Checkpoint;
 
 use crate::protocol::DIRECTORY_KEY_PREFIX as KEY_PREFIX;
-use crate::store::{SetOutcome, SharedStore};
+use crate::store::{SetOutcome, SharedStore, SlotKey};
 
 /// Checkpoints tried in a row when a lookup finds slots taken by other
 /// prefixes (each try is one shared-data read).
@@ -55,64 +55,73 @@ pub struct Lookup {
     pub calls: u32,
 }
 
-struct Entry {
-    hash: u64,
-    stamps: Vec<u64>,
-}
-
 impl Directory {
-    pub fn slot_key(&self, hash: u64) -> String {
-        format!("{KEY_PREFIX}{}", hash % u64::from(self.slots.max(1)))
+    pub fn slot_key(&self, hash: u64) -> SlotKey {
+        SlotKey::new(KEY_PREFIX, hash % u64::from(self.slots.max(1)))
     }
 
-    fn decode(&self, value: &[u8]) -> Option<Entry> {
+    /// `buf` := an entry for `hash` that no region holds.
+    fn fresh_entry(&self, buf: &mut Vec<u8>, hash: u64) {
+        buf.clear();
+        buf.extend_from_slice(&self.layout.to_le_bytes());
+        buf.extend_from_slice(&hash.to_le_bytes());
+        buf.resize(12 + 8 * self.regions, 0);
+    }
+
+    fn set_stamp(buf: &mut [u8], region: usize, now_ms: u64) {
+        let at = 12 + 8 * region;
+        if let Some(dst) = buf.get_mut(at..at + 8) {
+            dst.copy_from_slice(&now_ms.to_le_bytes());
+        }
+    }
+
+    /// The stamp of `region` in an entry (0: never served).
+    fn stamp(value: &[u8], region: usize) -> u64 {
+        let at = 12 + 8 * region;
+        value
+            .get(at..at + 8)
+            .and_then(|b| <[u8; 8]>::try_from(b).ok())
+            .map_or(0, u64::from_le_bytes)
+    }
+
+    /// The entry's prefix hash, if it is one of this layout.
+    fn entry_hash(&self, value: &[u8]) -> Option<u64> {
         let layout = u32::from_le_bytes(value.get(0..4)?.try_into().ok()?);
         if layout != self.layout || value.len() != 12 + 8 * self.regions {
             return None;
         }
-        let hash = u64::from_le_bytes(value.get(4..12)?.try_into().ok()?);
-        let stamps = value
-            .get(12..)?
-            .chunks_exact(8)
-            .map(|c| c.try_into().map(u64::from_le_bytes).unwrap_or(0))
-            .collect();
-        Some(Entry { hash, stamps })
+        Some(u64::from_le_bytes(value.get(4..12)?.try_into().ok()?))
     }
 
-    fn encode(&self, hash: u64, stamps: &[u64]) -> Vec<u8> {
-        let mut v = Vec::with_capacity(12 + 8 * self.regions);
-        v.extend_from_slice(&self.layout.to_le_bytes());
-        v.extend_from_slice(&hash.to_le_bytes());
-        for i in 0..self.regions {
-            v.extend_from_slice(&stamps.get(i).copied().unwrap_or(0).to_le_bytes());
-        }
-        v
-    }
-
-    fn decode_entry(&self, value: Option<&(Vec<u8>, u32)>) -> Option<Entry> {
-        value.and_then(|(v, _)| self.decode(v))
-    }
-
-    /// Regions holding checkpoint `cp` per `value`, as (region, stamp).
-    fn holders(
-        &self,
-        value: Option<&(Vec<u8>, u32)>,
-        cp: &Checkpoint,
-        now_ms: u64,
-    ) -> Vec<(usize, u64)> {
-        let Some(entry) = self.decode_entry(value) else {
-            return Vec::new();
+    /// Regions holding checkpoint `cp` per `value`, as a bit set.
+    fn holders(&self, value: Option<&(Vec<u8>, u32)>, cp: &Checkpoint, now_ms: u64) -> u64 {
+        let Some((v, _)) = value else {
+            return 0;
         };
-        if entry.hash != cp.hash {
-            return Vec::new();
+        if self.entry_hash(v) != Some(cp.hash) {
+            return 0;
         }
-        entry
-            .stamps
-            .iter()
-            .enumerate()
-            .filter(|(_, &ts)| ts > 0 && now_ms.saturating_sub(ts) < self.ttl_ms)
-            .map(|(i, &ts)| (i, ts))
-            .collect()
+        let mut mask = 0u64;
+        for r in 0..self.regions.min(64) {
+            let ts = Self::stamp(v, r);
+            if ts > 0 && now_ms.saturating_sub(ts) < self.ttl_ms {
+                mask |= 1 << r;
+            }
+        }
+        mask
+    }
+
+    /// Note each holder's stamp as its oldest hit.
+    fn note_hits(oldest: &mut [Option<u64>], value: Option<&(Vec<u8>, u32)>, mask: u64) {
+        let Some((v, _)) = value else {
+            return;
+        };
+        for (r, o) in oldest.iter_mut().enumerate().take(64) {
+            if mask & (1 << r) != 0 {
+                let ts = Self::stamp(v, r);
+                *o = Some(o.map_or(ts, |old: u64| old.min(ts)));
+            }
+        }
     }
 
     /// Longest held prefix of `checkpoints` per region.
@@ -131,17 +140,14 @@ impl Directory {
         };
         // First probe the first checkpoint: a region that does not hold it
         // holds nothing, so a cold prompt costs one read, and only the
-        // regions that hold it take part in the binary search.
-        let mut first_holders: Vec<usize> = Vec::new();
+        // regions that hold it take part in the binary search. Region sets
+        // are bit sets (at most 64 regions).
+        let mut first_holders = 0u64;
         if let Some(cp) = checkpoints.first() {
             out.calls += 1;
-            let value = store.get(&self.slot_key(cp.hash)).ok().flatten();
-            for (r, ts) in self.holders(value.as_ref(), cp, now_ms) {
-                if let Some(o) = out.oldest_hit_ms.get_mut(r) {
-                    *o = Some(o.map_or(ts, |old: u64| old.min(ts)));
-                }
-                first_holders.push(r);
-            }
+            let value = store.get(self.slot_key(cp.hash).as_str()).ok().flatten();
+            first_holders = self.holders(value.as_ref(), cp, now_ms);
+            Self::note_hits(&mut out.oldest_hit_ms, value.as_ref(), first_holders);
             if let Some(slot) = out.read.get_mut(0) {
                 *slot = value;
             }
@@ -154,12 +160,12 @@ impl Directory {
             first_holders,
         )];
         while let Some((lo, hi, regions)) = tasks.pop() {
-            if regions.is_empty() {
+            if regions == 0 {
                 continue;
             }
             if lo == hi {
-                for r in regions {
-                    if let Some(h) = out.held.get_mut(r) {
+                for (r, h) in out.held.iter_mut().enumerate().take(64) {
+                    if regions & (1 << r) != 0 {
                         *h = lo;
                     }
                 }
@@ -172,7 +178,7 @@ impl Directory {
                                              // regions are taken not to hold `mid`, an under-estimate (the
                                              // safe side: the request is routed by distance and load).
             let mut probe = mid;
-            let mut holders = None;
+            let mut holders = 0u64;
             while probe <= hi && probe < mid + COLLISION_PROBES {
                 let idx = probe - 1;
                 let Some(cp) = checkpoints.get(idx) else {
@@ -180,33 +186,23 @@ impl Directory {
                 };
                 if out.read.get(idx).is_some_and(|r| r.is_none()) {
                     out.calls += 1;
-                    let value = store.get(&self.slot_key(cp.hash)).ok().flatten();
+                    let value = store.get(self.slot_key(cp.hash).as_str()).ok().flatten();
                     if let Some(slot) = out.read.get_mut(idx) {
                         *slot = value;
                     }
                 }
                 let entry = out.read.get(idx).and_then(|r| r.as_ref());
-                match self.decode_entry(entry) {
-                    Some(e) if e.hash != cp.hash => probe += 1,
+                match entry.and_then(|(v, _)| self.entry_hash(v)) {
+                    Some(h) if h != cp.hash => probe += 1,
                     _ => {
-                        holders = Some(self.holders(entry, cp, now_ms));
+                        holders = self.holders(entry, cp, now_ms);
+                        Self::note_hits(&mut out.oldest_hit_ms, entry, holders & regions);
                         break;
                     }
                 }
             }
-            let holders = holders.unwrap_or_default();
-            let (mut yes, mut no) = (Vec::new(), Vec::new());
-            for r in regions {
-                match holders.iter().find(|(h, _)| *h == r) {
-                    Some(&(_, ts)) => {
-                        if let Some(o) = out.oldest_hit_ms.get_mut(r) {
-                            *o = Some(o.map_or(ts, |old: u64| old.min(ts)));
-                        }
-                        yes.push(r);
-                    }
-                    None => no.push(r),
-                }
-            }
+            let yes = regions & holders;
+            let no = regions & !holders;
             tasks.push((probe.min(hi), hi, yes));
             tasks.push((lo, mid - 1, no));
         }
@@ -246,16 +242,18 @@ impl Directory {
             .is_some_and(|ts| now_ms.saturating_sub(ts) > self.ttl_ms / 2);
         let start = if stale { 0 } else { held };
         let held_by_anyone = lookup.held.iter().copied().max().unwrap_or(0);
+        // One buffer for every entry written: the layout, the hash, and each
+        // region's stamp, edited in place.
+        let mut buf: Vec<u8> = Vec::with_capacity(12 + 8 * self.regions);
         for (idx, cp) in checkpoints.iter().enumerate().skip(start) {
             let key = self.slot_key(cp.hash);
+            let key = key.as_str();
             if idx >= held_by_anyone && lookup.read.get(idx).is_none_or(|r| r.is_none()) {
                 // Nobody holds it: write blind; a colliding older prefix is replaced.
-                let mut stamps = vec![0; self.regions];
-                if let Some(s) = stamps.get_mut(region) {
-                    *s = now_ms;
-                }
+                self.fresh_entry(&mut buf, cp.hash);
+                Self::set_stamp(&mut buf, region, now_ms);
                 calls += 1;
-                let _ = store.set(&key, &self.encode(cp.hash, &stamps), None);
+                let _ = store.set(key, &buf, None);
                 continue;
             }
             // Shared entry: read-modify-write under CAS, one retry.
@@ -265,23 +263,23 @@ impl Directory {
                     Some(v) => v,
                     None => {
                         calls += 1;
-                        match store.get(&key) {
+                        match store.get(key) {
                             Ok(Some(v)) => v,
                             Ok(None) => (Vec::new(), 0),
                             Err(_) => break,
                         }
                     }
                 };
-                let mut stamps = match self.decode(&value) {
-                    Some(e) if e.hash == cp.hash => e.stamps,
-                    _ => vec![0; self.regions],
-                };
-                if let Some(s) = stamps.get_mut(region) {
-                    *s = now_ms;
+                if self.entry_hash(&value) == Some(cp.hash) {
+                    buf.clear();
+                    buf.extend_from_slice(&value);
+                } else {
+                    self.fresh_entry(&mut buf, cp.hash);
                 }
+                Self::set_stamp(&mut buf, region, now_ms);
                 calls += 1;
                 let cas = (cas != 0).then_some(cas);
-                match store.set(&key, &self.encode(cp.hash, &stamps), cas) {
+                match store.set(key, &buf, cas) {
                     Ok(SetOutcome::CasMismatch) => continue,
                     _ => break,
                 }
@@ -379,8 +377,10 @@ mod tests {
         // is lost (credited the one before, never more than it holds).
         for (i, cp) in c.iter().enumerate().skip(1) {
             let mut s = s.clone();
-            let other = d.encode(cp.hash ^ 1, &[0, 1500, 0]);
-            s.set(&d.slot_key(cp.hash), &other, None).unwrap();
+            let mut other = Vec::new();
+            d.fresh_entry(&mut other, cp.hash ^ 1);
+            Directory::set_stamp(&mut other, 1, 1500);
+            s.set(d.slot_key(cp.hash).as_str(), &other, None).unwrap();
             let l = d.lookup(&mut s, &c, 2000);
             let got = l.cached_blocks[2];
             let want = if i + 1 < c.len() {
@@ -436,7 +436,8 @@ mod tests {
         let mut s = MemoryStore::default();
         let c = cps(&text(64 * 8, 6));
         for cp in &c {
-            s.set(&d.slot_key(cp.hash), b"garbage", None).unwrap();
+            s.set(d.slot_key(cp.hash).as_str(), b"garbage", None)
+                .unwrap();
         }
         assert_eq!(d.lookup(&mut s, &c, 5).cached_blocks, vec![0, 0]);
         let mut l = d.lookup(&mut s, &c, 5);

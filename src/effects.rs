@@ -34,6 +34,8 @@ pub trait Effects: SharedStore {
 
 /// What an HTTP filter can do to its stream besides flow control.
 pub trait StreamHost: Effects {
+    /// A request header's value (names lowercase; pseudo-headers too).
+    fn request_header(&mut self, name: &str) -> Option<String>;
     /// Set (`Some`) or remove (`None`) a request header.
     fn set_request_header(&mut self, name: &str, value: Option<&str>);
     fn add_response_header(&mut self, name: &str, value: &str);
@@ -85,6 +87,9 @@ pub struct Recorder {
     pub stats: HashMap<Stat, i64>,
     pub store: MemoryStore,
     pub logs: Vec<(Level, String)>,
+    /// The current stream's request headers as the filters see them (the
+    /// client's, with the filters' writes applied).
+    pub headers: Vec<(String, String)>,
     /// Request header writes of the current stream, in order.
     pub request_headers: Vec<(String, Option<String>)>,
     pub response_headers: Vec<(String, String)>,
@@ -105,9 +110,19 @@ pub struct Recorder {
 }
 
 impl Recorder {
+    /// Start a stream whose request carries these headers.
+    pub fn request(&mut self, headers: &[(&str, &str)]) {
+        self.next_stream();
+        self.headers = headers
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+    }
+
     /// Forget what one stream did (its headers, body, filter state and
     /// properties); stats, shared data, queues and logs stay.
     pub fn next_stream(&mut self) {
+        self.headers.clear();
         self.request_headers.clear();
         self.response_headers.clear();
         self.replaced_body = None;
@@ -173,7 +188,17 @@ impl Effects for Recorder {
 }
 
 impl StreamHost for Recorder {
+    fn request_header(&mut self, name: &str) -> Option<String> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
+    }
     fn set_request_header(&mut self, name: &str, value: Option<&str>) {
+        self.headers.retain(|(n, _)| n != name);
+        if let Some(v) = value {
+            self.headers.push((name.to_string(), v.to_string()));
+        }
         self.request_headers
             .push((name.to_string(), value.map(str::to_string)));
     }

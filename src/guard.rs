@@ -21,7 +21,7 @@ use crate::effects::{Level, StreamHost};
 use crate::prefix::PromptHasher;
 use crate::protocol::{Global, Stat, TierStat, LADDER_OVERRIDE_KEY, POOL_FALLBACK};
 use crate::request::{self, BodyKind, Endpoint, InferenceRequest, RequestError};
-use crate::stream::{Flow, Headers, Reply};
+use crate::stream::{Flow, Reply};
 use crate::view::View;
 
 /// The caller's tier.
@@ -305,23 +305,24 @@ impl GuardStream {
         guard: &Guard,
         host: &mut dyn StreamHost,
         view: &mut View,
-        headers: &Headers,
         end_of_stream: bool,
     ) -> Flow {
         let cfg = &*guard.cfg;
-        let authorization = headers.get("authorization");
-        let tier = resolve_tier(cfg, authorization, headers.get(&cfg.headers.tier));
+        let authorization = host.request_header("authorization");
+        let claimed = host.request_header(&cfg.headers.tier);
+        let tier = resolve_tier(cfg, authorization.as_deref(), claimed.as_deref());
         // Downstream filters and the engine see the resolved tier, never the
         // client's claim; only the guard chooses the pool.
-        if headers.get(&cfg.headers.tier) != Some(tier) {
+        if claimed.as_deref() != Some(tier) {
             host.set_request_header(&cfg.headers.tier, Some(tier));
         }
-        if headers.has(&cfg.headers.pool) {
+        if host.request_header(&cfg.headers.pool).is_some() {
             host.set_request_header(&cfg.headers.pool, None);
         }
-        let path = headers.path();
+        let path = host.request_header(":path").unwrap_or_default();
+        let method = host.request_header(":method").unwrap_or_default();
         if !cfg.ladder.operator_keys.is_empty() && path.split('?').next() == Some(OPERATOR_PATH) {
-            if !is_operator(cfg, authorization) {
+            if !is_operator(cfg, authorization.as_deref()) {
                 return Flow::Reply(Reply::error(
                     403,
                     "permission_error",
@@ -331,7 +332,7 @@ impl GuardStream {
                     &[],
                 ));
             }
-            if headers.method() != "POST" {
+            if method != "POST" {
                 return Flow::Reply(Reply::error(
                     405,
                     "invalid_request_error",
@@ -344,7 +345,7 @@ impl GuardStream {
             self.waiting = Waiting::Operator;
             return self.body_or_pause(guard, host, end_of_stream);
         }
-        let Some(endpoint) = request::endpoint(headers.method(), path) else {
+        let Some(endpoint) = request::endpoint(&method, &path) else {
             return Flow::Continue;
         };
         host.count(Stat::Global(Global::Arrivals), 1);
@@ -385,7 +386,9 @@ impl GuardStream {
             host.set_request_header(&cfg.headers.pool, Some(POOL_FALLBACK));
             host.count(Stat::Tier(tier_index, TierStat::Fallback), 1);
         }
-        if !needs_body(policy) || request::is_encoded(headers.get("content-encoding")) {
+        if !needs_body(policy)
+            || request::is_encoded(host.request_header("content-encoding").as_deref())
+        {
             // A compressed body is not one the guard can read: the router
             // sends it to the default region untouched.
             return Flow::Continue;
@@ -698,20 +701,20 @@ mod tests {
             host
         }
 
-        fn headers(path: &str, extra: &[(&str, &str)]) -> Headers {
-            let mut h = vec![
-                (":method".to_string(), "POST".to_string()),
-                (":path".to_string(), path.to_string()),
-            ];
-            h.extend(extra.iter().map(|(n, v)| (n.to_string(), v.to_string())));
-            Headers::new(h)
+        type Headers = Vec<(&'static str, &'static str)>;
+
+        fn headers(path: &'static str, extra: &[(&'static str, &'static str)]) -> Headers {
+            let mut h = vec![(":method", "POST"), (":path", path)];
+            h.extend_from_slice(extra);
+            h
         }
 
         /// Headers, then the body if the guard asks for it.
         fn run(g: &Guard, host: &mut Recorder, h: &Headers, body: &str) -> (Flow, bool) {
             let mut s = GuardStream::new();
             let mut view = View::new();
-            let flow = s.on_request_headers(g, host, &mut view, h, false);
+            host.request(h);
+            let flow = s.on_request_headers(g, host, &mut view, false);
             if flow == Flow::Pause && s.wants_body() {
                 return (s.on_request_body(g, host, body.as_bytes()), true);
             }
@@ -825,14 +828,14 @@ mod tests {
         fn the_operator_sets_and_clears_the_override() {
             let g = guard("");
             let mut host = host_at_level(&g, 0);
-            let op = |extra: &[(&str, &str)]| headers(OPERATOR_PATH, extra);
+            let op = |extra: &[(&'static str, &'static str)]| headers(OPERATOR_PATH, extra);
             let auth = ("authorization", "Bearer op-token");
             assert_eq!(code(&run(&g, &mut host, &op(&[]), "").0).0, 403);
-            let get = Headers::new(vec![
-                (":method".into(), "GET".into()),
-                (":path".into(), OPERATOR_PATH.into()),
-                ("authorization".into(), "Bearer op-token".into()),
-            ]);
+            let get: Headers = vec![
+                (":method", "GET"),
+                (":path", OPERATOR_PATH),
+                ("authorization", "Bearer op-token"),
+            ];
             assert_eq!(code(&run(&g, &mut host, &get, "").0).0, 405);
             let (flow, _) = run(&g, &mut host, &op(&[auth]), r#"{"level": 9}"#);
             assert_eq!(code(&flow), (400, "invalid_override".into()));

@@ -103,7 +103,8 @@ impl Router {
                 }
             },
         };
-        let hasher = PromptHasher::new(cfg.prefix.block_bytes, cfg.prefix.hash_seed);
+        let hasher = PromptHasher::new(cfg.prefix.block_bytes, cfg.prefix.hash_seed)
+            .reserve_for(inp.body.len());
         let req = request::parse(inp.endpoint, inp.body, hasher).map_err(Refusal::Invalid)?;
         let now = inp.now_ms;
         let mut calls = 0;
@@ -172,6 +173,43 @@ impl Router {
             weights,
             shared_data_calls: lookup.calls + calls,
         })
+    }
+}
+
+/// `v` as `format!("{v:.1}")` writes it, without the formatting machinery
+/// (the decision text is built for every request). Values within a hair of
+/// a rounding tie, and large or non-finite ones, take the exact path.
+fn push_one_decimal(s: &mut String, v: f64) {
+    let tenths = v * 10.0;
+    let frac = tenths - tenths.trunc();
+    if !(tenths.is_finite() && tenths.abs() < 1e15) || ((frac.abs() - 0.5).abs() < 1e-6) {
+        s.push_str(&format!("{v:.1}"));
+        return;
+    }
+    if v.is_sign_negative() {
+        s.push('-');
+    }
+    let t = tenths.round().abs() as u64;
+    push_u64(s, t / 10);
+    s.push('.');
+    push_u64(s, t % 10);
+}
+
+fn push_u64(s: &mut String, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        if let Some(d) = digits.get_mut(i) {
+            *d = b'0' + (n % 10) as u8;
+        }
+        n /= 10;
+        if n == 0 || i == 0 {
+            break;
+        }
+    }
+    for d in digits.get(i..).unwrap_or_default() {
+        s.push(char::from(*d));
     }
 }
 
@@ -256,26 +294,35 @@ impl Routed {
     pub fn describe(&self, cfg: &Config, level: u8) -> String {
         let d = &self.decision;
         let name = |i: usize| cfg.regions.get(i).map_or("?", |r| r.name.as_str());
-        let mut s = format!("region={}; reason={}", name(d.region), d.reason.as_str());
+        let mut s = String::with_capacity(192);
+        s.push_str("region=");
+        s.push_str(name(d.region));
+        s.push_str("; reason=");
+        s.push_str(d.reason.as_str());
         if let Some(c) = d.costs.get(d.region) {
-            s.push_str(&format!(
-                "; ttft_ms={:.1}; rtt_ms={:.1}; prefill_ms={:.1}; queue_ms={:.1}; cached_tokens={}",
-                c.total_ms, c.rtt_ms, c.prefill_ms, c.queue_ms, c.cached_tokens
-            ));
+            for (label, v) in [
+                ("; ttft_ms=", c.total_ms),
+                ("; rtt_ms=", c.rtt_ms),
+                ("; prefill_ms=", c.prefill_ms),
+                ("; queue_ms=", c.queue_ms),
+            ] {
+                s.push_str(label);
+                push_one_decimal(&mut s, v);
+            }
+            s.push_str("; cached_tokens=");
+            push_u64(&mut s, c.cached_tokens);
         }
         if let Some((i, c)) = d.runner_up.and_then(|i| d.costs.get(i).map(|c| (i, c))) {
-            s.push_str(&format!(
-                "; runner_up={}; runner_up_ttft_ms={:.1}",
-                name(i),
-                c.total_ms
-            ));
+            s.push_str("; runner_up=");
+            s.push_str(name(i));
+            s.push_str("; runner_up_ttft_ms=");
+            push_one_decimal(&mut s, c.total_ms);
         }
-        s.push_str(&format!("; level={level}"));
+        s.push_str("; level=");
+        push_u64(&mut s, u64::from(level));
         if let Some(kv) = &self.kv {
-            s.push_str(&format!(
-                "; kv_action={}",
-                kv.header_value(name(kv.from)).replace("; ", ",")
-            ));
+            s.push_str("; kv_action=");
+            s.push_str(&kv.header_value(name(kv.from)).replace("; ", ","));
         }
         s
     }
@@ -383,6 +430,47 @@ mod tests {
             router.route(&c, &mut store, &inp),
             Err(Refusal::Invalid(_))
         ));
+    }
+}
+
+#[cfg(test)]
+mod format_tests {
+    use super::push_one_decimal;
+
+    #[test]
+    fn one_decimal_is_what_format_writes() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut values = vec![
+            0.0,
+            -0.0,
+            0.05,
+            0.15,
+            0.25,
+            0.35,
+            0.45,
+            1.25,
+            2.5,
+            99.95,
+            123.456,
+            -7.25,
+            1e14,
+            1e16,
+            f64::INFINITY,
+            f64::NAN,
+        ];
+        for _ in 0..200_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let v = (x % 10_000_000) as f64 / 997.0;
+            values.push(v);
+            values.push((x % 100_000) as f64 / 20.0);
+        }
+        for v in values {
+            let mut s = String::new();
+            push_one_decimal(&mut s, v);
+            assert_eq!(s, format!("{v:.1}"), "{v:e}");
+        }
     }
 }
 

@@ -19,7 +19,7 @@ use crate::protocol::{
 };
 use crate::request::{self, BodyKind, Endpoint, RequestError};
 use crate::route::{Refusal, RouteInputs, Routed, Router};
-use crate::stream::{Flow, Headers, Reply};
+use crate::stream::{Flow, Reply};
 use crate::tuning::Observation;
 use crate::view::View;
 
@@ -52,7 +52,6 @@ struct Pending {
 /// The router on one request.
 #[derive(Debug, Default)]
 pub struct RouterStream {
-    headers: Headers,
     /// An inference request waiting for its body.
     endpoint: Option<Endpoint>,
     /// The region routed to (counted in flight there until the end).
@@ -72,28 +71,28 @@ impl RouterStream {
         RouterStream::default()
     }
 
-    /// The request headers arrived (the stream keeps them for the body).
+    /// The request headers arrived.
     pub fn on_request_headers(
         &mut self,
         shared: &RouterShared,
         host: &mut dyn StreamHost,
         view: &mut View,
-        headers: Headers,
         end_of_stream: bool,
     ) -> Flow {
         let cfg = &*shared.cfg;
         // Never let a client pick the cluster or speak for the router (Envoy
         // removes them earlier too; this holds without that).
         for name in [&cfg.headers.cluster, &cfg.migration.header] {
-            if headers.has(name) {
+            if host.request_header(name).is_some() {
                 host.set_request_header(name, None);
             }
         }
         // Only the guard sets the pool (it removes any client value first).
-        self.fallback = headers.get(&cfg.headers.pool) == Some(POOL_FALLBACK);
-        self.endpoint = request::endpoint(headers.method(), headers.path())
-            .filter(|_| !request::is_encoded(headers.get("content-encoding")));
-        self.headers = headers;
+        self.fallback = host.request_header(&cfg.headers.pool).as_deref() == Some(POOL_FALLBACK);
+        let method = host.request_header(":method").unwrap_or_default();
+        let path = host.request_header(":path").unwrap_or_default();
+        self.endpoint = request::endpoint(&method, &path)
+            .filter(|_| !request::is_encoded(host.request_header("content-encoding").as_deref()));
         if self.endpoint.is_none() {
             self.route_default(shared, host);
             return Flow::Continue;
@@ -153,12 +152,13 @@ impl RouterStream {
             .residency
             .header
             .as_deref()
-            .and_then(|h| self.headers.get(h));
+            .and_then(|h| host.request_header(h));
+        let session = host.request_header(&cfg.headers.session);
         let inputs = RouteInputs {
             endpoint,
             body,
-            session_header: self.headers.get(&cfg.headers.session),
-            residency,
+            session_header: session.as_deref(),
+            residency: residency.as_deref(),
             snapshot: fresh.as_ref().map(|f| &*f.snapshot),
             snapshot_index: fresh.as_ref().map_or(&[][..], |f| f.index.as_slice()),
             inflight: &inflight,
@@ -202,7 +202,7 @@ impl RouterStream {
         // answer's first byte is its last, so it must not.
         if routed.stream {
             host.set_request_header(&cfg.headers.stream, Some("true"));
-        } else if self.headers.has(&cfg.headers.stream) {
+        } else if host.request_header(&cfg.headers.stream).is_some() {
             host.set_request_header(&cfg.headers.stream, None);
         }
         self.set_region(shared, host, d.region, true);
@@ -424,13 +424,12 @@ mod tests {
         host
     }
 
-    fn headers(path: &str, extra: &[(&str, &str)]) -> Headers {
-        let mut h = vec![
-            (":method".to_string(), "POST".to_string()),
-            (":path".to_string(), path.to_string()),
-        ];
-        h.extend(extra.iter().map(|(n, v)| (n.to_string(), v.to_string())));
-        Headers::new(h)
+    type Headers = Vec<(&'static str, &'static str)>;
+
+    fn headers(path: &'static str, extra: &[(&'static str, &'static str)]) -> Headers {
+        let mut h = vec![(":method", "POST"), (":path", path)];
+        h.extend_from_slice(extra);
+        h
     }
 
     fn request(
@@ -441,7 +440,8 @@ mod tests {
     ) -> (RouterStream, Flow) {
         let mut s = RouterStream::new();
         let mut view = View::new();
-        let mut flow = s.on_request_headers(sh, host, &mut view, h, false);
+        host.request(&h);
+        let mut flow = s.on_request_headers(sh, host, &mut view, false);
         if flow == Flow::Pause {
             flow = s.on_request_body(sh, host, &mut view, body.as_bytes());
         }

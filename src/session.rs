@@ -6,7 +6,7 @@
 //! newest session winning a slot; the key is a seeded hash, never the
 //! session id itself.
 
-use crate::store::SharedStore;
+use crate::store::{SharedStore, SlotKey};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::protocol::SESSION_KEY_PREFIX as KEY_PREFIX;
@@ -33,8 +33,8 @@ pub struct SessionEntry {
 const RECORD_BYTES: usize = 36;
 
 impl Sessions {
-    fn key(&self, hash: u64) -> String {
-        format!("{KEY_PREFIX}{}", hash % u64::from(self.slots.max(1)))
+    fn key(&self, hash: u64) -> SlotKey {
+        SlotKey::new(KEY_PREFIX, hash % u64::from(self.slots.max(1)))
     }
 
     fn encode(&self, hash: u64, region: usize, now_ms: u64, prefix: (u32, u64)) -> Vec<u8> {
@@ -67,7 +67,7 @@ impl Sessions {
     pub fn lookup(&self, store: &mut dyn SharedStore, session: &str, now_ms: u64) -> SessionEntry {
         let hash = xxh3_64_with_seed(session.as_bytes(), self.seed);
         let found = store
-            .get(&self.key(hash))
+            .get(self.key(hash).as_str())
             .ok()
             .flatten()
             .and_then(|(v, _)| self.decode(&v))
@@ -100,7 +100,7 @@ impl Sessions {
             }
         }
         let value = self.encode(entry.hash, region, now_ms, prefix);
-        let _ = store.set(&self.key(entry.hash), &value, None);
+        let _ = store.set(self.key(entry.hash).as_str(), &value, None);
         1
     }
 }

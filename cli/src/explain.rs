@@ -18,7 +18,7 @@ use llm_geo_router::route::{Routed, Router};
 use llm_geo_router::router::{RouterShared, RouterStream};
 use llm_geo_router::snapshot::Snapshot;
 use llm_geo_router::store::{MemoryStore, SharedStore};
-use llm_geo_router::stream::{Flow, Headers};
+use llm_geo_router::stream::Flow;
 use llm_geo_router::view::View;
 use serde_json::{json, Value};
 use std::path::Path;
@@ -179,20 +179,17 @@ pub fn run(argv: &[String]) -> Result<String, CliError> {
     for (i, n) in inflight.iter().enumerate() {
         host.set_gauge(Stat::Region(i, RegionStat::RqActive), n.round() as u64);
     }
-    let mut headers = vec![
-        (":method".to_string(), "POST".to_string()),
-        (":path".to_string(), req_path.to_string()),
-    ];
+    let mut headers = vec![(":method", "POST"), (":path", req_path)];
     if let Some(s) = p.text("session") {
-        headers.push((cfg.headers.session.clone(), s.to_string()));
+        headers.push((cfg.headers.session.as_str(), s));
     }
     if let (Some(name), Some(value)) = (&cfg.residency.header, residency) {
-        headers.push((name.clone(), value.to_string()));
+        headers.push((name.as_str(), value));
     }
+    host.request(&headers);
     let mut stream = RouterStream::new();
     let mut view = View::new();
-    let mut flow =
-        stream.on_request_headers(&shared, &mut host, &mut view, Headers::new(headers), false);
+    let mut flow = stream.on_request_headers(&shared, &mut host, &mut view, false);
     if flow == Flow::Pause {
         flow = stream.on_request_body(&shared, &mut host, &mut view, &body);
     }

@@ -18,7 +18,7 @@ use llm_geo_router::outcome;
 use llm_geo_router::probe::Probe;
 use llm_geo_router::protocol::RESPONSE_FLAGS_PROPERTY;
 use llm_geo_router::router::{RouterShared, RouterStream};
-use llm_geo_router::stream::{Flow, Headers};
+use llm_geo_router::stream::Flow;
 use llm_geo_router::view::View;
 use serde_json::{json, Map, Value};
 
@@ -158,15 +158,14 @@ impl Envoy {
         let cfg = self.cfg.clone();
         let host = &mut self.host;
         host.now_ms = now_ms;
-        host.next_stream();
-        let headers = Headers::new(vec![
-            (":method".into(), "POST".into()),
-            (":path".into(), "/v1/chat/completions".into()),
-            (cfg.headers.tier.clone(), tier.into()),
-            (cfg.headers.session.clone(), session.into()),
+        host.request(&[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            (&cfg.headers.tier, tier),
+            (&cfg.headers.session, session),
         ]);
         let mut guard = GuardStream::new();
-        let mut flow = guard.on_request_headers(&self.guard, host, &mut self.view, &headers, false);
+        let mut flow = guard.on_request_headers(&self.guard, host, &mut self.view, false);
         if flow == Flow::Pause && guard.wants_body() {
             flow = guard.on_request_body(&self.guard, host, body);
         }
@@ -183,29 +182,11 @@ impl Envoy {
             }
             Flow::Continue | Flow::Pause => {}
         }
+        // The router sees the headers as the guard left them.
         let clamped_body = host.replaced_body.take();
-        // What the guard set is what the router sees.
-        let mut pairs: Vec<(String, String)> = vec![
-            (":method".into(), "POST".into()),
-            (":path".into(), "/v1/chat/completions".into()),
-            (cfg.headers.session.clone(), session.into()),
-        ];
-        for (name, value) in &host.request_headers {
-            pairs.retain(|(n, _)| n != name);
-            if let Some(v) = value {
-                pairs.push((name.clone(), v.clone()));
-            }
-        }
-        host.next_stream();
         let body = clamped_body.as_deref().unwrap_or(body);
         let mut stream = RouterStream::new();
-        let mut flow = stream.on_request_headers(
-            &self.router,
-            host,
-            &mut self.view,
-            Headers::new(pairs),
-            false,
-        );
+        let mut flow = stream.on_request_headers(&self.router, host, &mut self.view, false);
         if flow == Flow::Pause {
             flow = stream.on_request_body(&self.router, host, &mut self.view, body);
         }

@@ -44,66 +44,8 @@ fn header_value(map: MapType, name: &str) -> Option<String> {
         })
 }
 
-/// The raw ABI call behind the SDK's `get_map`, whose deserialiser panics
-/// (traps the VM) on a header that is not UTF-8.
-mod abi {
-    use proxy_wasm::types::{MapType, Status};
-    #[link(wasm_import_module = "env")]
-    extern "C" {
-        pub fn proxy_get_header_map_pairs(
-            map_type: MapType,
-            return_map_data: *mut *mut u8,
-            return_map_size: *mut usize,
-        ) -> Status;
-    }
-}
-
-/// Every request header in one host call, names and values as text
-/// (invalid UTF-8 becomes U+FFFD, which matches no key, tier or token).
-pub fn request_headers() -> Vec<(String, String)> {
-    let mut data: *mut u8 = std::ptr::null_mut();
-    let mut size: usize = 0;
-    // SAFETY: the host writes a buffer it allocated through the module's
-    // `proxy_on_memory_allocate` (a boxed slice of exactly `size` bytes),
-    // whose ownership passes to us, as the SDK's own `get_map` assumes.
-    let bytes = unsafe {
-        match abi::proxy_get_header_map_pairs(MapType::HttpRequestHeaders, &mut data, &mut size) {
-            proxy_wasm::types::Status::Ok if !data.is_null() => {
-                Vec::from_raw_parts(data, size, size)
-            }
-            _ => return Vec::new(),
-        }
-    };
-    decode_pairs(&bytes)
-}
-
-/// proxy-wasm's map encoding: count (u32), then per pair the key and value
-/// lengths (u32 each), then each key and value followed by a NUL.
-fn decode_pairs(bytes: &[u8]) -> Vec<(String, String)> {
-    let u32_at = |at: usize| -> Option<usize> {
-        let raw: [u8; 4] = bytes.get(at..at + 4)?.try_into().ok()?;
-        usize::try_from(u32::from_le_bytes(raw)).ok()
-    };
-    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-    let Some(count) = u32_at(0) else {
-        return Vec::new();
-    };
-    let mut out = Vec::with_capacity(count.min(256));
-    let mut p = 4 + count.saturating_mul(8);
-    for n in 0..count {
-        let (Some(klen), Some(vlen)) = (u32_at(4 + n * 8), u32_at(8 + n * 8)) else {
-            break;
-        };
-        let (Some(k), Some(v)) = (
-            bytes.get(p..p + klen),
-            bytes.get(p + klen + 1..p + klen + 1 + vlen),
-        ) else {
-            break;
-        };
-        out.push((text(k), text(v)));
-        p += klen + vlen + 2;
-    }
-    out
+pub fn request_header(name: &str) -> Option<String> {
+    header_value(MapType::HttpRequestHeaders, name)
 }
 
 pub fn set_request_header(name: &str, value: Option<&str>) {

@@ -100,6 +100,9 @@ impl Effects for Host<'_> {
 }
 
 impl StreamHost for Host<'_> {
+    fn request_header(&mut self, name: &str) -> Option<String> {
+        calls::request_header(name)
+    }
     fn set_request_header(&mut self, name: &str, value: Option<&str>) {
         calls::set_request_header(name, value);
     }

@@ -19,7 +19,7 @@ use crate::guard::{Guard, GuardStream};
 use crate::probe::Probe;
 use crate::protocol::OBSERVATIONS_QUEUE;
 use crate::router::{RouterShared, RouterStream};
-use crate::stream::{Flow, Headers};
+use crate::stream::Flow;
 use crate::view::View;
 use calls::log;
 use effects::{define_stats, Callout, Host, Queue, Stats};
@@ -255,14 +255,12 @@ impl Context for GuardFilter {}
 
 impl HttpContext for GuardFilter {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        let headers = Headers::new(calls::request_headers());
         let mut host = Host::new(&self.root.stats);
         let flow = VIEW.with(|v| {
             self.stream.on_request_headers(
                 &self.root.guard,
                 &mut host,
                 &mut v.borrow_mut(),
-                &headers,
                 end_of_stream,
             )
         });
@@ -294,7 +292,6 @@ impl Context for RouterFilter {}
 
 impl HttpContext for RouterFilter {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        let headers = Headers::new(calls::request_headers());
         let root = self.root.clone();
         let mut host = Host::new(&root.stats);
         host.queue = Some(&root.queue);
@@ -303,7 +300,6 @@ impl HttpContext for RouterFilter {
                 &root.shared,
                 &mut host,
                 &mut v.borrow_mut(),
-                headers,
                 end_of_stream,
             )
         });
