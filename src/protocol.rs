@@ -326,28 +326,21 @@ impl<M> StatTable<M> {
     }
 
     /// The handle of `stat`; `None` for a region or tier out of range.
-    pub fn get(&self, stat: Stat) -> Option<&M> {
-        let in_range = match stat {
+    fn in_range(&self, stat: Stat) -> bool {
+        match stat {
             Stat::Region(i, _) | Stat::RegionDecision(i, _) => i < self.regions,
             Stat::Tier(i, _) => i < self.tiers,
             Stat::Global(_) | Stat::Decision(_) => true,
-        };
-        if !in_range {
-            return None;
         }
-        self.slots.get(self.index(stat))
+    }
+
+    pub fn get(&self, stat: Stat) -> Option<&M> {
+        self.in_range(stat)
+            .then(|| self.slots.get(self.index(stat)))?
     }
 
     pub fn get_mut(&mut self, stat: Stat) -> Option<&mut M> {
-        let in_range = match stat {
-            Stat::Region(i, _) | Stat::RegionDecision(i, _) => i < self.regions,
-            Stat::Tier(i, _) => i < self.tiers,
-            Stat::Global(_) | Stat::Decision(_) => true,
-        };
-        if !in_range {
-            return None;
-        }
-        let at = self.index(stat);
+        let at = self.in_range(stat).then(|| self.index(stat))?;
         self.slots.get_mut(at)
     }
 }

@@ -195,20 +195,9 @@ fn push_one_decimal(s: &mut String, v: f64) {
     push_u64(s, t % 10);
 }
 
-fn push_u64(s: &mut String, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut i = digits.len();
-    loop {
-        i -= 1;
-        if let Some(d) = digits.get_mut(i) {
-            *d = b'0' + (n % 10) as u8;
-        }
-        n /= 10;
-        if n == 0 || i == 0 {
-            break;
-        }
-    }
-    for d in digits.get(i..).unwrap_or_default() {
+fn push_u64(s: &mut String, n: u64) {
+    let mut buf = [0u8; 20];
+    for d in crate::store::decimal(n, &mut buf) {
         s.push(char::from(*d));
     }
 }

@@ -20,19 +20,7 @@ impl SlotKey {
             dst.copy_from_slice(src);
         }
         let mut digits = [0u8; 20];
-        let mut n = slot;
-        let mut i = digits.len();
-        loop {
-            i -= 1;
-            if let Some(d) = digits.get_mut(i) {
-                *d = b'0' + (n % 10) as u8;
-            }
-            n /= 10;
-            if n == 0 || i == 0 {
-                break;
-            }
-        }
-        let tail = digits.get(i..).unwrap_or_default();
+        let tail = decimal(slot, &mut digits);
         if let Some(dst) = buf.get_mut(plen..plen + tail.len()) {
             dst.copy_from_slice(tail);
         }
@@ -45,6 +33,22 @@ impl SlotKey {
     pub fn as_str(&self) -> &str {
         std::str::from_utf8(self.buf.get(..self.len).unwrap_or_default()).unwrap_or_default()
     }
+}
+
+/// `n` in decimal, written into the end of `buf`; the digits are returned.
+pub fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        if let Some(d) = buf.get_mut(i) {
+            *d = b'0' + (n % 10) as u8;
+        }
+        n /= 10;
+        if n == 0 || i == 0 {
+            break;
+        }
+    }
+    buf.get(i..).unwrap_or_default()
 }
 
 /// Outcome of a conditional write.

@@ -232,6 +232,16 @@ fn role_name(role: Role) -> &'static str {
     }
 }
 
+/// The body once complete, if the stream wants it; else what to tell Envoy
+/// meanwhile (go on without it, or wait for the rest).
+fn complete_body(wanted: bool, size: usize, end_of_stream: bool) -> Result<Vec<u8>, Action> {
+    match (wanted, end_of_stream) {
+        (false, _) => Err(Action::Continue),
+        (true, false) => Err(Action::Pause),
+        (true, true) => Ok(calls::request_body(size).unwrap_or_default()),
+    }
+}
+
 /// Carry out the core's flow decision.
 fn act(flow: Flow) -> Action {
     match flow {
@@ -268,13 +278,10 @@ impl HttpContext for GuardFilter {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if !self.stream.wants_body() {
-            return Action::Continue;
-        }
-        if !end_of_stream {
-            return Action::Pause;
-        }
-        let body = calls::request_body(body_size).unwrap_or_default();
+        let body = match complete_body(self.stream.wants_body(), body_size, end_of_stream) {
+            Ok(body) => body,
+            Err(action) => return action,
+        };
         let mut host = Host::new(&self.root.stats);
         host.body_size = body_size;
         act(self
@@ -307,13 +314,10 @@ impl HttpContext for RouterFilter {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if !self.stream.wants_body() {
-            return Action::Continue;
-        }
-        if !end_of_stream {
-            return Action::Pause;
-        }
-        let body = calls::request_body(body_size).unwrap_or_default();
+        let body = match complete_body(self.stream.wants_body(), body_size, end_of_stream) {
+            Ok(body) => body,
+            Err(action) => return action,
+        };
         let root = self.root.clone();
         let mut host = Host::new(&root.stats);
         host.queue = Some(&root.queue);
