@@ -114,16 +114,43 @@ class Engine:
             self.proc.wait(timeout=10)
 
 
+# Emulator flags that may be given more than once; any other flag given
+# twice is an error (exit code 2).
+REPEATABLE_ENGINE_FLAGS = {"--echo-header", "--client-delay-ms"}
+
+
+def merge_engine_flags(base: list, extra: list) -> list:
+    """Emulator flags `base` with `extra` applied: a flag in `extra` replaces
+    the same flag in `base`, a repeatable one is added. Every emulator flag
+    takes one value (`--flag value` or `--flag=value`)."""
+    def pairs(args: list) -> list[tuple[str, str | None]]:
+        out, i = [], 0
+        while i < len(args):
+            arg = str(args[i])
+            if arg.startswith("--") and "=" in arg:
+                flag, value = arg.split("=", 1)
+                out.append((flag, value))
+                i += 1
+            else:
+                out.append((arg, str(args[i + 1]) if i + 1 < len(args) else None))
+                i += 2
+        return out
+
+    extra_pairs = pairs(extra)
+    replaced = {flag for flag, _ in extra_pairs if flag not in REPEATABLE_ENGINE_FLAGS}
+    merged = [p for p in pairs(base) if p[0] not in replaced] + extra_pairs
+    return [x for flag, value in merged for x in ((flag,) if value is None else (flag, value))]
+
+
 def start_engine(name: str, run_dir: Path, delay_ms: float, mode: str = "vllm", extra: list | None = None,
                  port: int = 0) -> Engine:
     log_path = run_dir / f"engine-{name}.log"
-    args = [
-        str(EMULATOR), "--listen", f"127.0.0.1:{port}", "--name", name, "--mode", mode,
+    args = [str(EMULATOR), *merge_engine_flags([
+        "--listen", f"127.0.0.1:{port}", "--name", name, "--mode", mode,
         "--network-delay-ms", str(delay_ms), "--max-concurrency", "8", "--prefill-ms-per-token", "0.2",
         "--decode-ms-per-token", "1", "--echo-header", "x-llm-tier", "--echo-header", "x-llm-cluster",
         "--echo-header", "x-llm-kv-action",
-        *(extra or []),
-    ]
+    ], extra or [])]
     out = open(log_path, "w")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=out, text=True)
     deadline = time.time() + 15

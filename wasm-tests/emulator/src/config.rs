@@ -1,26 +1,36 @@
-//! Command-line configuration of one emulated replica: the flag set, its
-//! defaults and validation. Parsing is separate from `main` so it is testable
-//! and so other harnesses can build a `Config` directly.
+//! Command-line configuration of one emulated replica: the flag set (clap,
+//! derive), its defaults and validation, and the plain `Config` the server
+//! runs on. Parsing is separate from `main` so it is testable, and `Config`
+//! is a plain value so other harnesses can build one directly
+//! (`Config::new`).
+//!
+//! Every flag but the repeatable ones (`--echo-header`, `--client-delay-ms`)
+//! may be given once: a repeated or unknown flag is an error (exit code 2).
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+
+use clap::error::ErrorKind;
+use clap::{ArgAction, CommandFactory, Parser, ValueEnum};
 
 use crate::model::{EngineConfig, Timing, DEFAULT_BLOCK_TOKENS};
 
-pub const USAGE: &str = "\
-usage: engine-emulator --listen HOST:PORT [options]
-  --listen HOST:PORT          address to bind (port 0: pick one, printed at startup)
-  --name NAME                 replica name (default engine)
-  --mode vllm|sglang          metrics dialect (default vllm)
-  --model NAME                served model name (default emulated-model)
-  --max-concurrency N         requests running at once (default 8)
-  --cache-tokens N            prefix cache capacity in tokens (default 200000)
-  --prefill-ms-per-token F    prefill cost per uncached prompt token (default 0.05)
-  --decode-ms-per-token F     decode cost per output token (default 2.0)
-  --network-delay-ms F        delay before every response's first byte (default 0)
-  --release DIGEST            release digest reported by /health and metrics (default sha256:release-a)
-  --echo-header NAME          echo request header NAME as x-echo-NAME (repeatable)
-";
+/// Upper bound on any configured duration (one day), far from `Duration`
+/// overflow.
+pub const MAX_MS: f64 = 86_400_000.0;
+
+const DEFAULT_NAME: &str = "engine";
+const DEFAULT_MODEL: &str = "emulated-model";
+const DEFAULT_MAX_CONCURRENCY: usize = 8;
+const DEFAULT_CACHE_TOKENS: usize = 200_000;
+const DEFAULT_PREFILL_MS_PER_TOKEN: f64 = 0.05;
+const DEFAULT_DECODE_MS_PER_TOKEN: f64 = 2.0;
+const DEFAULT_NETWORK_DELAY_MS: f64 = 0.0;
+const DEFAULT_RELEASE: &str = "sha256:release-a";
+pub const DEFAULT_CLIENT_REGION_HEADER: &str = "x-client-region";
 
 /// Which engine's Prometheus names `/metrics` uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Mode {
     Vllm,
     Sglang,
@@ -49,6 +59,11 @@ pub struct Config {
     pub release: String,
     /// Lowercased header names.
     pub echo_headers: Vec<String>,
+    /// Lowercased name of the header that names the client's region.
+    pub client_region_header: String,
+    /// Delay before the first byte per client region, used instead of
+    /// `network_delay_ms` for requests from that region.
+    pub client_delays_ms: BTreeMap<String, f64>,
 }
 
 impl Config {
@@ -56,17 +71,54 @@ impl Config {
     pub fn new(listen: impl Into<String>) -> Self {
         Config {
             listen: listen.into(),
-            name: "engine".to_string(),
+            name: DEFAULT_NAME.to_string(),
             mode: Mode::Vllm,
-            model: "emulated-model".to_string(),
-            max_concurrency: 8,
-            cache_tokens: 200_000,
-            prefill_ms_per_token: 0.05,
-            decode_ms_per_token: 2.0,
-            network_delay_ms: 0.0,
-            release: "sha256:release-a".to_string(),
+            model: DEFAULT_MODEL.to_string(),
+            max_concurrency: DEFAULT_MAX_CONCURRENCY,
+            cache_tokens: DEFAULT_CACHE_TOKENS,
+            prefill_ms_per_token: DEFAULT_PREFILL_MS_PER_TOKEN,
+            decode_ms_per_token: DEFAULT_DECODE_MS_PER_TOKEN,
+            network_delay_ms: DEFAULT_NETWORK_DELAY_MS,
+            release: DEFAULT_RELEASE.to_string(),
             echo_headers: Vec::new(),
+            client_region_header: DEFAULT_CLIENT_REGION_HEADER.to_string(),
+            client_delays_ms: BTreeMap::new(),
         }
+    }
+
+    /// Parses a command line, program name first (as `std::env::args_os`
+    /// gives it). The error is clap's: `print` it and exit with
+    /// `exit_code` (0 for `--help`, 2 for a bad command line).
+    pub fn try_parse_from<I, T>(args: I) -> Result<Config, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString> + Clone,
+    {
+        let cli = Cli::try_parse_from(args)?;
+        let mut client_delays_ms = BTreeMap::new();
+        for (region, ms) in cli.client_delay_ms {
+            if client_delays_ms.insert(region.clone(), ms).is_some() {
+                return Err(Cli::command().error(
+                    ErrorKind::ArgumentConflict,
+                    format!("--client-delay-ms: region {region:?} is given more than once"),
+                ));
+            }
+        }
+        Ok(Config {
+            listen: cli.listen,
+            name: cli.name,
+            mode: cli.mode,
+            model: cli.model,
+            max_concurrency: cli.max_concurrency,
+            cache_tokens: cli.cache_tokens,
+            prefill_ms_per_token: cli.prefill_ms_per_token,
+            decode_ms_per_token: cli.decode_ms_per_token,
+            network_delay_ms: cli.network_delay_ms,
+            release: cli.release,
+            echo_headers: cli.echo_header,
+            client_region_header: cli.client_region_header,
+            client_delays_ms,
+        })
     }
 
     pub fn engine(&self) -> EngineConfig {
@@ -80,109 +132,133 @@ impl Config {
             },
         }
     }
-}
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CliError {
-    /// `--help`: print usage to stdout, exit 0.
-    Help,
-    /// Anything else: print the message and usage to stderr, exit 2.
-    Bad(String),
-}
-
-/// Parses the arguments after the program name. Accepts `--flag value` and
-/// `--flag=value`.
-pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Config, CliError> {
-    let mut args = args.into_iter();
-    let mut listen = None;
-    let mut cfg = Config::new("");
-    while let Some(arg) = args.next() {
-        if arg == "--help" || arg == "-h" {
-            return Err(CliError::Help);
-        }
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
-            _ => (arg.clone(), None),
-        };
-        let mut value = || {
-            inline
-                .clone()
-                .or_else(|| args.next())
-                .ok_or_else(|| CliError::Bad(format!("{flag} needs a value")))
-        };
-        match flag.as_str() {
-            "--listen" => listen = Some(non_empty(&flag, value()?)?),
-            "--name" => cfg.name = non_empty(&flag, value()?)?,
-            "--mode" => {
-                cfg.mode = match value()?.as_str() {
-                    "vllm" => Mode::Vllm,
-                    "sglang" => Mode::Sglang,
-                    other => return Err(bad(&flag, other, "vllm or sglang")),
-                }
-            }
-            "--model" => cfg.model = non_empty(&flag, value()?)?,
-            "--max-concurrency" => {
-                let v = value()?;
-                cfg.max_concurrency = match v.parse::<usize>() {
-                    Ok(n) if n >= 1 => n,
-                    _ => return Err(bad(&flag, &v, "an integer >= 1")),
-                }
-            }
-            "--cache-tokens" => {
-                let v = value()?;
-                cfg.cache_tokens = v
-                    .parse::<usize>()
-                    .map_err(|_| bad(&flag, &v, "a non-negative integer"))?;
-            }
-            "--prefill-ms-per-token" => cfg.prefill_ms_per_token = millis(&flag, value()?)?,
-            "--decode-ms-per-token" => cfg.decode_ms_per_token = millis(&flag, value()?)?,
-            "--network-delay-ms" => cfg.network_delay_ms = millis(&flag, value()?)?,
-            "--release" => cfg.release = non_empty(&flag, value()?)?,
-            "--echo-header" => {
-                let v = value()?;
-                if !crate::http::is_token(&v) {
-                    return Err(bad(&flag, &v, "a header name"));
-                }
-                cfg.echo_headers.push(v.to_ascii_lowercase());
-            }
-            _ => return Err(CliError::Bad(format!("unknown argument {arg:?}"))),
-        }
+    /// Delay before a response's first byte: the client region's delay when
+    /// `client_region` (the value of the client-region header, if the
+    /// request has one) names a configured region, else `network_delay_ms`
+    /// (the current one, which `/admin/state` can change).
+    pub fn first_byte_delay_ms(&self, client_region: Option<&str>, network_delay_ms: f64) -> f64 {
+        client_region
+            .and_then(|r| self.client_delays_ms.get(r.trim_matches([' ', '\t'])))
+            .copied()
+            .unwrap_or(network_delay_ms)
     }
-    cfg.listen = listen.ok_or_else(|| CliError::Bad("--listen is required".to_string()))?;
-    Ok(cfg)
 }
 
-fn bad(flag: &str, value: &str, expected: &str) -> CliError {
-    CliError::Bad(format!("{flag}: expected {expected}, got {value:?}"))
+/// The flags, as clap sees them; converted into `Config` after the checks
+/// that need more than one flag.
+#[derive(Debug, Parser)]
+#[command(
+    name = "engine-emulator",
+    about = "Emulates one vLLM/SGLang replica (queueing, prefix cache, prefill/decode timing, metrics) for testing llm-geo-router.",
+    disable_version_flag = true
+)]
+struct Cli {
+    /// Address to bind (port 0: pick one, printed at startup)
+    #[arg(long, value_name = "HOST:PORT", value_parser = printable)]
+    listen: String,
+    /// Replica name
+    #[arg(long, value_name = "NAME", default_value = DEFAULT_NAME, value_parser = printable)]
+    name: String,
+    /// Metrics dialect
+    #[arg(long, value_enum, default_value_t = Mode::Vllm)]
+    mode: Mode,
+    /// Served model name
+    #[arg(long, value_name = "NAME", default_value = DEFAULT_MODEL, value_parser = printable)]
+    model: String,
+    /// Requests running at once
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_CONCURRENCY, value_parser = at_least_one)]
+    max_concurrency: usize,
+    /// Prefix cache capacity in tokens
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_CACHE_TOKENS)]
+    cache_tokens: usize,
+    /// Prefill cost per uncached prompt token, ms
+    #[arg(long, value_name = "MS", default_value_t = DEFAULT_PREFILL_MS_PER_TOKEN, value_parser = millis)]
+    prefill_ms_per_token: f64,
+    /// Decode cost per output token, ms
+    #[arg(long, value_name = "MS", default_value_t = DEFAULT_DECODE_MS_PER_TOKEN, value_parser = millis)]
+    decode_ms_per_token: f64,
+    /// Delay before every response's first byte, ms (admin endpoints excepted)
+    #[arg(long, value_name = "MS", default_value_t = DEFAULT_NETWORK_DELAY_MS, value_parser = millis)]
+    network_delay_ms: f64,
+    /// Release digest reported by /health and metrics
+    #[arg(long, value_name = "DIGEST", default_value = DEFAULT_RELEASE, value_parser = printable)]
+    release: String,
+    /// Echo request header NAME as x-echo-NAME (repeatable)
+    #[arg(long, value_name = "NAME", value_parser = header_name, action = ArgAction::Append)]
+    echo_header: Vec<String>,
+    /// Request header naming the client's region (see --client-delay-ms)
+    #[arg(long, value_name = "NAME", default_value = DEFAULT_CLIENT_REGION_HEADER, value_parser = header_name)]
+    client_region_header: String,
+    /// Delay before the first byte for requests whose client-region header is
+    /// REGION, instead of --network-delay-ms (repeatable, one per region)
+    #[arg(long, value_name = "REGION=MS", value_parser = region_delay, action = ArgAction::Append)]
+    client_delay_ms: Vec<(String, f64)>,
 }
 
-fn non_empty(flag: &str, v: String) -> Result<String, CliError> {
-    // Names end up in header values and label values: no control characters.
+/// Names end up in header values and label values: no control characters.
+fn printable(v: &str) -> Result<String, String> {
     if v.is_empty() || v.chars().any(char::is_control) {
-        Err(bad(flag, &v, "a non-empty printable value"))
+        Err("expected a non-empty printable value".to_string())
     } else {
-        Ok(v)
+        Ok(v.to_string())
     }
 }
 
-/// Durations: finite and non-negative, capped at a day to stay far from
-/// `Duration` overflow.
-pub fn millis(flag: &str, v: String) -> Result<f64, CliError> {
+fn at_least_one(v: &str) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err("expected an integer >= 1".to_string()),
+    }
+}
+
+/// Durations: finite, non-negative, at most `MAX_MS`.
+pub fn millis(v: &str) -> Result<f64, String> {
     match v.parse::<f64>() {
         Ok(f) if f.is_finite() && (0.0..=MAX_MS).contains(&f) => Ok(f),
-        _ => Err(bad(flag, &v, "a number of milliseconds >= 0")),
+        _ => Err(format!(
+            "expected a number of milliseconds >= 0 and <= {MAX_MS}"
+        )),
     }
 }
 
-/// Upper bound on any configured duration (one day).
-pub const MAX_MS: f64 = 86_400_000.0;
+/// A header name (RFC 9110 token), lowercased.
+fn header_name(v: &str) -> Result<String, String> {
+    if is_token(v) {
+        Ok(v.to_ascii_lowercase())
+    } else {
+        Err("expected a header name".to_string())
+    }
+}
+
+/// `REGION=MS`: REGION is compared with a header value, so it is printable
+/// and has no surrounding blanks (header values never do).
+fn region_delay(v: &str) -> Result<(String, f64), String> {
+    let (region, ms) = v
+        .split_once('=')
+        .ok_or_else(|| "expected REGION=MS".to_string())?;
+    let region = printable(region).map_err(|e| format!("REGION: {e}"))?;
+    if region.trim_matches([' ', '\t']) != region {
+        return Err("REGION: expected no leading or trailing blanks".to_string());
+    }
+    Ok((region, millis(ms)?))
+}
+
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// RFC 9110 token (method, header name).
+pub fn is_token(s: &str) -> bool {
+    !s.is_empty() && s.bytes().all(is_tchar)
+}
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn parse(args: &[&str]) -> Result<Config, CliError> {
-        parse_args(args.iter().map(|s| s.to_string()))
+    fn parse(args: &[&str]) -> Result<Config, clap::Error> {
+        Config::try_parse_from(std::iter::once("engine-emulator").chain(args.iter().copied()))
     }
 
     #[test]
@@ -190,6 +266,8 @@ mod tests {
         let c = parse(&["--listen", "127.0.0.1:0"]).unwrap();
         assert_eq!(c, Config::new("127.0.0.1:0"));
         assert_eq!(c.engine().block_tokens, 16);
+        assert_eq!(c.client_region_header, "x-client-region");
+        assert!(c.client_delays_ms.is_empty());
     }
 
     #[test]
@@ -218,6 +296,11 @@ mod tests {
             "X-Request-Id",
             "--echo-header",
             "x-b",
+            "--client-region-header",
+            "X-Region",
+            "--client-delay-ms",
+            "eu=5",
+            "--client-delay-ms=us-east=80.5",
         ])
         .unwrap();
         assert_eq!(c.listen, "0.0.0.0:9000");
@@ -236,6 +319,11 @@ mod tests {
         );
         assert_eq!(c.release, "sha256:b");
         assert_eq!(c.echo_headers, vec!["x-request-id", "x-b"]);
+        assert_eq!(c.client_region_header, "x-region");
+        assert_eq!(
+            c.client_delays_ms,
+            BTreeMap::from([("eu".to_string(), 5.0), ("us-east".to_string(), 80.5)])
+        );
     }
 
     #[test]
@@ -245,16 +333,115 @@ mod tests {
             &["--name", "x"],
             &["--listen"],
             &["--listen", "a:1", "--bogus"],
+            &["--listen", "a:1", "stray"],
             &["--listen", "a:1", "--mode", "tgi"],
             &["--listen", "a:1", "--max-concurrency", "0"],
             &["--listen", "a:1", "--cache-tokens", "-1"],
             &["--listen", "a:1", "--decode-ms-per-token", "NaN"],
+            &["--listen", "a:1", "--decode-ms-per-token", "inf"],
             &["--listen", "a:1", "--network-delay-ms", "-5"],
+            &["--listen", "a:1", "--network-delay-ms", "86400001"],
             &["--listen", "a:1", "--echo-header", "bad header"],
             &["--listen", "a:1", "--name", ""],
+            &["--listen", "a:1", "--client-region-header", "x:y"],
+            &["--listen", "a:1", "--client-delay-ms", "eu"],
+            &["--listen", "a:1", "--client-delay-ms", "=5"],
+            &["--listen", "a:1", "--client-delay-ms", " eu=5"],
+            &["--listen", "a:1", "--client-delay-ms", "eu=-1"],
+            &["--listen", "a:1", "--client-delay-ms", "eu=NaN"],
+            &["--listen", "a:1", "--client-delay-ms", "eu=86400001"],
         ] {
-            assert!(matches!(parse(args), Err(CliError::Bad(_))), "{args:?}");
+            let e = parse(args).unwrap_err();
+            assert_eq!(e.exit_code(), 2, "{args:?}");
         }
-        assert_eq!(parse(&["--help"]), Err(CliError::Help));
+    }
+
+    #[test]
+    fn unknown_flag_is_an_error() {
+        let e = parse(&["--listen", "a:1", "--network-delay", "5"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::UnknownArgument);
+        assert_eq!(e.exit_code(), 2);
+    }
+
+    #[test]
+    fn repeated_flag_is_an_error() {
+        for flag in [
+            "--listen",
+            "--name",
+            "--mode",
+            "--model",
+            "--max-concurrency",
+            "--cache-tokens",
+            "--prefill-ms-per-token",
+            "--decode-ms-per-token",
+            "--network-delay-ms",
+            "--release",
+            "--client-region-header",
+        ] {
+            let value = if flag == "--mode" { "vllm" } else { "1" };
+            let e = parse(&["--listen", "a:1", flag, value, flag, value]).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::ArgumentConflict, "{flag}");
+            assert_eq!(e.exit_code(), 2, "{flag}");
+        }
+        // The repeatable ones: per header, and per region.
+        assert!(parse(&[
+            "--listen",
+            "a:1",
+            "--echo-header",
+            "a",
+            "--echo-header",
+            "b"
+        ])
+        .is_ok());
+        let e = parse(&[
+            "--listen",
+            "a:1",
+            "--client-delay-ms",
+            "eu=5",
+            "--client-delay-ms",
+            "eu=6",
+        ])
+        .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ArgumentConflict);
+        assert_eq!(e.exit_code(), 2);
+    }
+
+    #[test]
+    fn help_exits_zero_and_names_every_flag() {
+        let e = parse(&["--help"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::DisplayHelp);
+        assert_eq!(e.exit_code(), 0);
+        let text = e.to_string();
+        for flag in [
+            "--listen",
+            "--mode",
+            "--echo-header",
+            "--client-region-header",
+            "--client-delay-ms",
+        ] {
+            assert!(text.contains(flag), "{flag} missing from\n{text}");
+        }
+    }
+
+    #[test]
+    fn client_delay_replaces_network_delay_for_its_region() {
+        let c = parse(&[
+            "--listen",
+            "a:1",
+            "--client-delay-ms",
+            "eu=5",
+            "--client-delay-ms",
+            "ap=0",
+        ])
+        .unwrap();
+        assert_eq!(c.first_byte_delay_ms(Some("eu"), 40.0), 5.0);
+        assert_eq!(c.first_byte_delay_ms(Some(" eu "), 40.0), 5.0);
+        assert_eq!(c.first_byte_delay_ms(Some("ap"), 40.0), 0.0);
+        // Unknown region, no header, and case matters (region names are
+        // compared exactly).
+        assert_eq!(c.first_byte_delay_ms(Some("us"), 40.0), 40.0);
+        assert_eq!(c.first_byte_delay_ms(Some("EU"), 40.0), 40.0);
+        assert_eq!(c.first_byte_delay_ms(None, 40.0), 40.0);
+        assert_eq!(Config::new("a:1").first_byte_delay_ms(Some("eu"), 7.0), 7.0);
     }
 }

@@ -2,13 +2,16 @@
 //! enough in queueing, prefix caching, prefill/decode timing and metrics that
 //! llm-geo-router's routing quality can be measured against it.
 //!
-//! `model` is the pure engine model (shared with simulators); `openai`,
-//! `metrics` and `http` are pure wire formats; `server` drives the model with
-//! real time and sockets; `config` is the command line.
+//! Pure parts: `model` is the engine model (shared with simulators),
+//! `pacing` the decode schedule of a streamed answer, `openai` and `metrics`
+//! the wire formats. I/O: `server` is the HTTP/1.1 server (hyper on tokio)
+//! that drives the model with real time, `body` its paced response bodies;
+//! `config` is the command line (clap).
 
+pub mod body;
 pub mod config;
-pub mod http;
 pub mod metrics;
 pub mod model;
 pub mod openai;
+pub mod pacing;
 pub mod server;

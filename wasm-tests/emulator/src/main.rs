@@ -4,20 +4,18 @@
 use std::io::Write;
 use std::process::ExitCode;
 
-use engine_emulator::config::{parse_args, CliError, USAGE};
+use engine_emulator::config::Config;
 use engine_emulator::server::Server;
 
 fn main() -> ExitCode {
     // Console writes ignore errors: a closed stdout must not panic the replica.
-    let config = match parse_args(std::env::args().skip(1)) {
+    let config = match Config::try_parse_from(std::env::args_os()) {
         Ok(c) => c,
-        Err(CliError::Help) => {
-            let _ = std::io::stdout().write_all(USAGE.as_bytes());
-            return ExitCode::SUCCESS;
-        }
-        Err(CliError::Bad(msg)) => {
-            let _ = writeln!(std::io::stderr(), "engine-emulator: {msg}\n{USAGE}");
-            return ExitCode::from(2);
+        Err(e) => {
+            // `--help` goes to stdout with 0; a bad command line to stderr
+            // with clap's message, usage line and exit code 2.
+            let _ = e.print();
+            return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
         }
     };
     let name = config.name.clone();
@@ -43,6 +41,9 @@ fn main() -> ExitCode {
         let _ = writeln!(out, "engine-emulator {name} listening on {addr}");
         let _ = out.flush();
     }
-    server.run();
+    if let Err(e) = server.run() {
+        let _ = writeln!(std::io::stderr(), "engine-emulator: cannot start: {e}");
+        return ExitCode::FAILURE;
+    }
     ExitCode::SUCCESS
 }

@@ -1,40 +1,74 @@
-//! The live replica: accepts connections (one thread each, keep-alive),
-//! routes requests, and drives the pure engine model with the real clock:
-//! network delay, FIFO admission, prefill and decode become actual waits, so
-//! a client (or Envoy) observes the latencies a real engine would produce.
+//! The live replica: an HTTP/1.1 server (hyper on a small tokio runtime)
+//! that routes requests and drives the pure engine model with the real
+//! clock. Network delay, FIFO admission, prefill and decode become actual
+//! waits, so a client (or Envoy) observes the latencies a real engine would
+//! produce.
+//!
+//! Cancellation: each request is one future (then, for an answer, one paced
+//! body). When the client goes away hyper notices the connection's end
+//! (it keeps reading while it answers: EOF or a reset fails the connection)
+//! or fails to write, and drops the future or the body. The request's `Slot`
+//! is dropped with it, which takes it out of the scheduler, whether it was
+//! still waiting or already running, and wakes the waiters.
 
 use std::collections::BTreeMap;
-use std::io::{self, BufReader, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
-use std::thread;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use hyper::body::{Body, Bytes, Incoming};
+use hyper::header::{HeaderName, HeaderValue, ALLOW, CACHE_CONTROL, CONNECTION, CONTENT_TYPE};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{HeaderMap, Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use serde::Deserialize;
 use serde_json::json;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+use tokio::time::Sleep;
 
+use crate::body::{ms_duration, ReplyBody};
 use crate::config::{Config, MAX_MS};
-use crate::http::{self, BodyKind, Framing, Head, ReadError, MAX_BODY_BYTES};
 use crate::metrics;
 use crate::model::{Engine, Prompt};
 use crate::openai::{self, Kind, ResponseMeta, Usage};
 
-/// An idle keep-alive connection is dropped after this; long enough that
-/// Envoy's pooled upstream connections are normally closed by Envoy first.
+/// Runtime worker threads: the work is waiting, not computing.
+const WORKER_THREADS: usize = 2;
+/// A connection waiting for a request head longer than this (idle
+/// keep-alive included) is dropped; long enough that Envoy's pooled
+/// upstream connections are normally closed by Envoy first. Also bounds the
+/// wait for a request body.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 /// A client that stops reading our response is abandoned after this.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
-/// How often waits check whether the client is still there.
-const WATCH_SLICE: Duration = Duration::from_millis(20);
-/// After an error response on a connection we are closing, unread request
-/// bytes are drained briefly so the close does not turn into a RST that
-/// destroys the response before the client reads it.
+/// Request line plus headers; larger heads get 431 (from hyper).
+pub const MAX_HEAD_BYTES: usize = 64 * 1024;
+const MAX_HEADERS: usize = 128;
+/// Request bodies beyond this get 413.
+pub const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
+/// When a connection ends, unread request bytes are drained briefly so the
+/// close does not turn into a RST that destroys the last response (say a
+/// 413) before the client reads it.
 const LINGER: Duration = Duration::from_millis(200);
 const LINGER_MAX_BYTES: usize = 1 << 20;
 
 const JSON: &str = "application/json";
 const INVALID: &str = "invalid_request_error";
+
+const X_ENGINE_REPLICA: HeaderName = HeaderName::from_static("x-engine-replica");
+const X_ENGINE_CACHED: HeaderName = HeaderName::from_static("x-engine-cached-tokens");
+const X_ENGINE_PROMPT: HeaderName = HeaderName::from_static("x-engine-prompt-tokens");
+const X_ENGINE_QUEUE_MS: HeaderName = HeaderName::from_static("x-engine-queue-ms");
+const X_RELEASE_DIGEST: HeaderName = HeaderName::from_static("x-release-digest");
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Route {
@@ -122,12 +156,16 @@ struct State {
 
 struct Shared {
     config: Config,
+    /// (request header, `x-echo-` response header) per `--echo-header`.
+    echo: Vec<(HeaderName, HeaderName)>,
+    client_region_header: Option<HeaderName>,
     clock: Instant,
     started_unix: u64,
     next_id: AtomicU64,
     state: Mutex<State>,
-    /// Signalled whenever a slot frees or the scheduler is unpaused.
-    wake: Condvar,
+    /// Signalled whenever a slot frees, the scheduler is unpaused or a
+    /// fault is lifted.
+    wake: Notify,
 }
 
 impl Shared {
@@ -137,40 +175,50 @@ impl Shared {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn wait<'a>(&self, guard: MutexGuard<'a, State>, timeout: Duration) -> MutexGuard<'a, State> {
-        match self.wake.wait_timeout(guard, timeout) {
-            Ok((g, _)) => g,
-            Err(poisoned) => poisoned.into_inner().0,
-        }
-    }
-
     fn now_ms(&self) -> f64 {
         self.clock.elapsed().as_secs_f64() * 1000.0
+    }
+
+    /// Waits until `ready` returns a value. `ready` runs under the state
+    /// lock, now and after every wake-up; being registered for the wake-up
+    /// before looking means none is missed.
+    async fn wait_for<T>(&self, mut ready: impl FnMut(&mut State) -> Option<T>) -> T {
+        loop {
+            let mut notified = pin!(self.wake.notified());
+            notified.as_mut().enable();
+            let got = ready(&mut self.lock());
+            if let Some(v) = got {
+                return v;
+            }
+            notified.await;
+        }
     }
 }
 
 /// Holds a request's place in the scheduler (slot or queue position) and
-/// gives it back however the handler exits: done, error, or client gone.
-struct Slot<'a> {
-    shared: &'a Shared,
+/// gives it back however the request ends: done, error, or client gone
+/// (the future or body holding it is dropped).
+struct Slot {
+    shared: Arc<Shared>,
     id: u64,
 }
 
-impl Drop for Slot<'_> {
+impl Drop for Slot {
     fn drop(&mut self) {
         self.shared.lock().engine.scheduler.finish(self.id);
-        self.shared.wake.notify_all();
+        self.shared.wake.notify_waiters();
     }
 }
 
 pub struct Server {
-    listener: TcpListener,
+    listener: std::net::TcpListener,
     shared: Arc<Shared>,
 }
 
 impl Server {
     pub fn bind(config: Config) -> io::Result<Server> {
-        let listener = TcpListener::bind(config.listen.as_str())?;
+        let listener = std::net::TcpListener::bind(config.listen.as_str())?;
+        listener.set_nonblocking(true)?;
         let state = State {
             engine: Engine::new(config.engine()),
             healthy: true,
@@ -182,13 +230,28 @@ impl Server {
             requests: BTreeMap::new(),
             garbage_seq: 0,
         };
+        // Names were validated as tokens; one that still did not convert
+        // would simply not be echoed.
+        let echo = config
+            .echo_headers
+            .iter()
+            .filter_map(|name| {
+                let from = HeaderName::from_bytes(name.as_bytes()).ok()?;
+                let to = HeaderName::from_bytes(format!("x-echo-{name}").as_bytes()).ok()?;
+                Some((from, to))
+            })
+            .collect();
+        let client_region_header =
+            HeaderName::from_bytes(config.client_region_header.as_bytes()).ok();
         let shared = Shared {
             config,
+            echo,
+            client_region_header,
             clock: Instant::now(),
             started_unix: unix_secs(),
             next_id: AtomicU64::new(1),
             state: Mutex::new(state),
-            wake: Condvar::new(),
+            wake: Notify::new(),
         };
         Ok(Server {
             listener,
@@ -200,295 +263,280 @@ impl Server {
         self.listener.local_addr()
     }
 
-    /// Serves forever.
-    pub fn run(self) {
+    /// Serves forever on a runtime of its own; returns only if that runtime
+    /// cannot be built.
+    pub fn run(self) -> io::Result<()> {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(WORKER_THREADS)
+            .thread_name("emulator")
+            .enable_all()
+            .build()?
+            .block_on(self.serve())
+    }
+
+    /// Serves forever on the current tokio runtime.
+    pub async fn serve(self) -> io::Result<()> {
+        let listener = TcpListener::from_std(self.listener)?;
         loop {
-            match self.listener.accept() {
+            match listener.accept().await {
                 Ok((stream, _)) => {
-                    let shared = Arc::clone(&self.shared);
-                    // If no thread can be spawned the connection is dropped:
-                    // the client sees a reset and can retry elsewhere.
-                    let _ = thread::Builder::new()
-                        .name("emulator-conn".to_string())
-                        .spawn(move || serve_connection(&shared, stream));
+                    tokio::spawn(serve_connection(Arc::clone(&self.shared), stream));
                 }
                 // Typically EMFILE: back off instead of spinning.
-                Err(_) => thread::sleep(Duration::from_millis(10)),
+                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
             }
         }
     }
 }
 
-fn serve_connection(shared: &Shared, stream: TcpStream) {
+async fn serve_connection(shared: Arc<Shared>, stream: TcpStream) {
     // SSE events must leave as soon as they are written.
     let _ = stream.set_nodelay(true);
-    let _ = stream.set_read_timeout(Some(IDLE_TIMEOUT));
-    let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
-    let Ok(read_half) = stream.try_clone() else {
-        return;
-    };
-    let mut reader = BufReader::new(read_half);
-    while serve_one(shared, &mut reader, &stream) {}
-}
-
-/// Serves one request; returns whether the connection stays open.
-fn serve_one(shared: &Shared, reader: &mut BufReader<TcpStream>, stream: &TcpStream) -> bool {
-    let head = match http::read_head(reader) {
-        Ok(h) => h,
-        Err(e) => {
-            reject(stream, &e, Vec::new());
-            return false;
-        }
-    };
-    let route = Route::of(head.path());
-    {
-        let mut st = shared.lock();
-        let n = st.requests.entry(route.path()).or_insert(0);
-        *n = n.saturating_add(1);
-    }
-    let echo = echo_headers(&shared.config, &head);
-
-    // Refuse an oversized upload before inviting the client to send it.
-    if let BodyKind::Length(n) = head.body {
-        if n > MAX_BODY_BYTES {
-            reject(stream, &ReadError::BodyTooLarge, echo);
-            return false;
-        }
-    }
-    if head.expects_continue() {
-        let mut w = stream;
-        if w.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").is_err() {
-            return false;
-        }
-    }
-    let body = match http::read_body(reader, head.body, MAX_BODY_BYTES) {
-        Ok(b) => b,
-        Err(e) => {
-            reject(stream, &e, echo);
-            return false;
-        }
-    };
-
-    let mut reply = Reply {
-        stream,
-        keep_alive: head.keep_alive(),
-        http10: head.minor_version == 0,
-        framing: Framing::Length(0),
-        echo,
-    };
-    if !route.is_admin() {
-        let delay = shared.lock().network_delay_ms;
-        thread::sleep(ms_duration(delay));
-    }
-    let ok = dispatch(shared, route, &head, &body, &mut reply).is_ok();
-    ok && reply.keep_alive
-}
-
-/// Answers a request that could not be read, then closes gracefully.
-fn reject(stream: &TcpStream, e: &ReadError, echo: Vec<(String, String)>) {
-    let Some(status) = e.status() else {
-        return;
-    };
-    let mut reply = Reply {
-        stream,
-        keep_alive: false,
-        http10: false,
-        framing: Framing::Length(0),
-        echo,
-    };
-    if reply.error(status, &e.message(), INVALID).is_err() {
-        return;
-    }
-    let _ = stream.shutdown(Shutdown::Write);
-    let _ = stream.set_read_timeout(Some(LINGER));
-    let deadline = Instant::now() + LINGER;
-    let mut drained = 0usize;
-    let mut buf = [0u8; 8192];
-    let mut r = stream;
-    while drained < LINGER_MAX_BYTES && Instant::now() < deadline {
-        match r.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => drained = drained.saturating_add(n),
-        }
+    let io = TokioIo::new(WriteStallTimeout::new(stream, WRITE_TIMEOUT));
+    let service = service_fn(move |req| handle(Arc::clone(&shared), req));
+    let conn = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(IDLE_TIMEOUT)
+        .max_header_size(MAX_HEAD_BYTES)
+        .max_headers(MAX_HEADERS)
+        .auto_date_header(false)
+        .serve_connection(io, service)
+        .without_shutdown();
+    // An error (client gone, malformed request answered by hyper, timeout)
+    // has already ended the exchange and dropped the socket; after a clean
+    // end (either side asked to close) it is closed here, gently.
+    if let Ok(parts) = conn.await {
+        linger_close(parts.io.into_inner().into_inner()).await;
     }
 }
 
-/// `x-echo-NAME` response headers for the configured names: lets tests see
-/// what Envoy actually forwarded.
-fn echo_headers(config: &Config, head: &Head) -> Vec<(String, String)> {
-    config
-        .echo_headers
+/// Closes our side, then reads (and discards) for a moment what the client
+/// may still be sending, so the kernel does not answer it with a RST that
+/// would destroy our last response before the client reads it.
+async fn linger_close(mut stream: TcpStream) {
+    if stream.shutdown().await.is_err() {
+        return;
+    }
+    let drain = async {
+        let mut buf = [0u8; 8192];
+        let mut drained = 0usize;
+        while drained < LINGER_MAX_BYTES {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => drained = drained.saturating_add(n),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(LINGER, drain).await;
+}
+
+type Reply = Response<ReplyBody>;
+
+/// Headers every response of one exchange carries: `x-echo-NAME` for the
+/// configured names, which lets tests see what Envoy actually forwarded.
+struct Echo(Vec<(HeaderName, HeaderValue)>);
+
+fn echo_headers(shared: &Shared, headers: &HeaderMap) -> Echo {
+    let pairs = shared
+        .echo
         .iter()
-        .map(|name| {
-            let values: Vec<&str> = head.header_values(name).collect();
+        .filter_map(|(from, to)| {
+            let values: Vec<String> = headers
+                .get_all(from)
+                .iter()
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+                .collect();
             let value = if values.is_empty() {
                 "-".to_string()
             } else {
                 values.join(", ")
             };
-            (format!("x-echo-{name}"), value)
+            Some((to.clone(), HeaderValue::try_from(value).ok()?))
         })
-        .collect()
+        .collect();
+    Echo(pairs)
 }
 
-/// Response writer for one exchange; remembers the framing it announced.
-struct Reply<'a> {
-    stream: &'a TcpStream,
-    keep_alive: bool,
-    http10: bool,
-    framing: Framing,
-    echo: Vec<(String, String)>,
-}
-
-impl Reply<'_> {
-    fn headers(&self, content_type: &str, extra: Vec<(String, String)>) -> Vec<(String, String)> {
-        let mut h = vec![("content-type".to_string(), content_type.to_string())];
-        h.extend(extra);
-        h.extend(self.echo.iter().cloned());
-        h
-    }
-
-    fn send(
-        &mut self,
-        status: u16,
-        content_type: &str,
-        extra: Vec<(String, String)>,
-        body: &[u8],
-    ) -> io::Result<()> {
-        let headers = self.headers(content_type, extra);
-        let mut w = self.stream;
-        http::write_response(&mut w, status, &headers, body, self.keep_alive)
-    }
-
-    fn json(&mut self, status: u16, body: &[u8]) -> io::Result<()> {
-        self.send(status, JSON, Vec::new(), body)
-    }
-
-    fn error(&mut self, status: u16, message: &str, kind: &str) -> io::Result<()> {
-        self.json(status, &openai::error_body(message, kind))
-    }
-
-    /// Writes only the head; the body follows via `body_part`.
-    fn head(
-        &mut self,
-        status: u16,
-        content_type: &str,
-        extra: Vec<(String, String)>,
-        framing: Framing,
-    ) -> io::Result<()> {
-        if framing == Framing::UntilClose {
-            self.keep_alive = false;
+/// A response: content type, then `extra`, then the echo headers. A header
+/// value that cannot be sent (none of ours, all validated) is left out.
+fn respond(
+    status: u16,
+    content_type: &'static str,
+    extra: Vec<(HeaderName, String)>,
+    echo: &Echo,
+    body: ReplyBody,
+) -> Reply {
+    let mut r = Response::new(body);
+    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let h = r.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    for (name, value) in extra {
+        if let Ok(v) = HeaderValue::try_from(value) {
+            h.append(name, v);
         }
-        self.framing = framing;
-        let bytes = http::head_bytes(
-            status,
-            &self.headers(content_type, extra),
-            framing,
-            self.keep_alive,
+    }
+    for (name, value) in &echo.0 {
+        h.append(name.clone(), value.clone());
+    }
+    r
+}
+
+fn json_reply(status: u16, body: impl Into<Bytes>, echo: &Echo) -> Reply {
+    respond(status, JSON, Vec::new(), echo, ReplyBody::full(body))
+}
+
+fn error_reply(status: u16, message: &str, kind: &str, echo: &Echo) -> Reply {
+    json_reply(status, openai::error_body(message, kind), echo)
+}
+
+/// An error answer to a request that could not be read; the connection is
+/// closed after it.
+fn reject(status: u16, message: &str, echo: &Echo) -> Reply {
+    let mut r = error_reply(status, message, INVALID, echo);
+    r.headers_mut()
+        .insert(CONNECTION, HeaderValue::from_static("close"));
+    r
+}
+
+/// One exchange. The error (the body did not arrive in time) makes hyper
+/// close the connection without an answer.
+async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Reply, io::Error> {
+    let (head, body) = req.into_parts();
+    // hyper decodes chunked framing and refuses a coding list that does not
+    // end with it; any other coding before it is not implemented here.
+    if let Some(codings) = unsupported_codings(&head.headers) {
+        let msg = format!("not implemented: transfer coding {codings}");
+        return Ok(reject(501, &msg, &Echo(Vec::new())));
+    }
+    let route = Route::of(head.uri.path());
+    {
+        let mut st = shared.lock();
+        let n = st.requests.entry(route.path()).or_insert(0);
+        *n = n.saturating_add(1);
+    }
+    let echo = echo_headers(&shared, &head.headers);
+
+    // Refuse an oversized upload before inviting the client to send it
+    // (hyper sends `100 Continue` only once the body is read).
+    let too_large = format!("request body larger than {MAX_BODY_BYTES} bytes");
+    if body.size_hint().lower() > u64::try_from(MAX_BODY_BYTES).unwrap_or(u64::MAX) {
+        return Ok(reject(413, &too_large, &echo));
+    }
+    let read = Limited::new(body, MAX_BODY_BYTES).collect();
+    let body = match tokio::time::timeout(IDLE_TIMEOUT, read).await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) if e.is::<LengthLimitError>() => return Ok(reject(413, &too_large, &echo)),
+        Ok(Err(e)) => return Ok(reject(400, &format!("malformed request: {e}"), &echo)),
+        Err(_) => {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "request body timed out",
+            ))
+        }
+    };
+
+    if !route.is_admin() {
+        // The client-region header (its last value, if repeated: the one
+        // the nearest proxy added) picks a region's own delay.
+        let region = shared
+            .client_region_header
+            .as_ref()
+            .and_then(|name| head.headers.get_all(name).iter().next_back())
+            .and_then(|v| v.to_str().ok());
+        let network_delay_ms = shared.lock().network_delay_ms;
+        let delay = shared.config.first_byte_delay_ms(region, network_delay_ms);
+        tokio::time::sleep(ms_duration(delay)).await;
+    }
+    let path = head.uri.path();
+    Ok(dispatch(&shared, route, &head.method, path, &body, &echo).await)
+}
+
+/// The transfer codings of a request that are not just `chunked`, if any.
+fn unsupported_codings(headers: &HeaderMap) -> Option<String> {
+    let mut codings = Vec::new();
+    for value in headers.get_all(hyper::header::TRANSFER_ENCODING) {
+        let value = String::from_utf8_lossy(value.as_bytes());
+        codings.extend(
+            value
+                .split(',')
+                .map(|c| c.trim().to_ascii_lowercase())
+                .filter(|c| !c.is_empty()),
         );
-        let mut w = self.stream;
-        w.write_all(&bytes)?;
-        w.flush()
     }
-
-    fn body_part(&mut self, data: &[u8]) -> io::Result<()> {
-        let mut w = self.stream;
-        match self.framing {
-            Framing::Chunked => http::write_chunk(&mut w, data),
-            _ => {
-                w.write_all(data)?;
-                w.flush()
-            }
-        }
-    }
-
-    fn end_body(&mut self) -> io::Result<()> {
-        match self.framing {
-            Framing::Chunked => {
-                let mut w = self.stream;
-                http::write_last_chunk(&mut w)
-            }
-            _ => Ok(()),
-        }
+    match codings.as_slice() {
+        [] => None,
+        [only] if only == "chunked" => None,
+        _ => Some(codings.join(", ")),
     }
 }
 
-fn dispatch(
-    shared: &Shared,
+async fn dispatch(
+    shared: &Arc<Shared>,
     route: Route,
-    head: &Head,
+    method: &Method,
+    path: &str,
     body: &[u8],
-    reply: &mut Reply,
-) -> io::Result<()> {
+    echo: &Echo,
+) -> Reply {
     if route == Route::NotFound {
-        let msg = format!("no route for {} {}", head.method, head.path());
-        return reply.error(404, &msg, INVALID);
+        let msg = format!("no route for {method} {path}");
+        return error_reply(404, &msg, INVALID, echo);
     }
-    if !route.methods().contains(&head.method.as_str()) {
-        let allow = vec![("allow".to_string(), route.methods().join(", "))];
+    if !route.methods().contains(&method.as_str()) {
+        let allow = vec![(ALLOW, route.methods().join(", "))];
         let body = openai::error_body(
-            &format!("method {} not allowed on {}", head.method, route.path()),
+            &format!("method {} not allowed on {}", method, route.path()),
             INVALID,
         );
-        return reply.send(405, JSON, allow, &body);
+        return respond(405, JSON, allow, echo, ReplyBody::full(body));
     }
     let inference_route = matches!(route, Route::Chat | Route::Completions);
     let probe_route = matches!(route, Route::Health | Route::Metrics);
-    let hung =
-        |st: &State| (inference_route && st.hang_inference) || (probe_route && st.hang_probes);
-    let fail_status = {
-        let mut st = shared.lock();
-        while hung(&st) {
-            st = shared.wait(st, WATCH_SLICE);
-            if !peer_connected(reply.stream) {
-                return Err(aborted());
-            }
-        }
-        st.fail_status
-    };
+    let fail_status = shared
+        .wait_for(|st| {
+            let hung = (inference_route && st.hang_inference) || (probe_route && st.hang_probes);
+            (!hung).then_some(st.fail_status)
+        })
+        .await;
     if inference_route && fail_status != 0 {
-        let name = vec![("x-engine-replica".to_string(), shared.config.name.clone())];
+        let name = vec![(X_ENGINE_REPLICA, shared.config.name.clone())];
         let body = openai::error_body("injected failure (admin fail_status)", "server_error");
-        return reply.send(fail_status, JSON, name, &body);
+        return respond(fail_status, JSON, name, echo, ReplyBody::full(body));
     }
     match route {
-        Route::Chat => inference(shared, Kind::Chat, body, reply),
-        Route::Completions => inference(shared, Kind::Completion, body, reply),
-        Route::Health => health(shared, reply),
+        Route::Chat => inference(shared, Kind::Chat, body, echo).await,
+        Route::Completions => inference(shared, Kind::Completion, body, echo).await,
+        Route::Health => health(shared, echo),
         Route::Models => {
             let owner = shared.config.mode.as_str();
-            reply.json(
-                200,
-                &openai::model_list(&shared.config.model, owner, shared.started_unix),
-            )
+            let list = openai::model_list(&shared.config.model, owner, shared.started_unix);
+            json_reply(200, list, echo)
         }
-        Route::Metrics => metrics_page(shared, reply),
-        Route::AdminStats => admin_stats(shared, reply),
-        Route::AdminState if head.method == "GET" => admin_state(shared, b"", reply),
-        Route::AdminState => admin_state(shared, body, reply),
+        Route::Metrics => metrics_page(shared, echo),
+        Route::AdminStats => admin_stats(shared, echo),
+        Route::AdminState if method == Method::GET => admin_state(shared, b"", echo),
+        Route::AdminState => admin_state(shared, body, echo),
         Route::AdminReset => {
             {
                 let mut st = shared.lock();
                 st.engine.reset();
                 st.requests.clear();
             }
-            reply.json(200, br#"{"status":"reset"}"#)
+            json_reply(200, Bytes::from_static(br#"{"status":"reset"}"#), echo)
         }
-        Route::NotFound => reply.error(404, "not found", INVALID),
+        Route::NotFound => error_reply(404, "not found", INVALID, echo),
     }
 }
 
-fn health(shared: &Shared, reply: &mut Reply) -> io::Result<()> {
+fn health(shared: &Shared, echo: &Echo) -> Reply {
     let healthy = shared.lock().healthy;
-    let digest = vec![(
-        "x-release-digest".to_string(),
-        shared.config.release.clone(),
-    )];
-    if healthy {
-        reply.send(200, JSON, digest, br#"{"status":"ok"}"#)
+    let digest = vec![(X_RELEASE_DIGEST, shared.config.release.clone())];
+    let (status, body): (u16, &'static [u8]) = if healthy {
+        (200, br#"{"status":"ok"}"#)
     } else {
-        reply.send(503, JSON, digest, br#"{"status":"unhealthy"}"#)
-    }
+        (503, br#"{"status":"unhealthy"}"#)
+    };
+    respond(status, JSON, digest, echo, ReplyBody::full(body))
 }
 
 fn request_counts(st: &State) -> Vec<(String, u64)> {
@@ -504,7 +552,7 @@ fn request_counts(st: &State) -> Vec<(String, u64)> {
         .collect()
 }
 
-fn metrics_page(shared: &Shared, reply: &mut Reply) -> io::Result<()> {
+fn metrics_page(shared: &Shared, echo: &Echo) -> Reply {
     let cfg = &shared.config;
     let text = {
         let mut st = shared.lock();
@@ -524,10 +572,16 @@ fn metrics_page(shared: &Shared, reply: &mut Reply) -> io::Result<()> {
             metrics::render(cfg.mode, &cfg.model, &cfg.release, &snapshot)
         }
     };
-    reply.send(200, metrics::CONTENT_TYPE, Vec::new(), text.as_bytes())
+    respond(
+        200,
+        metrics::CONTENT_TYPE,
+        Vec::new(),
+        echo,
+        ReplyBody::full(text),
+    )
 }
 
-fn admin_stats(shared: &Shared, reply: &mut Reply) -> io::Result<()> {
+fn admin_stats(shared: &Shared, echo: &Echo) -> Reply {
     let body = {
         let st = shared.lock();
         let requests: serde_json::Map<String, serde_json::Value> = request_counts(&st)
@@ -546,7 +600,7 @@ fn admin_stats(shared: &Shared, reply: &mut Reply) -> io::Result<()> {
             "completed": st.engine.completed(),
         })
     };
-    reply.json(200, body.to_string().as_bytes())
+    json_reply(200, body.to_string(), echo)
 }
 
 /// Body of `POST /admin/state`; unknown fields are rejected so a typo in a
@@ -563,27 +617,25 @@ struct StatePatch {
     hang_inference: Option<bool>,
 }
 
-fn admin_state(shared: &Shared, body: &[u8], reply: &mut Reply) -> io::Result<()> {
+fn admin_state(shared: &Shared, body: &[u8], echo: &Echo) -> Reply {
     let patch = if body.iter().all(u8::is_ascii_whitespace) {
         StatePatch::default()
     } else {
         match serde_json::from_slice::<StatePatch>(body) {
             Ok(p) => p,
-            Err(e) => return reply.error(400, &format!("bad state: {e}"), INVALID),
+            Err(e) => return error_reply(400, &format!("bad state: {e}"), INVALID, echo),
         }
     };
     if let Some(d) = patch.network_delay_ms {
         if !(d.is_finite() && (0.0..=MAX_MS).contains(&d)) {
-            return reply.error(
-                400,
-                "network_delay_ms must be a number of milliseconds >= 0",
-                INVALID,
-            );
+            let msg = "network_delay_ms must be a number of milliseconds >= 0";
+            return error_reply(400, msg, INVALID, echo);
         }
     }
     if let Some(f) = patch.fail_status {
         if f != 0 && !(400..=599).contains(&f) {
-            return reply.error(400, "fail_status must be 0 (off) or 400..=599", INVALID);
+            let msg = "fail_status must be 0 (off) or 400..=599";
+            return error_reply(400, msg, INVALID, echo);
         }
     }
     let body = {
@@ -597,7 +649,6 @@ fn admin_state(shared: &Shared, body: &[u8], reply: &mut Reply) -> io::Result<()
         if let Some(h) = patch.hang_inference {
             st.hang_inference = h;
         }
-        shared.wake.notify_all();
         if let Some(h) = patch.healthy {
             st.healthy = h;
         }
@@ -609,7 +660,6 @@ fn admin_state(shared: &Shared, body: &[u8], reply: &mut Reply) -> io::Result<()
         }
         if let Some(p) = patch.paused {
             st.engine.scheduler.set_paused(p);
-            shared.wake.notify_all();
         }
         json!({
             "healthy": st.healthy,
@@ -621,64 +671,50 @@ fn admin_state(shared: &Shared, body: &[u8], reply: &mut Reply) -> io::Result<()
             "hang_inference": st.hang_inference,
         })
     };
-    reply.json(200, body.to_string().as_bytes())
-}
-
-fn aborted() -> io::Error {
-    io::Error::new(io::ErrorKind::ConnectionAborted, "client went away")
+    // Lifted hangs and an unpaused scheduler let waiters go on.
+    shared.wake.notify_waiters();
+    json_reply(200, body.to_string(), echo)
 }
 
 /// One inference request: admission (FIFO), prefill, then the response,
 /// timed so the client sees queue + prefill before the first byte and
 /// decode pacing after it.
-fn inference(shared: &Shared, kind: Kind, body: &[u8], reply: &mut Reply) -> io::Result<()> {
+async fn inference(shared: &Arc<Shared>, kind: Kind, body: &[u8], echo: &Echo) -> Reply {
     if !shared.lock().healthy {
-        return reply.error(503, "replica is unhealthy", "service_unavailable");
+        return error_reply(503, "replica is unhealthy", "service_unavailable", echo);
     }
     let req = match openai::parse_request(kind, body) {
         Ok(r) => r,
-        Err(msg) => return reply.error(400, &msg, INVALID),
+        Err(msg) => return error_reply(400, &msg, INVALID, echo),
     };
     let block_tokens = shared.config.engine().block_tokens;
     let prompt = Prompt::from_text(&req.prompt_text, block_tokens);
 
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let arrived = Instant::now();
-    let _slot = Slot { shared, id };
-    let plan = {
-        let mut st = shared.lock();
-        st.engine.scheduler.arrive(id);
-        while !st.engine.scheduler.is_running(id) {
-            st = shared.wait(st, WATCH_SLICE);
-            if !peer_connected(reply.stream) {
-                drop(st);
-                return Err(aborted());
-            }
-        }
-        let now = shared.now_ms();
-        st.engine.admit(&prompt, now)
+    let slot = Slot {
+        shared: Arc::clone(shared),
+        id,
     };
+    shared.lock().engine.scheduler.arrive(id);
+    let plan = shared
+        .wait_for(|st| {
+            st.engine
+                .scheduler
+                .is_running(id)
+                .then(|| st.engine.admit(&prompt, shared.now_ms()))
+        })
+        .await;
     let queue_ms = arrived.elapsed().as_secs_f64() * 1000.0;
 
-    if !sleep_watching(reply.stream, plan.prefill_ms) {
-        return Err(aborted());
-    }
+    tokio::time::sleep(ms_duration(plan.prefill_ms)).await;
 
     let cfg = &shared.config;
-    let engine_headers = vec![
-        ("x-engine-replica".to_string(), cfg.name.clone()),
-        (
-            "x-engine-cached-tokens".to_string(),
-            plan.cached_tokens.to_string(),
-        ),
-        (
-            "x-engine-prompt-tokens".to_string(),
-            plan.prompt_tokens.to_string(),
-        ),
-        (
-            "x-engine-queue-ms".to_string(),
-            format!("{}", queue_ms.round() as u64),
-        ),
+    let mut headers = vec![
+        (X_ENGINE_REPLICA, cfg.name.clone()),
+        (X_ENGINE_CACHED, plan.cached_tokens.to_string()),
+        (X_ENGINE_PROMPT, plan.prompt_tokens.to_string()),
+        (X_ENGINE_QUEUE_MS, format!("{}", queue_ms.round() as u64)),
     ];
     let prefix = match kind {
         Kind::Chat => "chatcmpl",
@@ -695,126 +731,131 @@ fn inference(shared: &Shared, kind: Kind, body: &[u8], reply: &mut Reply) -> io:
         cached_tokens: plan.cached_tokens,
     };
     let decode_ms_per_token = shared.lock().engine.timing.decode_ms_per_token;
+    // With the last bytes: count the success, then give the slot back.
+    let on_done = Box::new(move || {
+        slot.shared.lock().engine.record_success();
+        drop(slot);
+    });
 
     if req.stream {
-        let framing = if reply.http10 {
-            Framing::UntilClose
-        } else {
-            Framing::Chunked
-        };
-        let mut headers = engine_headers;
-        headers.push(("cache-control".to_string(), "no-cache".to_string()));
-        reply.head(200, "text/event-stream", headers, framing)?;
-        stream_tokens(reply, kind, &meta, req.max_tokens, decode_ms_per_token)?;
         let mut tail = Vec::new();
         if req.include_usage {
             tail.extend(openai::usage_chunk(kind, &meta, usage));
         }
         tail.extend_from_slice(openai::SSE_DONE);
-        reply.body_part(&tail)?;
-        reply.end_body()?;
+        let tokens = req.max_tokens;
+        let render = Box::new(move |range: std::ops::Range<usize>| {
+            let mut events = Vec::new();
+            for i in range {
+                let text = openai::token_text(i);
+                let last = i.saturating_add(1) == tokens;
+                events.extend(openai::stream_chunk(kind, &meta, &text, i == 0, last));
+            }
+            events
+        });
+        headers.push((CACHE_CONTROL, "no-cache".to_string()));
+        let body = ReplyBody::events(tokens, decode_ms_per_token, render, tail, on_done);
+        respond(200, "text/event-stream", headers, echo, body)
     } else {
         let text = openai::output_text(req.max_tokens);
-        let body = openai::full_response(kind, &meta, &text, usage);
-        reply.head(200, JSON, engine_headers, Framing::Length(body.len()))?;
-        if !sleep_watching(reply.stream, decode_ms_per_token * req.max_tokens as f64) {
-            return Err(aborted());
-        }
-        reply.body_part(&body)?;
-    }
-    shared.lock().engine.record_success();
-    Ok(())
-}
-
-/// Emits one SSE event per output token: the first right away (prefill
-/// produced it), token i at i × decode_ms_per_token after that. Events that
-/// fall due together (sub-millisecond decode) share one write.
-fn stream_tokens(
-    reply: &mut Reply,
-    kind: Kind,
-    meta: &ResponseMeta,
-    tokens: usize,
-    per_token_ms: f64,
-) -> io::Result<()> {
-    let start = Instant::now();
-    let mut sent = 0usize;
-    while sent < tokens {
-        let elapsed_ms = start.elapsed().as_secs_f64() * 1000.0;
-        let due = if per_token_ms > 0.0 {
-            ((elapsed_ms / per_token_ms).floor() as usize)
-                .saturating_add(1)
-                .min(tokens)
-        } else {
-            tokens
-        };
-        if due <= sent {
-            let next_at_ms = sent as f64 * per_token_ms;
-            // At least 1 ms so fast decode batches instead of busy-looping.
-            let wait = (next_at_ms - elapsed_ms).max(1.0);
-            if !sleep_watching(reply.stream, wait) {
-                return Err(aborted());
-            }
-            continue;
-        }
-        let mut events = Vec::new();
-        for i in sent..due {
-            let text = openai::token_text(i);
-            events.extend(openai::stream_chunk(
-                kind,
-                meta,
-                &text,
-                i == 0,
-                i + 1 == tokens,
-            ));
-        }
-        reply.body_part(&events)?;
-        sent = due;
-    }
-    Ok(())
-}
-
-/// Whether the peer is still connected: a readable EOF means it closed.
-/// Pipelined bytes waiting to be read count as connected.
-fn peer_connected(stream: &TcpStream) -> bool {
-    if stream.set_nonblocking(true).is_err() {
-        return true;
-    }
-    let mut probe = [0u8; 1];
-    let result = stream.peek(&mut probe);
-    let _ = stream.set_nonblocking(false);
-    match result {
-        Ok(0) => false,
-        Ok(_) => true,
-        Err(e) => matches!(
-            e.kind(),
-            io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-        ),
+        let full = openai::full_response(kind, &meta, &text, usage);
+        let decode_ms = decode_ms_per_token * req.max_tokens as f64;
+        let body = ReplyBody::after(decode_ms, full, on_done);
+        respond(200, JSON, headers, echo, body)
     }
 }
 
-/// Sleeps `ms`, checking every few ms that the client is still there, so a
-/// disconnect frees the slot promptly. Returns false if the client left.
-fn sleep_watching(stream: &TcpStream, ms: f64) -> bool {
-    let deadline = Instant::now() + ms_duration(ms);
-    loop {
-        if !peer_connected(stream) {
-            return false;
+/// The socket under hyper, failing a write that has made no progress for
+/// `limit`: a client that stops reading is abandoned (hyper then drops the
+/// connection, and with it the request and its slot) instead of pinning a
+/// slot forever. Reads pass through.
+struct WriteStallTimeout {
+    stream: TcpStream,
+    limit: Duration,
+    stalled: Option<Pin<Box<Sleep>>>,
+}
+
+impl WriteStallTimeout {
+    fn new(stream: TcpStream, limit: Duration) -> Self {
+        WriteStallTimeout {
+            stream,
+            limit,
+            stalled: None,
         }
-        let now = Instant::now();
-        if now >= deadline {
-            return true;
+    }
+
+    fn into_inner(self) -> TcpStream {
+        self.stream
+    }
+
+    /// Passes a ready result through (progress: the stall clock stops);
+    /// on pending, runs the stall clock and fails when it expires.
+    fn watch<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        result: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if result.is_ready() {
+            self.stalled = None;
+            return result;
         }
-        thread::sleep((deadline - now).min(WATCH_SLICE));
+        let limit = self.limit;
+        let timer = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "client stopped reading",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
     }
 }
 
-/// Milliseconds to a `Duration`, treating NaN/negative as zero and capping
-/// at a day so arithmetic on `Instant` cannot overflow.
-fn ms_duration(ms: f64) -> Duration {
-    if ms.is_finite() && ms > 0.0 {
-        Duration::from_secs_f64(ms.min(MAX_MS) / 1000.0)
-    } else {
-        Duration::ZERO
+impl AsyncRead for WriteStallTimeout {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for WriteStallTimeout {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let result = Pin::new(&mut this.stream).poll_write(cx, buf);
+        this.watch(cx, result)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let result = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
+        this.watch(cx, result)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let result = Pin::new(&mut this.stream).poll_flush(cx);
+        this.watch(cx, result)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
     }
 }
 

@@ -1,6 +1,7 @@
 //! End-to-end tests of the `engine-emulator` binary over real sockets, with
 //! a std-only HTTP/1.1 client: prefix-cache hits, metrics, SSE, admin
-//! controls, error handling and CLI behaviour.
+//! controls, error handling, cancellation by disconnect, per-client-region
+//! delays and CLI behaviour.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -611,15 +612,179 @@ fn sglang_mode_and_network_delay() {
 }
 
 #[test]
-fn bad_flags_exit_2_with_usage() {
+fn bad_flags_exit_2_with_clap_message() {
     for args in [
         &["--listen", "127.0.0.1:0", "--bogus"][..],
         &["--name", "x"],
         &["--listen", "127.0.0.1:0", "--mode", "tgi"],
+        // Repeated flags are refused, not "last one wins".
+        &["--listen", "127.0.0.1:0", "--listen", "127.0.0.1:0"],
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--max-concurrency",
+            "1",
+            "--max-concurrency",
+            "2",
+        ],
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--client-delay-ms",
+            "eu=1",
+            "--client-delay-ms",
+            "eu=2",
+        ],
     ] {
         let out = Command::new(BIN).args(args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
-        assert!(String::from_utf8_lossy(&out.stderr).contains("usage: engine-emulator"));
+        let err = String::from_utf8_lossy(&out.stderr);
+        // clap's message: what is wrong, and where help is.
+        assert!(
+            err.starts_with("error: ") && err.contains("'--help'"),
+            "{err}"
+        );
         assert!(out.stdout.is_empty());
     }
+    let out = Command::new(BIN).arg("--help").output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("--client-delay-ms <REGION=MS>"), "{help}");
+}
+
+#[test]
+fn client_region_delay_replaces_network_delay() {
+    let emu = Emulator::start(&[
+        "--network-delay-ms",
+        "400",
+        "--client-region-header",
+        "X-Region",
+        "--client-delay-ms",
+        "eu=0",
+        "--client-delay-ms",
+        "ap=150",
+        "--prefill-ms-per-token",
+        "0",
+        "--decode-ms-per-token",
+        "0",
+    ]);
+    let mut c = emu.connect();
+    let timed = |c: &mut Client, method: &str, path: &str, region: Option<(&str, &str)>| {
+        let headers: Vec<(&str, &str)> = region.into_iter().collect();
+        let body = if method == "POST" {
+            chat("region", json!({"max_tokens": 1})).to_string()
+        } else {
+            String::new()
+        };
+        let t = Instant::now();
+        let r = c.request(method, path, &headers, body.as_bytes());
+        assert_eq!(r.status, 200);
+        t.elapsed()
+    };
+    let ms = Duration::from_millis;
+    // A configured region: its own delay, shorter or longer.
+    assert!(timed(&mut c, "GET", "/health", Some(("x-region", "eu"))) < ms(300));
+    let ap = timed(&mut c, "GET", "/health", Some(("x-region", "ap")));
+    assert!(ap >= ms(150) && ap < ms(400), "{ap:?}");
+    let ap = timed(
+        &mut c,
+        "POST",
+        "/v1/chat/completions",
+        Some(("x-region", "ap")),
+    );
+    assert!(ap >= ms(150) && ap < ms(400), "{ap:?}");
+    // No header, an unknown region, or the region under another header
+    // name: --network-delay-ms.
+    assert!(timed(&mut c, "GET", "/health", None) >= ms(400));
+    assert!(timed(&mut c, "GET", "/health", Some(("x-region", "us"))) >= ms(400));
+    assert!(timed(&mut c, "GET", "/health", Some(("x-client-region", "eu"))) >= ms(400));
+    // Admin endpoints are not delayed; changing the network delay at run
+    // time leaves the regions' delays alone.
+    c.post_json("/admin/state", &json!({"network_delay_ms": 0}));
+    assert!(timed(&mut c, "GET", "/health", None) < ms(300));
+    let ap = timed(&mut c, "GET", "/health", Some(("x-region", "ap")));
+    assert!(ap >= ms(150), "{ap:?}");
+}
+
+fn running_waiting(admin: &mut Client) -> (u64, u64) {
+    let stats = admin.request("GET", "/admin/stats", &[], b"").json();
+    (
+        stats["running"].as_u64().unwrap(),
+        stats["waiting"].as_u64().unwrap(),
+    )
+}
+
+fn wait_for_counts(admin: &mut Client, want: (u64, u64)) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let got = running_waiting(admin);
+        if got == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "running/waiting {got:?}, want {want:?}"
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_client_that_goes_away_frees_its_slot_or_queue_place() {
+    let emu = Emulator::start(&[
+        "--max-concurrency",
+        "1",
+        "--prefill-ms-per-token",
+        "0",
+        "--decode-ms-per-token",
+        "500",
+    ]);
+    let mut admin = emu.connect();
+    let send = |body: Value| {
+        let mut c = emu.connect();
+        let raw = body.to_string();
+        c.send_raw(
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: {}\r\n\r\n{raw}",
+                raw.len()
+            )
+            .as_bytes(),
+        );
+        c
+    };
+    // A slow stream takes the only slot; a second request waits behind it.
+    let mut streaming = send(chat("long", json!({"stream": true, "max_tokens": 100})));
+    assert!(streaming.line().starts_with("HTTP/1.1 200"));
+    let queued = send(chat("queued", json!({"max_tokens": 1})));
+    wait_for_counts(&mut admin, (1, 1));
+    // The waiting client leaves: its queue place goes, the stream runs on.
+    drop(queued);
+    wait_for_counts(&mut admin, (1, 0));
+    // The streaming client leaves mid-stream (between two tokens): the
+    // slot is free again long before the 50 s of decode would be over.
+    drop(streaming);
+    wait_for_counts(&mut admin, (0, 0));
+    // Same while the non-streaming answer's head is out and its body due.
+    let mut whole = send(chat("whole", json!({"max_tokens": 100})));
+    assert!(whole.line().starts_with("HTTP/1.1 200"));
+    wait_for_counts(&mut admin, (1, 0));
+    drop(whole);
+    wait_for_counts(&mut admin, (0, 0));
+    // And while hung before any answer.
+    admin.post_json("/admin/state", &json!({"hang_inference": true}));
+    let hung = send(chat("hung", json!({"max_tokens": 1})));
+    thread::sleep(Duration::from_millis(100));
+    drop(hung);
+    admin.post_json("/admin/state", &json!({"hang_inference": false}));
+    // Had it stayed, it would now run (one 500 ms token) and complete.
+    thread::sleep(Duration::from_millis(800));
+    wait_for_counts(&mut admin, (0, 0));
+    let stats = admin.request("GET", "/admin/stats", &[], b"").json();
+    assert_eq!(stats["completed"], 0);
+    // The replica still serves.
+    let r = admin.post_json(
+        "/v1/chat/completions",
+        &chat("after", json!({"max_tokens": 1})),
+    );
+    assert_eq!(r.status, 200);
 }
