@@ -146,8 +146,11 @@ fn default_max_concurrency() -> u32 {
 fn default_prefill_ms_per_token() -> f64 {
     0.1
 }
+/// `regions[].service_ms` when the operator does not give one.
+pub const DEFAULT_SERVICE_MS: f64 = 2000.0;
+
 fn default_service_ms() -> f64 {
-    2000.0
+    DEFAULT_SERVICE_MS
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]

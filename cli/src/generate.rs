@@ -12,14 +12,16 @@ use std::path::Path;
 pub const SUMMARY: &str = "write a benchmark scenario's fleet.json and trace.jsonl";
 
 pub const USAGE: &str = "\
-usage: llm-geo-router generate --scenario a|b|c|d --seed N [--out DIR]
+usage: llm-geo-router generate --scenario a|b|c|d|e|f|g --seed N [--out DIR]
 
 Writes DIR/fleet.json and DIR/trace.jsonl (DIR is created if missing;
 default: the current directory) and prints the scenario's figures: requests,
 sessions, span, mean prompt tokens, prefix reuse (prompt tokens that are a
-prefix an earlier request already sent) and offered decode load (decode work
-over all regions' slots for the trace's span). The same scenario and seed
-always give the same files.
+prefix an earlier request already sent), offered decode load (decode work
+over all regions' slots for the trace's span), the prefill load on top of it
+(between every reused prefix cached and none), and the working set (prompt
+prefixes sent more than once) against the largest region cache. The same
+scenario and seed always give the same files.
 
 scenarios (regions iad, fra, icn; client regions na, eu, ap; na sees the
 regions at 37 / 279 / 456 ms):
@@ -29,6 +31,19 @@ regions at 37 / 279 / 456 ms):
   c   steady short traffic and, from 60 s to 120 s, a flash crowd in eu
       behind one hot 3000-token system prompt
   d   multi-turn chat; iad is lost from 80 s to 170 s (fleet `outages`)
+
+scenarios on three continents (regions iad, fra, nrt: us-east, eu-central,
+ap-northeast; clients in na, eu, ap 15-25 ms from their own continent's
+region, 104-262 ms from the others, after measured inter-region round trips):
+  e   multi-turn chat, demand 55 / 30 / 15 % from na / eu / ap, six system
+      prompts shared by all client regions, and from 150 s to 225 s a crowd
+      of short conversations in ap tripling its request rate
+  f   caches smaller than the working set: 240 long documents revisited by
+      multi-turn sessions, each region's cache about a tenth of the prefixes
+      sent more than once
+  g   heterogeneous regions: nrt has half the slots of the others, fra twice
+      their prefill time per token; chat, long-document sessions and long
+      one-off prompts at about 75 % of the fleet's slots
 
 Exit status: 0 on success; 2 on a wrong option or a file that cannot be
 written.
@@ -55,7 +70,7 @@ pub fn run(argv: &[String]) -> Result<String, CliError> {
     let name = p.text("scenario").unwrap_or_default();
     let kind = scenario::Kind::parse(name).ok_or_else(|| {
         CliError::Usage(format!(
-            "--scenario must be one of a, b, c, d, got '{name}'"
+            "--scenario must be one of a, b, c, d, e, f, g, got '{name}'"
         ))
     })?;
     let seed: u64 = p.whole("seed", false)?.unwrap_or(0);
@@ -75,6 +90,13 @@ pub fn run(argv: &[String]) -> Result<String, CliError> {
             .map_err(|e| CliError::Input(format!("{}: cannot write: {e}", path.display())))?;
     }
     let f = figures(&s.fleet, &s.trace);
+    let cache = s
+        .fleet
+        .regions
+        .iter()
+        .map(|r| r.cache_tokens)
+        .max()
+        .unwrap_or(0);
     let clients: Vec<String> = f
         .per_client
         .iter()
@@ -83,7 +105,10 @@ pub fn run(argv: &[String]) -> Result<String, CliError> {
     Ok(format!(
         "scenario {name} ({}), seed {seed}\nwrote {} and {}\n\
          {} requests in {} sessions over {:.1} s; by client region: {}\n\
-         mean prompt {:.0} tokens; prefix reuse {:.1} %; offered decode load {:.0} % of the fleet's slots\n",
+         mean prompt {:.0} tokens; prefix reuse {:.1} %; \
+         working set {:.0}k tokens, {:.1}x the largest region cache\n\
+         offered decode load {:.0} % of the fleet's slots; \
+         prefill {:.0}-{:.0} % more (reused prefixes all cached - none)\n",
         kind.describe(),
         fleet_path.display(),
         trace_path.display(),
@@ -93,6 +118,10 @@ pub fn run(argv: &[String]) -> Result<String, CliError> {
         clients.join(", "),
         f.mean_prompt_tokens,
         100.0 * f.prefix_reuse,
+        f.working_set_tokens as f64 / 1000.0,
+        f.working_set_tokens as f64 / cache.max(1) as f64,
         100.0 * f.offered_load,
+        100.0 * f.prefill_load.0,
+        100.0 * f.prefill_load.1,
     ))
 }

@@ -286,7 +286,7 @@ fn bad_inputs_are_refused_with_what_to_fix() {
         "w_quue",
     );
     refused(
-        &["generate", "--scenario", "e", "--seed", "1"],
-        "--scenario must be one of a, b, c, d",
+        &["generate", "--scenario", "h", "--seed", "1"],
+        "--scenario must be one of a, b, c, d, e, f, g",
     );
 }

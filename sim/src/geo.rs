@@ -22,32 +22,67 @@ use llm_geo_router::stream::Flow;
 use llm_geo_router::view::View;
 use serde_json::{json, Map, Value};
 
+/// What the plugin is told about the engines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Knowledge {
+    /// What an operator knows: region names, clusters, slot counts
+    /// (`max_concurrency`) and a capacity estimate from them at the
+    /// documented default service time; everything else at its documented
+    /// default (`prefill_ms_per_token`, `service_ms`, `rtt_ms`). Round trips
+    /// come from the probe, prefill rates and weights from online tuning.
+    /// The headline.
+    Operator,
+    /// The engines' exact figures: each region's prefill rate, a service
+    /// time from the trace's own mean output length, and every round trip
+    /// from the fleet file. A limit, not a deployment.
+    Exact,
+}
+
+impl Knowledge {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Knowledge::Operator => "operator",
+            Knowledge::Exact => "exact",
+        }
+    }
+}
+
 /// The plugin configuration one client region's Envoy gets: the fleet's
-/// regions with their figures and this client region's round trips, the
-/// tier taken from the trace as a trusted header, and `overrides` (a partial
-/// plugin configuration, everything but `regions`) merged on top.
+/// regions as `knowledge` allows, the tier taken from the trace as a trusted
+/// header, and `overrides` (a partial plugin configuration, everything but
+/// `regions`) merged on top.
 pub fn plugin_config(
     fleet: &Fleet,
     client: usize,
+    knowledge: Knowledge,
     mean_output_tokens: f64,
     overrides: Option<&Value>,
 ) -> Result<Config, String> {
+    let default_service_ms = llm_geo_router::config::DEFAULT_SERVICE_MS;
     let regions: Vec<Value> = fleet
         .regions
         .iter()
         .enumerate()
-        .map(|(r, region)| {
-            // The mean time a request holds a slot is dominated by decode.
-            let service_ms = (region.decode_ms_per_token * mean_output_tokens).max(1.0);
-            json!({
+        .map(|(r, region)| match knowledge {
+            Knowledge::Operator => json!({
                 "name": region.name,
                 "cluster": region.name,
-                "capacity_rps": f64::from(region.max_concurrency) * 1000.0 / service_ms,
+                "capacity_rps": f64::from(region.max_concurrency) * 1000.0 / default_service_ms,
                 "max_concurrency": region.max_concurrency,
-                "prefill_ms_per_token": region.prefill_ms_per_token,
-                "service_ms": service_ms,
-                "rtt_ms": fleet.rtt(client, r),
-            })
+            }),
+            Knowledge::Exact => {
+                // The mean time a request holds a slot is dominated by decode.
+                let service_ms = (region.decode_ms_per_token * mean_output_tokens).max(1.0);
+                json!({
+                    "name": region.name,
+                    "cluster": region.name,
+                    "capacity_rps": f64::from(region.max_concurrency) * 1000.0 / service_ms,
+                    "max_concurrency": region.max_concurrency,
+                    "prefill_ms_per_token": region.prefill_ms_per_token,
+                    "service_ms": service_ms,
+                    "rtt_ms": fleet.rtt(client, r),
+                })
+            }
         })
         .collect();
     let mut doc = json!({
@@ -296,21 +331,50 @@ mod tests {
     #[test]
     fn config_comes_from_the_fleet_with_overrides() {
         let f = fleet();
-        let c = plugin_config(&f, 1, 100.0, None).unwrap();
+        let c = plugin_config(&f, 1, Knowledge::Exact, 100.0, None).unwrap();
         assert_eq!(c.regions[0].rtt_ms, 80.0);
         assert_eq!(c.regions[1].service_ms, 2500.0);
+        assert_eq!(c.regions[1].prefill_ms_per_token, 0.2);
         assert_eq!(c.regions[1].capacity_rps, 4.0);
         assert_eq!(c.regions[0].capacity_rps, 10.0);
         assert!(c.tiers.trust_header);
+        // What an operator knows: slots; the rest at the documented defaults,
+        // whatever the engines and the trace are.
+        let c = plugin_config(&f, 1, Knowledge::Operator, 100.0, None).unwrap();
+        let d =
+            Config::parse(br#"{"regions": [{"name": "x", "cluster": "x", "capacity_rps": 1}]}"#)
+                .unwrap();
+        let d = &d.regions[0];
+        for (r, slots) in c.regions.iter().zip([20.0, 10.0]) {
+            assert_eq!(r.rtt_ms, d.rtt_ms);
+            assert_eq!(r.service_ms, d.service_ms);
+            assert_eq!(r.prefill_ms_per_token, d.prefill_ms_per_token);
+            assert_eq!(r.capacity_rps, slots * 1000.0 / d.service_ms);
+        }
+        assert_eq!(c.regions[1].max_concurrency, 10);
         let o = json!({"cost": {"w_queue": 2.0}, "probe": {"tick_ms": 500, "timeout_ms": 500}});
-        let c = plugin_config(&f, 0, 100.0, Some(&o)).unwrap();
+        let c = plugin_config(&f, 0, Knowledge::Exact, 100.0, Some(&o)).unwrap();
         assert_eq!(
             (c.cost.w_queue, c.cost.w_rtt, c.probe.tick_ms),
             (2.0, 1.0, 500)
         );
-        let e = plugin_config(&f, 0, 100.0, Some(&json!({"regions": []}))).unwrap_err();
+        let e = plugin_config(
+            &f,
+            0,
+            Knowledge::Operator,
+            100.0,
+            Some(&json!({"regions": []})),
+        )
+        .unwrap_err();
         assert!(e.starts_with("regions:"), "{e}");
-        let e = plugin_config(&f, 0, 100.0, Some(&json!({"cost": {"w_rt": 1}}))).unwrap_err();
+        let e = plugin_config(
+            &f,
+            0,
+            Knowledge::Operator,
+            100.0,
+            Some(&json!({"cost": {"w_rt": 1}})),
+        )
+        .unwrap_err();
         assert!(e.contains("w_rt"), "{e}");
     }
 }

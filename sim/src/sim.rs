@@ -216,8 +216,9 @@ pub fn run(
             let mean_out = mean_output_tokens(work);
             let mut envoys = Vec::new();
             for c in 0..fleet.client_regions.len() {
-                let cfg = geo::plugin_config(fleet, c, mean_out, overrides)
-                    .map_err(|e| format!("--config: {e}"))?;
+                let cfg =
+                    geo::plugin_config(fleet, c, geo::Knowledge::Operator, mean_out, overrides)
+                        .map_err(|e| format!("--config: {e}"))?;
                 envoys.push(Envoy::new(cfg, core_ms(0.0)));
             }
             Mode::Geo(envoys)
@@ -577,7 +578,7 @@ impl Sim<'_> {
         let Some(s) = self.stations.get_mut(region) else {
             return;
         };
-        let plan = s.engine.admit(&prep.prompt, now);
+        let plan = s.engine.admit(i as u64, &prep.prompt);
         let decode = s.engine.timing.decode_ms_per_token;
         self.unqueue(i);
         let out = self.live.get(i).map_or(1, |l| l.output_tokens).max(1);
@@ -607,7 +608,7 @@ impl Sim<'_> {
             Some(s) => {
                 s.held.remove(&i);
                 s.engine.record_success();
-                s.engine.scheduler.finish(i as u64)
+                s.engine.finish(i as u64, now)
             }
             None => None,
         };
@@ -748,17 +749,30 @@ mod tests {
         }
     }
 
+    /// Prompt tokens as the engine counts them: its own tokenizer over its
+    /// chat template, not the segments' nominal count.
+    fn engine_tokens(segments: &[(&str, u32)]) -> usize {
+        let segs: Vec<(String, u32)> = segments.iter().map(|(s, n)| (s.to_string(), *n)).collect();
+        let text = crate::trace::prompt_text(&segs);
+        engine_emulator::tokenizer::chat(&serde_json::json!([{"role": "user", "content": text}]))
+            .unwrap()
+            .len()
+    }
+
     #[test]
     fn one_request_ttft_is_rtt_plus_prefill_exactly() {
         let f = fleet("");
-        // 100 tokens of segment text: the canonical chat text "user\n…\n" is
-        // 406 bytes = 102 engine tokens, none cached: 51 ms of prefill.
+        // 100 segment tokens of text; the engine counts its own tokens, none
+        // cached: 0.5 ms of prefill each.
+        let n = engine_tokens(&[("sys-1", 100)]);
+        assert_ne!(n, 100, "the engine does not share the trace's token count");
+        let prefill = n as f64 * 0.5;
         let w = Workload::new(&f, vec![req(1000.0, "s1", "na", &[("sys-1", 100)], 5)]).unwrap();
         for p in PolicyName::ALL {
             let r = run(&f, &w, p, None).unwrap();
             let rec = &r.records[0];
             assert_eq!(rec.status, Status::Completed, "{p:?}");
-            assert_eq!(rec.prompt_tokens, 102);
+            assert_eq!(rec.prompt_tokens, n as u64);
             // Session affinity hashes the session; every other policy
             // takes the near region for a lone cold request.
             let rtt = match rec.region {
@@ -766,9 +780,9 @@ mod tests {
                 Some(1) if p == PolicyName::SessionAffinity => 120.0,
                 other => panic!("{p:?} chose {other:?}"),
             };
-            assert_eq!(rec.ttft_ms, Some(rtt + 51.0), "{p:?}");
+            assert_eq!(rec.ttft_ms, Some(rtt + prefill), "{p:?}");
             // Four more tokens at 10 ms each.
-            assert_eq!(rec.e2e_ms, Some(rtt + 51.0 + 40.0), "{p:?}");
+            assert_eq!(rec.e2e_ms, Some(rtt + prefill + 40.0), "{p:?}");
         }
     }
 
@@ -776,8 +790,11 @@ mod tests {
     fn queueing_and_cache_hits_follow_the_engine_model() {
         let f = fleet("");
         let seg = [("doc", 400u32)];
+        let n = engine_tokens(&seg);
+        let hit = (n - 1) / 16 * 16;
+        let (cold, warm) = (n as f64 * 0.5, (n - hit) as f64 * 0.5);
         // Three at once on a 2-slot engine: the third waits for the first
-        // to finish (prefill 201 ms + 99 × 10 ms decode), then hits the cache.
+        // to finish (cold prefill + 99 × 10 ms decode), then hits the cache.
         let trace = vec![
             req(0.0, "a", "na", &seg, 100),
             req(0.0, "b", "na", &seg, 100),
@@ -786,16 +803,16 @@ mod tests {
         let w = Workload::new(&f, trace).unwrap();
         let r = run(&f, &w, PolicyName::Nearest, None).unwrap();
         let ttft: Vec<f64> = r.records.iter().map(|x| x.ttft_ms.unwrap()).collect();
-        assert_eq!(ttft[0], 10.0 + 201.0);
+        assert_eq!(ttft[0], 10.0 + cold);
         // The second is admitted at the same instant: the first one's blocks
         // are already in the cache (the emulator inserts at admission).
-        assert_eq!(r.records[1].cached_tokens, 400);
-        assert_eq!(ttft[1], 10.0 + 1.0);
-        // The second finishes first (5 + 1 + 99 × 10 ms); the third takes
+        assert_eq!(r.records[1].cached_tokens, hit as u64);
+        assert_eq!(ttft[1], 10.0 + warm);
+        // The second finishes first (5 + warm + 99 × 10 ms); the third takes
         // its slot and hits the cache too.
-        let free_at = 5.0 + 1.0 + 990.0;
-        assert_eq!(ttft[2], free_at + 1.0 + 5.0);
-        assert_eq!(r.records[2].cached_tokens, 400);
+        let free_at = 5.0 + warm + 990.0;
+        assert_eq!(ttft[2], free_at + warm + 5.0);
+        assert_eq!(r.records[2].cached_tokens, hit as u64);
         assert_eq!(r.starts.len(), 3);
     }
 

@@ -55,7 +55,7 @@ impl Workload {
                 })
                 .collect();
             prepared.push(Prepared {
-                prompt: Prompt::from_text(&parsed.prompt_text, DEFAULT_BLOCK_TOKENS),
+                prompt: Prompt::from_tokens(&parsed.prompt, DEFAULT_BLOCK_TOKENS),
                 output_tokens: u32::try_from(parsed.max_tokens).unwrap_or(u32::MAX),
                 segments,
                 segment_tokens: r.segment_tokens(),

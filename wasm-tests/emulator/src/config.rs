@@ -13,7 +13,8 @@ use std::ffi::OsString;
 use clap::error::ErrorKind;
 use clap::{ArgAction, CommandFactory, Parser, ValueEnum};
 
-use crate::model::{EngineConfig, Timing, DEFAULT_BLOCK_TOKENS};
+use crate::model::{EngineConfig, Timing, DEFAULT_BLOCK_TOKENS, RADIX_BLOCK_TOKENS};
+use crate::openai::CacheReport;
 
 /// Upper bound on any configured duration (one day), far from `Duration`
 /// overflow.
@@ -27,6 +28,8 @@ const DEFAULT_PREFILL_MS_PER_TOKEN: f64 = 0.05;
 const DEFAULT_DECODE_MS_PER_TOKEN: f64 = 2.0;
 const DEFAULT_NETWORK_DELAY_MS: f64 = 0.0;
 const DEFAULT_RELEASE: &str = "sha256:release-a";
+/// vLLM's `--max-model-len` when the emulator is not told.
+pub const DEFAULT_MAX_MODEL_LEN: usize = 32_768;
 pub const DEFAULT_CLIENT_REGION_HEADER: &str = "x-client-region";
 
 /// Which engine's Prometheus names `/metrics` uses.
@@ -64,6 +67,15 @@ pub struct Config {
     /// Delay before the first byte per client region, used instead of
     /// `network_delay_ms` for requests from that region.
     pub client_delays_ms: BTreeMap<String, f64>,
+    /// Context limit in tokens (prompt + output), refused like the engine.
+    pub max_model_len: usize,
+    /// vLLM `--enable-prompt-tokens-details`.
+    pub prompt_tokens_details: bool,
+    /// vLLM `--enable-force-include-usage`: the final usage chunk in every
+    /// stream, asked for or not.
+    pub force_include_usage: bool,
+    /// SGLang `--enable-cache-report`.
+    pub cache_report: bool,
 }
 
 impl Config {
@@ -83,6 +95,10 @@ impl Config {
             echo_headers: Vec::new(),
             client_region_header: DEFAULT_CLIENT_REGION_HEADER.to_string(),
             client_delays_ms: BTreeMap::new(),
+            max_model_len: DEFAULT_MAX_MODEL_LEN,
+            prompt_tokens_details: false,
+            force_include_usage: false,
+            cache_report: false,
         }
     }
 
@@ -118,14 +134,32 @@ impl Config {
             echo_headers: cli.echo_header,
             client_region_header: cli.client_region_header,
             client_delays_ms,
+            max_model_len: cli.max_model_len,
+            prompt_tokens_details: cli.enable_prompt_tokens_details,
+            force_include_usage: cli.force_include_usage,
+            cache_report: cli.enable_cache_report,
         })
+    }
+
+    /// How `usage` reports cached prompt tokens: the flag of this engine's
+    /// own dialect (vLLM's flag does nothing to SGLang and vice versa).
+    pub fn cache_report(&self) -> CacheReport {
+        match self.mode {
+            Mode::Vllm if self.prompt_tokens_details => CacheReport::VllmPromptTokensDetails,
+            Mode::Sglang if self.cache_report => CacheReport::SglangCacheReport,
+            _ => CacheReport::Off,
+        }
     }
 
     pub fn engine(&self) -> EngineConfig {
         EngineConfig {
             max_concurrency: self.max_concurrency,
             cache_tokens: self.cache_tokens,
-            block_tokens: DEFAULT_BLOCK_TOKENS,
+            // vLLM: 16-token blocks; SGLang: a radix tree at token granularity.
+            block_tokens: match self.mode {
+                Mode::Vllm => DEFAULT_BLOCK_TOKENS,
+                Mode::Sglang => RADIX_BLOCK_TOKENS,
+            },
             timing: Timing {
                 prefill_ms_per_token: self.prefill_ms_per_token,
                 decode_ms_per_token: self.decode_ms_per_token,
@@ -194,6 +228,20 @@ struct Cli {
     /// REGION, instead of --network-delay-ms (repeatable, one per region)
     #[arg(long, value_name = "REGION=MS", value_parser = region_delay, action = ArgAction::Append)]
     client_delay_ms: Vec<(String, f64)>,
+    /// Context limit in tokens (prompt + output); longer requests are
+    /// refused with HTTP 400 in the engine's words; /v1/models reports it
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_MODEL_LEN, value_parser = at_least_one)]
+    max_model_len: usize,
+    /// vLLM: report usage.prompt_tokens_details.cached_tokens (omitted when 0)
+    #[arg(long)]
+    enable_prompt_tokens_details: bool,
+    /// vLLM's --enable-force-include-usage: the usage chunk ends every
+    /// stream, whether stream_options.include_usage asked for it or not
+    #[arg(long)]
+    force_include_usage: bool,
+    /// SGLang: report usage.prompt_tokens_details.cached_tokens (0 included)
+    #[arg(long)]
+    enable_cache_report: bool,
 }
 
 /// Names end up in header values and label values: no control characters.

@@ -15,3 +15,4 @@ pub mod model;
 pub mod openai;
 pub mod pacing;
 pub mod server;
+pub mod tokenizer;

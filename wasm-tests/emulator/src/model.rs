@@ -8,32 +8,28 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-/// The emulator has no tokenizer; 4 bytes of canonical prompt text is the
-/// usual rule of thumb for English BPE vocabularies.
-pub const BYTES_PER_TOKEN: usize = 4;
-
 /// vLLM's default KV block size; only full blocks are shareable.
 pub const DEFAULT_BLOCK_TOKENS: usize = 16;
+/// SGLang's radix cache matches at token granularity (page size 1): a chain
+/// of one-token blocks is exactly a radix tree's path.
+pub const RADIX_BLOCK_TOKENS: usize = 1;
 
-/// Prompt length in tokens: ceil(bytes / 4), and at least 1 because an engine
-/// always runs at least one token through the model.
-pub fn prompt_tokens(len_bytes: usize) -> usize {
-    len_bytes.div_ceil(BYTES_PER_TOKEN).max(1)
-}
-
-/// Chain hashes of the full blocks of `text`. h_i = xxh3(h_{i-1} LE ++ block),
-/// h_{-1} = 0, so a block hash identifies the whole prefix up to it: two
-/// prompts share h_i exactly when they share their first i+1 blocks. The
-/// trailing partial block is not hashed (vLLM caches full blocks only).
-pub fn block_hashes(text: &[u8], block_tokens: usize) -> Vec<u64> {
-    let block_bytes = block_tokens.max(1).saturating_mul(BYTES_PER_TOKEN);
-    let mut out = Vec::with_capacity(text.len() / block_bytes);
-    let mut buf = Vec::with_capacity(8 + block_bytes);
+/// Chain hashes of the full blocks of `tokens`, as vLLM's prefix cache keys
+/// them: h_i = xxh3(h_{i-1} LE ++ the block's token ids LE), h_{-1} = 0, so
+/// a block hash identifies the whole prefix up to it: two prompts share h_i
+/// exactly when they share their first i+1 blocks of token ids. The trailing
+/// partial block is not hashed (vLLM caches full blocks only).
+pub fn block_hashes(tokens: &[u32], block_tokens: usize) -> Vec<u64> {
+    let block_tokens = block_tokens.max(1);
+    let mut out = Vec::with_capacity(tokens.len() / block_tokens);
+    let mut buf = Vec::with_capacity(8 + 4 * block_tokens);
     let mut prev = 0u64;
-    for block in text.chunks_exact(block_bytes) {
+    for block in tokens.chunks_exact(block_tokens) {
         buf.clear();
         buf.extend_from_slice(&prev.to_le_bytes());
-        buf.extend_from_slice(block);
+        for t in block {
+            buf.extend_from_slice(&t.to_le_bytes());
+        }
         prev = xxh3_64_with_seed(&buf, 0);
         out.push(prev);
     }
@@ -48,10 +44,11 @@ pub struct Prompt {
 }
 
 impl Prompt {
-    pub fn from_text(text: &[u8], block_tokens: usize) -> Self {
+    /// At least 1 token: an engine always runs one token through the model.
+    pub fn from_tokens(ids: &[u32], block_tokens: usize) -> Self {
         Prompt {
-            tokens: prompt_tokens(text.len()),
-            blocks: block_hashes(text, block_tokens),
+            tokens: ids.len().max(1),
+            blocks: block_hashes(ids, block_tokens),
         }
     }
 }
@@ -81,13 +78,28 @@ impl Ord for Stamp {
     }
 }
 
-/// Block-level LRU prefix cache with a capacity in tokens, plus the
-/// query/hit token counters vLLM v1 exports.
+/// A cached block: how many running requests hold it, and while nobody
+/// does, its place in the eviction order.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    refs: u32,
+    free_since: Option<Stamp>,
+}
+
+/// Block-level prefix cache as vLLM v1 keeps it (and, with one-token blocks,
+/// SGLang's radix cache): a block held by a running request is referenced
+/// and never evicted; when the last holder finishes it joins the free queue,
+/// tail first, and stays reusable until the capacity is needed, least
+/// recently freed first. Capacity is in tokens; blocks that running requests
+/// hold may exceed it for a while (vLLM would preempt; the emulator's slot
+/// limit stands in for that). Also keeps the query/hit token counters vLLM
+/// v1 exports.
 #[derive(Debug, Clone)]
 pub struct PrefixCache {
     block_tokens: usize,
     capacity_blocks: usize,
-    blocks: HashMap<u64, Stamp>,
+    blocks: HashMap<u64, Entry>,
+    /// Unreferenced blocks in eviction order.
     lru: BTreeMap<Stamp, u64>,
     next_seq: u64,
     query_tokens: u64,
@@ -117,16 +129,20 @@ impl PrefixCache {
         self.capacity_blocks.saturating_mul(self.block_tokens)
     }
 
+    /// Tokens in cached blocks, referenced or not.
     pub fn used_tokens(&self) -> usize {
         self.blocks.len().saturating_mul(self.block_tokens)
     }
 
-    /// Fraction of capacity holding cached blocks, 0..1.
+    /// Fraction of capacity held by running requests, 0..1: what vLLM
+    /// exports as `kv_cache_usage_perc` and SGLang as `token_usage` (cached
+    /// blocks nobody holds count as free, because they can be reclaimed).
     pub fn usage(&self) -> f64 {
         if self.capacity_blocks == 0 {
             0.0
         } else {
-            self.blocks.len() as f64 / self.capacity_blocks as f64
+            let held = self.blocks.len().saturating_sub(self.lru.len());
+            (held as f64 / self.capacity_blocks as f64).min(1.0)
         }
     }
 
@@ -143,44 +159,53 @@ impl PrefixCache {
             .count()
     }
 
-    /// Refreshes the recency of the blocks already present; inserts nothing.
-    pub fn touch(&mut self, blocks: &[u64], now_ms: f64) {
-        self.stamp_all(blocks, now_ms, false);
+    /// A request starts: takes a reference on each of its blocks (inserting
+    /// the missing ones), then evicts free blocks beyond capacity.
+    pub fn acquire(&mut self, blocks: &[u64]) {
+        if self.capacity_blocks == 0 {
+            return;
+        }
+        for &h in blocks {
+            let entry = self.blocks.entry(h).or_insert(Entry {
+                refs: 0,
+                free_since: None,
+            });
+            if let Some(stamp) = entry.free_since.take() {
+                self.lru.remove(&stamp);
+            }
+            entry.refs = entry.refs.saturating_add(1);
+        }
+        self.evict();
     }
 
-    /// Inserts (or refreshes) all blocks, then evicts least-recently-used
-    /// blocks beyond capacity.
-    pub fn insert(&mut self, blocks: &[u64], now_ms: f64) {
-        self.stamp_all(blocks, now_ms, true);
+    /// A request ends: drops its references. Walks the chain tail first so
+    /// the deepest block is freed first and evicted first, like vLLM's free
+    /// queue, which keeps what remains a usable prefix.
+    pub fn release(&mut self, blocks: &[u64], now_ms: f64) {
+        for &h in blocks.iter().rev() {
+            let Some(entry) = self.blocks.get_mut(&h) else {
+                continue;
+            };
+            entry.refs = entry.refs.saturating_sub(1);
+            if entry.refs == 0 && entry.free_since.is_none() {
+                let stamp = Stamp {
+                    ms: now_ms,
+                    seq: self.next_seq,
+                };
+                self.next_seq = self.next_seq.wrapping_add(1);
+                entry.free_since = Some(stamp);
+                self.lru.insert(stamp, h);
+            }
+        }
+        self.evict();
+    }
+
+    fn evict(&mut self) {
         while self.blocks.len() > self.capacity_blocks {
             let Some((_, victim)) = self.lru.pop_first() else {
                 break;
             };
             self.blocks.remove(&victim);
-        }
-    }
-
-    /// Walks the chain tail-first so the deepest block gets the oldest stamp:
-    /// like vLLM's free queue, a request's tail is evicted before its head,
-    /// which keeps what remains a usable prefix.
-    fn stamp_all(&mut self, blocks: &[u64], now_ms: f64, insert: bool) {
-        for &h in blocks.iter().rev() {
-            let stamp = Stamp {
-                ms: now_ms,
-                seq: self.next_seq,
-            };
-            match self.blocks.get_mut(&h) {
-                Some(old) => {
-                    self.lru.remove(old);
-                    *old = stamp;
-                }
-                None if insert => {
-                    self.blocks.insert(h, stamp);
-                }
-                None => continue,
-            }
-            self.lru.insert(stamp, h);
-            self.next_seq = self.next_seq.wrapping_add(1);
         }
     }
 
@@ -352,6 +377,8 @@ pub struct Engine {
     pub cache: PrefixCache,
     pub scheduler: Scheduler,
     pub timing: Timing,
+    /// Blocks each running request holds, released when it ends.
+    held: HashMap<RequestId, Vec<u64>>,
     completed: u64,
 }
 
@@ -361,28 +388,43 @@ impl Engine {
             cache: PrefixCache::new(config.cache_tokens, config.block_tokens),
             scheduler: Scheduler::new(config.max_concurrency),
             timing: config.timing,
+            held: HashMap::new(),
             completed: 0,
         }
     }
 
-    /// Call when the request gets its slot: matches the prefix cache, counts
-    /// the query, inserts the prompt's blocks and prices the prefill.
-    /// Like vLLM, at most `prompt_tokens - 1` tokens can hit, because the
-    /// last prompt token must be computed to produce logits.
-    pub fn admit(&mut self, prompt: &Prompt, now_ms: f64) -> PrefillPlan {
+    /// Call when request `id` gets its slot: matches the prefix cache,
+    /// counts the query, takes the prompt's blocks and prices the prefill.
+    /// Like vLLM (and SGLang), at most `prompt_tokens - 1` tokens can hit,
+    /// because the last prompt token must be computed to produce logits.
+    pub fn admit(&mut self, id: RequestId, prompt: &Prompt) -> PrefillPlan {
         let block_tokens = self.cache.block_tokens();
         let max_hit_blocks = prompt.tokens.saturating_sub(1) / block_tokens;
         let hit_blocks = self.cache.lookup(&prompt.blocks).min(max_hit_blocks);
         let cached_tokens = hit_blocks.saturating_mul(block_tokens);
         let uncached_tokens = prompt.tokens.saturating_sub(cached_tokens);
         self.cache.record_query(prompt.tokens, cached_tokens);
-        self.cache.insert(&prompt.blocks, now_ms);
+        self.cache.acquire(&prompt.blocks);
+        if let Some(old) = self.held.insert(id, prompt.blocks.clone()) {
+            // An id admitted twice: the first admission's hold ends here.
+            self.cache.release(&old, 0.0);
+        }
         PrefillPlan {
             prompt_tokens: prompt.tokens,
             cached_tokens,
             uncached_tokens,
             prefill_ms: self.timing.prefill_ms(uncached_tokens),
         }
+    }
+
+    /// Request `id` ends (done, failed, or its client left), running or
+    /// still waiting: its blocks become evictable and its slot is freed.
+    /// Returns the request that took the slot.
+    pub fn finish(&mut self, id: RequestId, now_ms: f64) -> Option<RequestId> {
+        if let Some(blocks) = self.held.remove(&id) {
+            self.cache.release(&blocks, now_ms);
+        }
+        self.scheduler.finish(id)
     }
 
     /// Counts a request whose response was completely delivered.
@@ -394,7 +436,8 @@ impl Engine {
         self.completed
     }
 
-    /// Clears cache and counters; running/waiting requests are untouched.
+    /// Clears cache and counters; running/waiting requests are untouched
+    /// (their blocks are simply no longer cached).
     pub fn reset(&mut self) {
         self.cache.clear();
         self.completed = 0;
@@ -405,61 +448,56 @@ impl Engine {
 mod tests {
     use super::*;
 
-    fn text(len: usize, seed: u8) -> Vec<u8> {
-        (0..len)
-            .map(|i| b'a' + ((i as u8).wrapping_add(seed)) % 26)
+    fn ids(len: usize, seed: u32) -> Vec<u32> {
+        (0..len as u32)
+            .map(|i| i.wrapping_mul(7).wrapping_add(seed))
             .collect()
     }
 
     #[test]
-    fn tokens_round_up_and_never_zero() {
-        assert_eq!(prompt_tokens(0), 1);
-        assert_eq!(prompt_tokens(1), 1);
-        assert_eq!(prompt_tokens(4), 1);
-        assert_eq!(prompt_tokens(5), 2);
-        assert_eq!(prompt_tokens(64), 16);
-    }
-
-    #[test]
     fn only_full_blocks_are_hashed() {
-        assert!(block_hashes(&text(63, 0), 16).is_empty());
-        assert_eq!(block_hashes(&text(64, 0), 16).len(), 1);
-        assert_eq!(block_hashes(&text(200, 0), 16).len(), 3);
-        assert_eq!(block_hashes(&text(200, 0), 8).len(), 6);
+        assert!(block_hashes(&ids(15, 0), 16).is_empty());
+        assert_eq!(block_hashes(&ids(16, 0), 16).len(), 1);
+        assert_eq!(block_hashes(&ids(50, 0), 16).len(), 3);
+        assert_eq!(block_hashes(&ids(50, 0), 1).len(), 50);
+        assert_eq!(Prompt::from_tokens(&[], 16).tokens, 1);
     }
 
     #[test]
     fn chain_hash_matches_definition() {
-        let t = text(128, 3);
+        let t = ids(32, 3);
         let h = block_hashes(&t, 16);
-        let mut first = 0u64.to_le_bytes().to_vec();
-        first.extend_from_slice(&t[..64]);
-        let h0 = xxh3_64_with_seed(&first, 0);
-        let mut second = h0.to_le_bytes().to_vec();
-        second.extend_from_slice(&t[64..]);
-        assert_eq!(h, vec![h0, xxh3_64_with_seed(&second, 0)]);
+        let bytes = |prev: u64, block: &[u32]| {
+            let mut b = prev.to_le_bytes().to_vec();
+            for x in block {
+                b.extend_from_slice(&x.to_le_bytes());
+            }
+            b
+        };
+        let h0 = xxh3_64_with_seed(&bytes(0, &t[..16]), 0);
+        let h1 = xxh3_64_with_seed(&bytes(h0, &t[16..]), 0);
+        assert_eq!(h, vec![h0, h1]);
     }
 
     #[test]
     fn chain_hash_has_prefix_property() {
-        let a = text(64 * 4, 0);
+        let a = ids(64, 0);
         let mut b = a.clone();
-        b[64 * 2 + 5] ^= 1; // differs inside block 2
+        b[16 * 2 + 5] ^= 1; // differs inside block 2
         let (ha, hb) = (block_hashes(&a, 16), block_hashes(&b, 16));
         assert_eq!(ha[..2], hb[..2]);
         assert_ne!(ha[2], hb[2]);
-        // Block 3 has identical bytes but a different prefix.
+        // Block 3 has identical ids but a different prefix.
         assert_ne!(ha[3], hb[3]);
         // Same block content at another position hashes differently.
-        let rep = [b'x'; 128];
-        let hr = block_hashes(&rep, 16);
+        let hr = block_hashes(&[9; 32], 16);
         assert_ne!(hr[0], hr[1]);
     }
 
     #[test]
     fn lookup_counts_leading_blocks_only() {
         let mut c = PrefixCache::new(1000, 16);
-        c.insert(&[1, 2, 3], 0.0);
+        c.acquire(&[1, 2, 3]);
         assert_eq!(c.lookup(&[1, 2, 3, 4]), 3);
         assert_eq!(c.lookup(&[1, 9, 3]), 1);
         assert_eq!(c.lookup(&[9, 1, 2]), 0);
@@ -471,39 +509,63 @@ mod tests {
         let c = PrefixCache::new(100, 16);
         assert_eq!(c.capacity_tokens(), 96);
         let mut c = PrefixCache::new(48, 16);
-        c.insert(&[1, 2, 3, 4, 5], 0.0);
-        assert_eq!(c.used_tokens(), 48);
+        c.acquire(&[1, 2, 3, 4, 5]);
+        // Held blocks are never evicted, even beyond capacity ...
+        assert_eq!(c.used_tokens(), 80);
         assert!((c.usage() - 1.0).abs() < 1e-12);
+        // ... and once released, the cache shrinks back, tail first.
+        c.release(&[1, 2, 3, 4, 5], 1.0);
+        assert_eq!(c.used_tokens(), 48);
+        assert_eq!(c.lookup(&[1, 2, 3, 4, 5]), 3);
+        assert_eq!(c.usage(), 0.0, "free cached blocks are reclaimable");
         let mut off = PrefixCache::new(0, 16);
-        off.insert(&[1], 0.0);
+        off.acquire(&[1]);
         assert_eq!(off.lookup(&[1]), 0);
         assert_eq!(off.usage(), 0.0);
     }
 
     #[test]
-    fn lru_evicts_oldest_and_tail_first() {
-        let mut c = PrefixCache::new(4 * 16, 16);
-        c.insert(&[1, 2], 0.0);
-        c.insert(&[10, 11], 1.0);
-        // Touching the first chain makes the second one the LRU.
-        c.touch(&[1, 2], 2.0);
-        c.insert(&[20], 3.0);
-        assert!(!c.contains(11), "tail of the LRU chain goes first");
-        assert!(c.contains(10));
-        c.insert(&[21], 4.0);
-        assert!(!c.contains(10));
+    fn referenced_blocks_are_never_evicted() {
+        let mut c = PrefixCache::new(3 * 16, 16);
+        c.acquire(&[1, 2]); // running
+        c.acquire(&[10, 11]);
+        c.release(&[10, 11], 1.0); // done: free, evictable
+        c.acquire(&[20, 21]); // needs room: evicts 11 then 10, never 1 or 2
         assert_eq!(c.lookup(&[1, 2]), 2);
-        // A chain longer than the cache keeps its head, not its tail.
-        c.insert(&[30, 31, 32, 33, 34, 35], 5.0);
-        assert_eq!(c.lookup(&[30, 31, 32, 33, 34, 35]), 4);
-        assert!(!c.contains(1));
+        assert!(!c.contains(10) && !c.contains(11));
+        assert!(c.contains(20) && c.contains(21));
+        // A block shared by two holders stays held until both end.
+        c.acquire(&[1]);
+        c.release(&[1, 2], 2.0);
+        c.release(&[20, 21], 3.0);
+        c.acquire(&[30, 31]);
+        assert!(c.contains(1), "still held by the second request");
     }
 
     #[test]
-    fn touch_does_not_insert() {
-        let mut c = PrefixCache::new(160, 16);
-        c.touch(&[1, 2], 0.0);
-        assert_eq!(c.used_tokens(), 0);
+    fn lru_frees_oldest_and_tail_first() {
+        let mut c = PrefixCache::new(4 * 16, 16);
+        c.acquire(&[1, 2]);
+        c.release(&[1, 2], 0.0);
+        c.acquire(&[10, 11]);
+        c.release(&[10, 11], 1.0);
+        // Reusing the first chain makes the second one the least recent.
+        c.acquire(&[1, 2]);
+        c.release(&[1, 2], 2.0);
+        c.acquire(&[20]);
+        assert!(!c.contains(11), "tail of the LRU chain goes first");
+        assert!(c.contains(10));
+        c.release(&[20], 3.0);
+        c.acquire(&[21]);
+        assert!(!c.contains(10));
+        assert_eq!(c.lookup(&[1, 2]), 2);
+        c.release(&[21], 4.0);
+        // A chain longer than the cache keeps its head, not its tail.
+        let long = [30, 31, 32, 33, 34, 35];
+        c.acquire(&long);
+        c.release(&long, 5.0);
+        assert_eq!(c.lookup(&long), 4);
+        assert!(!c.contains(1));
     }
 
     #[test]
@@ -513,7 +575,7 @@ mod tests {
         c.record_query(100, 64);
         assert_eq!((c.query_tokens(), c.hit_tokens()), (200, 64));
         assert!((c.hit_rate() - 0.32).abs() < 1e-12);
-        c.insert(&[1], 0.0);
+        c.acquire(&[1]);
         c.clear();
         assert_eq!(
             (c.query_tokens(), c.hit_tokens(), c.used_tokens()),
@@ -584,12 +646,15 @@ mod tests {
                 decode_ms_per_token: 1.0,
             },
         });
-        let p = Prompt::from_text(&text(1000, 1), 16); // 250 tokens, 15 blocks
+        let p = Prompt::from_tokens(&ids(250, 1), 16); // 15 full blocks
         assert_eq!((p.tokens, p.blocks.len()), (250, 15));
-        let first = e.admit(&p, 0.0);
+        let first = e.admit(1, &p);
         assert_eq!((first.cached_tokens, first.uncached_tokens), (0, 250));
         assert!((first.prefill_ms - 25.0).abs() < 1e-9);
-        let second = e.admit(&p, 1.0);
+        assert!(e.cache.usage() > 0.0);
+        e.finish(1, 1.0);
+        assert_eq!(e.cache.usage(), 0.0);
+        let second = e.admit(2, &p);
         assert_eq!((second.cached_tokens, second.uncached_tokens), (240, 10));
         assert_eq!((e.cache.query_tokens(), e.cache.hit_tokens()), (500, 240));
         e.record_success();
@@ -609,9 +674,25 @@ mod tests {
                 decode_ms_per_token: 0.0,
             },
         });
-        let p = Prompt::from_text(&text(128, 0), 16); // exactly 2 blocks
-        e.admit(&p, 0.0);
-        let again = e.admit(&p, 1.0);
+        let p = Prompt::from_tokens(&ids(32, 0), 16); // exactly 2 blocks
+        e.admit(1, &p);
+        let again = e.admit(2, &p);
         assert_eq!((again.cached_tokens, again.uncached_tokens), (16, 16));
+        // Token granularity (SGLang's radix cache): all but the last token.
+        let mut r = Engine::new(EngineConfig {
+            max_concurrency: 1,
+            cache_tokens: 10_000,
+            block_tokens: RADIX_BLOCK_TOKENS,
+            timing: Timing {
+                prefill_ms_per_token: 0.0,
+                decode_ms_per_token: 0.0,
+            },
+        });
+        let p = Prompt::from_tokens(&ids(37, 0), RADIX_BLOCK_TOKENS);
+        r.admit(1, &p);
+        let mut longer = ids(37, 0);
+        longer.extend([5, 6, 7]);
+        let q = Prompt::from_tokens(&longer, RADIX_BLOCK_TOKENS);
+        assert_eq!(r.admit(2, &q).cached_tokens, 37);
     }
 }

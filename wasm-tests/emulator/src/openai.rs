@@ -1,9 +1,14 @@
 //! The OpenAI wire format as the emulator speaks it: reading the fields that
-//! matter from a request (canonical prompt text, output length, streaming)
-//! and building response, stream-chunk, model-list and error bodies. Pure,
-//! so a simulator can derive the same prompt text from the same requests.
+//! matter from a request (the prompt's token ids through the engine's own
+//! tokenizer and chat template, output length, streaming) and building
+//! response, stream-chunk, model-list and error bodies, with `usage` as vLLM
+//! or SGLang report it. Pure, so a simulator derives the same tokens from
+//! the same requests.
 
 use serde_json::{json, Map, Value};
+
+use crate::config::Mode;
+use crate::tokenizer;
 
 /// Output length when the request does not say.
 pub const DEFAULT_MAX_TOKENS: usize = 16;
@@ -20,7 +25,12 @@ pub enum Kind {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InferenceRequest {
     pub kind: Kind,
-    pub prompt_text: Vec<u8>,
+    /// The prompt as the engine tokenizes it (template included).
+    pub prompt: Vec<u32>,
+    /// `max_completion_tokens` or `max_tokens` as the client sent it, for the
+    /// context-length check.
+    pub requested_max_tokens: Option<usize>,
+    /// Output length generated: the request's, clamped.
     pub max_tokens: usize,
     pub stream: bool,
     pub include_usage: bool,
@@ -33,22 +43,24 @@ pub fn parse_request(kind: Kind, body: &[u8]) -> Result<InferenceRequest, String
     let obj = value
         .as_object()
         .ok_or_else(|| "request body must be a JSON object".to_string())?;
-    let prompt_text = match kind {
-        Kind::Chat => chat_text(
+    let prompt = match kind {
+        Kind::Chat => tokenizer::chat(
             obj.get("messages")
                 .ok_or_else(|| "'messages' is required".to_string())?,
         )?,
-        Kind::Completion => completion_text(
+        Kind::Completion => tokenizer::completion(
             obj.get("prompt")
                 .ok_or_else(|| "'prompt' is required".to_string())?,
         )?,
     };
     // max_completion_tokens is the newer name; it wins when both are given.
-    let max_tokens = match optional_count(obj, "max_completion_tokens")? {
-        Some(n) => n,
-        None => optional_count(obj, "max_tokens")?.unwrap_or(DEFAULT_MAX_TOKENS),
-    }
-    .clamp(1, MAX_OUTPUT_TOKENS);
+    let requested_max_tokens = match optional_count(obj, "max_completion_tokens")? {
+        Some(n) => Some(n),
+        None => optional_count(obj, "max_tokens")?,
+    };
+    let max_tokens = requested_max_tokens
+        .unwrap_or(DEFAULT_MAX_TOKENS)
+        .clamp(1, MAX_OUTPUT_TOKENS);
     let stream = optional_bool(obj, "stream")?.unwrap_or(false);
     let include_usage = match obj.get("stream_options") {
         None | Some(Value::Null) => false,
@@ -57,7 +69,8 @@ pub fn parse_request(kind: Kind, body: &[u8]) -> Result<InferenceRequest, String
     };
     Ok(InferenceRequest {
         kind,
-        prompt_text,
+        prompt,
+        requested_max_tokens,
         max_tokens,
         stream,
         include_usage,
@@ -82,76 +95,52 @@ fn optional_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, St
     }
 }
 
-/// Chat canonical text: per message `role\ntext\n`, where text is the content
-/// string or the concatenated `text` of its `"type":"text"` parts.
-pub fn chat_text(messages: &Value) -> Result<Vec<u8>, String> {
-    let list = messages
-        .as_array()
-        .ok_or_else(|| "'messages' must be an array".to_string())?;
-    let mut out = Vec::new();
-    for msg in list {
-        let msg = msg
-            .as_object()
-            .ok_or_else(|| "each message must be an object".to_string())?;
-        if let Some(role) = msg.get("role").and_then(Value::as_str) {
-            out.extend_from_slice(role.as_bytes());
-        }
-        out.push(b'\n');
-        match msg.get("content") {
-            Some(Value::String(s)) => out.extend_from_slice(s.as_bytes()),
-            Some(Value::Array(parts)) => {
-                for part in parts {
-                    if part.get("type").and_then(Value::as_str) == Some("text") {
-                        if let Some(t) = part.get("text").and_then(Value::as_str) {
-                            out.extend_from_slice(t.as_bytes());
-                        }
-                    }
-                }
-            }
-            // Null/absent content (e.g. assistant tool calls) contributes nothing.
-            _ => {}
-        }
-        out.push(b'\n');
+/// The engine's refusal of a prompt that does not fit the context (HTTP
+/// 400, `BadRequestError`), in its own words, or `None` when it fits. vLLM:
+/// the prompt alone must leave room for one output token, and with an
+/// explicit output length prompt plus output must fit. SGLang: the same two
+/// checks, its wording.
+pub fn context_error(req: &InferenceRequest, max_model_len: usize, mode: Mode) -> Option<String> {
+    let input = req.prompt.len();
+    if input >= max_model_len {
+        return Some(match mode {
+            Mode::Vllm => format!(
+                "This model's maximum context length is {max_model_len} tokens. However, your request has {input} input tokens. Please reduce the length of the input messages."
+            ),
+            Mode::Sglang => format!(
+                "The input ({input} tokens) is longer than the model's context length ({max_model_len} tokens)."
+            ),
+        });
     }
-    Ok(out)
-}
-
-/// Completions canonical text: the prompt string; an array of strings joined
-/// by "\n"; token ids as 4 little-endian bytes each (so one id = one token);
-/// a batch of token-id arrays concatenated.
-pub fn completion_text(prompt: &Value) -> Result<Vec<u8>, String> {
-    const BAD: &str = "'prompt' must be a string, an array of strings, or token ids";
-    match prompt {
-        Value::String(s) => Ok(s.as_bytes().to_vec()),
-        Value::Array(items) => {
-            let mut out = Vec::new();
-            for (i, item) in items.iter().enumerate() {
-                match item {
-                    Value::String(s) => {
-                        if i > 0 {
-                            out.push(b'\n');
-                        }
-                        out.extend_from_slice(s.as_bytes());
-                    }
-                    Value::Number(_) => push_token_id(&mut out, item).ok_or(BAD)?,
-                    Value::Array(ids) => {
-                        for id in ids {
-                            push_token_id(&mut out, id).ok_or(BAD)?;
-                        }
-                    }
-                    _ => return Err(BAD.to_string()),
-                }
-            }
-            Ok(out)
-        }
-        _ => Err(BAD.to_string()),
+    match req.requested_max_tokens {
+        Some(out) if input.saturating_add(out) > max_model_len => Some(match mode {
+            Mode::Vllm => format!(
+                "'max_tokens' or 'max_completion_tokens' is too large: {out}. This model's maximum context length is {max_model_len} tokens and your request has {input} input tokens ({out} > {max_model_len} - {input})."
+            ),
+            Mode::Sglang => format!(
+                "Requested token count exceeds the model's maximum context length of {max_model_len} tokens. You requested a total of {} tokens: {input} tokens from the input messages and {out} tokens for the completion. Please reduce the number of tokens in the input messages or the completion to fit within the limit.",
+                input.saturating_add(out)
+            ),
+        }),
+        _ => None,
     }
 }
 
-fn push_token_id(out: &mut Vec<u8>, id: &Value) -> Option<()> {
-    let id = u32::try_from(id.as_u64()?).ok()?;
-    out.extend_from_slice(&id.to_le_bytes());
-    Some(())
+/// The 400 body carrying a context-length refusal: vLLM's
+/// `{"error": {...}}` or SGLang's flat `{"object": "error", ...}`, both
+/// with `type` `BadRequestError` and `code` 400.
+pub fn context_error_body(message: &str, mode: Mode) -> Vec<u8> {
+    let inner = json!({"message": message, "type": "BadRequestError", "param": null, "code": 400});
+    match mode {
+        Mode::Vllm => to_bytes(&json!({ "error": inner })),
+        Mode::Sglang => {
+            let mut flat = inner;
+            if let Value::Object(m) = &mut flat {
+                m.insert("object".to_string(), json!("error"));
+            }
+            to_bytes(&flat)
+        }
+    }
 }
 
 /// Filler vocabulary; token i is word i mod N, so output is deterministic.
@@ -176,16 +165,42 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub cached_tokens: usize,
+    pub report: CacheReport,
+}
+
+/// Whether and how `usage` tells the client how many prompt tokens came
+/// from the prefix cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheReport {
+    /// Neither engine reports it by default.
+    Off,
+    /// vLLM `--enable-prompt-tokens-details`: `prompt_tokens_details:
+    /// {cached_tokens}` when at least one token hit, absent otherwise.
+    VllmPromptTokensDetails,
+    /// SGLang `--enable-cache-report`: `prompt_tokens_details:
+    /// {cached_tokens}` on every response, 0 included.
+    SglangCacheReport,
 }
 
 impl Usage {
     fn to_json(self) -> Value {
-        json!({
+        let mut usage = json!({
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens.saturating_add(self.completion_tokens),
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        })
+            "completion_tokens": self.completion_tokens,
+        });
+        let details = match self.report {
+            CacheReport::Off => false,
+            CacheReport::VllmPromptTokensDetails => self.cached_tokens > 0,
+            CacheReport::SglangCacheReport => true,
+        };
+        if let (true, Value::Object(map)) = (details, &mut usage) {
+            map.insert(
+                "prompt_tokens_details".to_string(),
+                json!({"cached_tokens": self.cached_tokens}),
+            );
+        }
+        usage
     }
 }
 
@@ -275,11 +290,11 @@ fn sse(v: &Value) -> Vec<u8> {
 }
 
 /// `GET /v1/models` body.
-pub fn model_list(model: &str, owned_by: &str, created: u64) -> Vec<u8> {
+pub fn model_list(model: &str, owned_by: &str, created: u64, max_model_len: usize) -> Vec<u8> {
     to_bytes(&json!({
         "object": "list",
         "data": [{"id": model, "object": "model", "created": created, "owned_by": owned_by,
-                  "root": model, "parent": null}],
+                  "root": model, "parent": null, "max_model_len": max_model_len}],
     }))
 }
 
@@ -299,35 +314,67 @@ mod tests {
     }
 
     #[test]
-    fn chat_canonical_text() {
-        let r = chat(json!({"messages": [
+    fn prompts_are_the_engines_tokens() {
+        let messages = json!([
             {"role": "system", "content": "be brief"},
             {"role": "user", "content": [
                 {"type": "text", "text": "hello "},
                 {"type": "image_url", "image_url": {"url": "x"}},
                 {"type": "text", "text": "world"}]},
             {"role": "assistant", "content": null}
-        ]}))
-        .unwrap();
+        ]);
+        let r = chat(json!({ "messages": messages })).unwrap();
+        assert_eq!(r.prompt, tokenizer::chat(&messages).unwrap());
         assert_eq!(
-            r.prompt_text,
-            b"system\nbe brief\nuser\nhello world\nassistant\n\n"
+            (
+                r.max_tokens,
+                r.requested_max_tokens,
+                r.stream,
+                r.include_usage
+            ),
+            (16, None, false, false)
         );
-        assert_eq!(
-            (r.max_tokens, r.stream, r.include_usage),
-            (16, false, false)
-        );
+        let c = parse_request(Kind::Completion, br#"{"prompt": [1, 258]}"#).unwrap();
+        assert_eq!(c.prompt, vec![1, 258]);
     }
 
     #[test]
-    fn completion_canonical_text() {
-        let t = |p: Value| completion_text(&p).unwrap();
-        assert_eq!(t(json!("abc")), b"abc");
-        assert_eq!(t(json!(["a", "b"])), b"a\nb");
-        assert_eq!(t(json!([1, 258])), vec![1, 0, 0, 0, 2, 1, 0, 0]);
-        assert_eq!(t(json!([[1], [2]])), vec![1, 0, 0, 0, 2, 0, 0, 0]);
-        assert!(completion_text(&json!(5)).is_err());
-        assert!(completion_text(&json!([-1])).is_err());
+    fn context_limit_refused_in_vllms_words() {
+        let r = |n: usize, max: Option<usize>| InferenceRequest {
+            kind: Kind::Completion,
+            prompt: vec![1; n],
+            requested_max_tokens: max,
+            max_tokens: 16,
+            stream: false,
+            include_usage: false,
+        };
+        let v = Mode::Vllm;
+        assert_eq!(context_error(&r(99, None), 100, v), None);
+        assert_eq!(context_error(&r(90, Some(10)), 100, v), None);
+        assert_eq!(
+            context_error(&r(100, None), 100, v).unwrap(),
+            "This model's maximum context length is 100 tokens. However, your request has 100 input tokens. Please reduce the length of the input messages."
+        );
+        assert_eq!(
+            context_error(&r(90, Some(11)), 100, v).unwrap(),
+            "'max_tokens' or 'max_completion_tokens' is too large: 11. This model's maximum context length is 100 tokens and your request has 90 input tokens (11 > 100 - 90)."
+        );
+        let sg = context_error(&r(100, None), 100, Mode::Sglang).unwrap();
+        assert_eq!(
+            sg,
+            "The input (100 tokens) is longer than the model's context length (100 tokens)."
+        );
+        assert!(context_error(&r(90, Some(11)), 100, Mode::Sglang)
+            .unwrap()
+            .contains("total of 101 tokens"));
+        let b: Value = serde_json::from_slice(&context_error_body("m", v)).unwrap();
+        assert_eq!(b["error"]["type"], "BadRequestError");
+        assert_eq!(b["error"]["code"], 400);
+        let b: Value = serde_json::from_slice(&context_error_body("m", Mode::Sglang)).unwrap();
+        assert_eq!(
+            (b["object"].as_str(), b["code"].as_u64()),
+            (Some("error"), Some(400))
+        );
     }
 
     #[test]
@@ -376,12 +423,34 @@ mod tests {
             prompt_tokens: 10,
             completion_tokens: 2,
             cached_tokens: 0,
+            report: CacheReport::VllmPromptTokensDetails,
         };
         let v: Value =
             serde_json::from_slice(&full_response(Kind::Chat, &meta, " a b", usage)).unwrap();
         assert_eq!(v["object"], "chat.completion");
         assert_eq!(v["choices"][0]["message"]["content"], " a b");
         assert_eq!(v["usage"]["total_tokens"], 12);
+        // vLLM omits the details when nothing hit; SGLang always reports.
+        assert!(v["usage"].get("prompt_tokens_details").is_none());
+        let hit = Usage {
+            cached_tokens: 8,
+            ..usage
+        };
+        let v: Value = serde_json::from_slice(&full_response(Kind::Chat, &meta, "", hit)).unwrap();
+        assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 8);
+        let off = Usage {
+            report: CacheReport::Off,
+            ..hit
+        };
+        let chunk = usage_chunk(Kind::Chat, &meta, off);
+        let v: Value = serde_json::from_slice(&chunk[6..chunk.len() - 2]).unwrap();
+        assert!(v["usage"].get("prompt_tokens_details").is_none());
+        assert_eq!(v["choices"], json!([]));
+        let sg = Usage {
+            report: CacheReport::SglangCacheReport,
+            ..usage
+        };
+        let v: Value = serde_json::from_slice(&full_response(Kind::Chat, &meta, "", sg)).unwrap();
         assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
         let chunk = stream_chunk(Kind::Chat, &meta, " a", true, false);
         assert!(chunk.starts_with(b"data: {") && chunk.ends_with(b"}\n\n"));

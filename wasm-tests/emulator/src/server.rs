@@ -205,7 +205,8 @@ struct Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.shared.lock().engine.scheduler.finish(self.id);
+        let now = self.shared.now_ms();
+        self.shared.lock().engine.finish(self.id, now);
         self.shared.wake.notify_waiters();
     }
 }
@@ -509,7 +510,12 @@ async fn dispatch(
         Route::Health => health(shared, echo),
         Route::Models => {
             let owner = shared.config.mode.as_str();
-            let list = openai::model_list(&shared.config.model, owner, shared.started_unix);
+            let list = openai::model_list(
+                &shared.config.model,
+                owner,
+                shared.started_unix,
+                shared.config.max_model_len,
+            );
             json_reply(200, list, echo)
         }
         Route::Metrics => metrics_page(shared, echo),
@@ -687,8 +693,13 @@ async fn inference(shared: &Arc<Shared>, kind: Kind, body: &[u8], echo: &Echo) -
         Ok(r) => r,
         Err(msg) => return error_reply(400, &msg, INVALID, echo),
     };
+    if let Some(msg) = openai::context_error(&req, shared.config.max_model_len, shared.config.mode)
+    {
+        let body = openai::context_error_body(&msg, shared.config.mode);
+        return json_reply(400, body, echo);
+    }
     let block_tokens = shared.config.engine().block_tokens;
-    let prompt = Prompt::from_text(&req.prompt_text, block_tokens);
+    let prompt = Prompt::from_tokens(&req.prompt, block_tokens);
 
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let arrived = Instant::now();
@@ -702,7 +713,7 @@ async fn inference(shared: &Arc<Shared>, kind: Kind, body: &[u8], echo: &Echo) -
             st.engine
                 .scheduler
                 .is_running(id)
-                .then(|| st.engine.admit(&prompt, shared.now_ms()))
+                .then(|| st.engine.admit(id, &prompt))
         })
         .await;
     let queue_ms = arrived.elapsed().as_secs_f64() * 1000.0;
@@ -729,6 +740,7 @@ async fn inference(shared: &Arc<Shared>, kind: Kind, body: &[u8], echo: &Echo) -
         prompt_tokens: plan.prompt_tokens,
         completion_tokens: req.max_tokens,
         cached_tokens: plan.cached_tokens,
+        report: shared.config.cache_report(),
     };
     let decode_ms_per_token = shared.lock().engine.timing.decode_ms_per_token;
     // With the last bytes: count the success, then give the slot back.
@@ -739,7 +751,7 @@ async fn inference(shared: &Arc<Shared>, kind: Kind, body: &[u8], echo: &Echo) -
 
     if req.stream {
         let mut tail = Vec::new();
-        if req.include_usage {
+        if req.include_usage || shared.config.force_include_usage {
             tail.extend(openai::usage_chunk(kind, &meta, usage));
         }
         tail.extend_from_slice(openai::SSE_DONE);

@@ -236,12 +236,16 @@ fn prefix_cache_metrics_and_streaming() {
         "x-request-id",
         "--echo-header",
         "x-missing",
+        "--enable-prompt-tokens-details",
     ]);
     let content = long_prompt();
-    let canonical_len = "user\n".len() + content.len() + "\n".len();
-    assert_ne!(canonical_len % 64, 0);
-    let full_blocks = canonical_len / 64;
-    let prompt_tokens = canonical_len.div_ceil(4);
+    // The engine's own tokens: o200k_base over the Llama-3-style template.
+    let prompt_tokens =
+        engine_emulator::tokenizer::chat(&json!([{"role": "user", "content": content}]))
+            .unwrap()
+            .len();
+    assert_ne!(prompt_tokens % 16, 0);
+    let full_blocks = prompt_tokens / 16;
 
     // Both requests on one keep-alive connection.
     let mut c = emu.connect();
@@ -308,7 +312,9 @@ fn prefix_cache_metrics_and_streaming() {
         .unwrap()
         .starts_with("text/plain; version=0.0.4"));
     let text = m.text();
-    let usage = (full_blocks as f64) / (100_000 / 16) as f64;
+    // Nothing is running: cached blocks nobody holds count as free, as in
+    // vLLM's kv_cache_usage_perc.
+    let usage = "0.0";
     for line in [
         "# TYPE vllm:num_requests_running gauge".to_string(),
         "vllm:num_requests_running{model_name=\"m1\"} 0.0".to_string(),
@@ -425,7 +431,12 @@ fn errors_and_admin_controls() {
     c.send_raw(raw.as_bytes());
     let r = c.read_response();
     assert_eq!(r.status, 200);
-    assert_eq!(r.header("x-engine-prompt-tokens"), Some("5")); // "user\nchunked hello\n" = 19 bytes
+    let expect =
+        engine_emulator::tokenizer::chat(&json!([{"role": "user", "content": "chunked hello"}]))
+            .unwrap()
+            .len()
+            .to_string();
+    assert_eq!(r.header("x-engine-prompt-tokens"), Some(expect.as_str()));
 
     // Health toggles, inference follows; garbage metrics; reset.
     let s = c.post_json(
@@ -609,6 +620,118 @@ fn sglang_mode_and_network_delay() {
     let t = Instant::now();
     c.request("GET", "/health", &[], b"");
     assert!(t.elapsed() < Duration::from_millis(150));
+}
+
+/// Reads an SSE body's `data:` events (JSON ones only).
+fn sse_events(text: &str) -> Vec<Value> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .collect()
+}
+
+#[test]
+fn context_limit_usage_reports_and_radix_matching() {
+    // vLLM dialect: 400 in vLLM's words past --max-model-len, the limit in
+    // /v1/models, cached_tokens omitted when nothing hit, the usage chunk
+    // forced into every stream.
+    let emu = Emulator::start(&[
+        "--max-model-len",
+        "64",
+        "--enable-prompt-tokens-details",
+        "--force-include-usage",
+        "--prefill-ms-per-token",
+        "0",
+        "--decode-ms-per-token",
+        "0",
+    ]);
+    let mut c = emu.connect();
+    let m = c.request("GET", "/v1/models", &[], b"").json();
+    assert_eq!(m["data"][0]["max_model_len"], 64);
+    let long = "many different words here ".repeat(20);
+    let r = c.post_json("/v1/chat/completions", &chat(&long, json!({})));
+    assert_eq!(r.status, 400);
+    let e = r.json();
+    assert_eq!(e["error"]["type"], "BadRequestError");
+    assert_eq!(e["error"]["code"], 400);
+    let msg = e["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.starts_with(
+            "This model's maximum context length is 64 tokens. However, your request has "
+        ),
+        "{msg}"
+    );
+    let r = c.post_json(
+        "/v1/chat/completions",
+        &chat("hi", json!({"max_tokens": 60})),
+    );
+    assert_eq!(r.status, 400);
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("'max_tokens' or 'max_completion_tokens' is too large: 60."));
+    let r = c.post_json(
+        "/v1/chat/completions",
+        &chat("hi", json!({"max_tokens": 2})),
+    );
+    assert_eq!(r.status, 200);
+    let u = &r.json()["usage"];
+    assert!(
+        u.get("prompt_tokens_details").is_none(),
+        "omitted when 0: {u}"
+    );
+    // Streamed without asking for usage: forced, in the last event only.
+    let r = c.post_json(
+        "/v1/chat/completions",
+        &chat("hi", json!({"max_tokens": 3, "stream": true})),
+    );
+    let events = sse_events(&r.text());
+    assert_eq!(events.len(), 4);
+    assert!(events[..3].iter().all(|e| e.get("usage").is_none()));
+    assert_eq!(events[3]["choices"], json!([]));
+    assert!(events[3]["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+    drop(c);
+
+    // SGLang dialect: its own words, cached_tokens always reported, and
+    // matching at token granularity (a radix tree), not 16-token blocks.
+    let emu = Emulator::start(&[
+        "--mode",
+        "sglang",
+        "--max-model-len",
+        "4096",
+        "--enable-cache-report",
+        "--prefill-ms-per-token",
+        "0",
+        "--decode-ms-per-token",
+        "0",
+    ]);
+    let mut c = emu.connect();
+    let base = long_prompt();
+    let first = c.post_json("/v1/completions", &json!({"prompt": base, "max_tokens": 1}));
+    assert_eq!(
+        first.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+        0
+    );
+    let n = first.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    let more = format!("{base} and then some more");
+    let second = c.post_json("/v1/completions", &json!({"prompt": more, "max_tokens": 1}));
+    let cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    // Everything the two prompts share, to the token (the last token of the
+    // first prompt may tokenize differently once text follows it).
+    assert!(cached >= n - 2 && cached <= n, "{cached} of {n}");
+    assert_ne!(cached % 16, 0, "token granularity, not blocks: {cached}");
+    let r = c.post_json(
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 5000}),
+    );
+    assert_eq!(r.status, 400);
+    let e = r.json();
+    assert_eq!(e["object"], "error");
+    assert!(e["message"].as_str().unwrap().starts_with(
+        "Requested token count exceeds the model's maximum context length of 4096 tokens."
+    ));
 }
 
 #[test]
