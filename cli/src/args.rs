@@ -1,27 +1,11 @@
-//! Command-line option parsing shared by every subcommand: each subcommand
-//! declares its options once, and anything wrong (unknown, repeated, missing,
-//! unparsable or out of range) is refused with the option's name in the
-//! message, so the operator sees exactly what to fix.
+//! Command-line parsing shared by every subcommand: each subcommand declares
+//! its options once, as a `clap` (derive) `Args` struct, and clap refuses
+//! anything wrong (unknown, repeated, missing or valueless options, stray
+//! words) with exit status 2, naming the option. The value parsers here hold
+//! numbers to their ranges, so a value out of range is refused the same way,
+//! with what the option takes.
 
-use crate::CliError;
-use std::collections::{BTreeMap, BTreeSet};
 use std::str::FromStr;
-
-/// Whether an option takes a value.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    /// `--json`
-    Flag,
-    /// `--rtt-ms 70` or `--rtt-ms=70`
-    Value,
-}
-
-/// One declared option; `name` is spelt without the leading dashes.
-#[derive(Debug, Clone, Copy)]
-pub struct Opt {
-    pub name: &'static str,
-    pub kind: Kind,
-}
 
 /// The range a number must fall in, with the phrase used when it does not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,182 +41,153 @@ impl Domain {
     }
 }
 
-/// A command line parsed against its declared options.
-#[derive(Debug, Default)]
-pub struct Parsed {
-    values: BTreeMap<&'static str, String>,
-    flags: BTreeSet<&'static str>,
+/// A real number in `domain`. Accepts exponents (`70e9`) and surrounding
+/// blanks; refuses `inf` and `NaN`.
+pub fn number(raw: &str, domain: Domain) -> Result<f64, String> {
+    match raw.trim().parse::<f64>() {
+        Ok(x) if domain.contains(x) => Ok(x),
+        _ => Err(format!("must be {}", domain.describe())),
+    }
 }
 
-/// Parses `args` (the words after the subcommand) against `spec`.
-pub fn parse(args: &[String], spec: &[Opt]) -> Result<Parsed, CliError> {
-    let mut parsed = Parsed::default();
-    let mut words = args.iter();
-    while let Some(word) = words.next() {
-        let Some(body) = word.strip_prefix("--") else {
-            return Err(usage(format!("unexpected argument '{word}'")));
-        };
-        let (name, inline) = match body.split_once('=') {
-            Some((name, value)) => (name, Some(value.to_owned())),
-            None => (body, None),
-        };
-        let Some(opt) = spec.iter().find(|o| o.name == name) else {
-            return Err(usage(format!("unknown option --{name}")));
-        };
-        let repeated = match opt.kind {
-            Kind::Flag => {
-                if inline.is_some() {
-                    return Err(usage(format!("--{name} takes no value")));
-                }
-                !parsed.flags.insert(opt.name)
-            }
-            Kind::Value => {
-                let value = match inline {
-                    Some(value) => value,
-                    // A following option means this one's value was left out.
-                    None => match words.next() {
-                        Some(next) if !next.starts_with("--") => next.clone(),
-                        _ => return Err(usage(format!("--{name} needs a value"))),
-                    },
-                };
-                parsed.values.insert(opt.name, value).is_some()
-            }
-        };
-        if repeated {
-            return Err(usage(format!("--{name} is given more than once")));
-        }
-    }
-    Ok(parsed)
+/// Value parser: a number > 0.
+pub fn positive(raw: &str) -> Result<f64, String> {
+    number(raw, Domain::Positive)
 }
 
-fn usage(message: String) -> CliError {
-    CliError::Usage(message)
+/// Value parser: a number >= 0.
+pub fn non_negative(raw: &str) -> Result<f64, String> {
+    number(raw, Domain::NonNegative)
 }
 
-impl Parsed {
-    pub fn flag(&self, name: &str) -> bool {
-        self.flags.contains(name)
-    }
+/// Value parser: a utilisation in [0, 1).
+pub fn utilization(raw: &str) -> Result<f64, String> {
+    number(raw, Domain::Utilization)
+}
 
-    pub fn has(&self, name: &str) -> bool {
-        self.values.contains_key(name)
-    }
+/// Value parser: a fraction in (0, 1].
+pub fn fraction(raw: &str) -> Result<f64, String> {
+    number(raw, Domain::Fraction)
+}
 
-    /// The value as given (a file name, a header value), or `None` when the
-    /// option was not given.
-    pub fn text(&self, name: &str) -> Option<&str> {
-        self.values.get(name).map(String::as_str)
-    }
+/// Value parser: a finite number, any sign (checked later, e.g. by the
+/// plugin's own validation).
+pub fn finite(raw: &str) -> Result<f64, String> {
+    raw.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|x| x.is_finite())
+        .ok_or_else(|| "must be a number".to_string())
+}
 
-    /// Fails naming every option of `names` that was not given, at once.
-    pub fn require_all(&self, names: &[&str]) -> Result<(), CliError> {
-        let missing: Vec<String> = names
-            .iter()
-            .filter(|name| !self.has(name))
-            .map(|name| format!("--{name}"))
-            .collect();
-        match missing.as_slice() {
-            [] => Ok(()),
-            [one] => Err(usage(format!("missing required option {one}"))),
-            many => Err(usage(format!(
-                "missing required options {}",
-                many.join(", ")
-            ))),
-        }
+fn whole_number<T>(raw: &str, positive: bool) -> Result<T, String>
+where
+    T: FromStr + PartialEq + Default,
+{
+    match raw.trim().parse::<T>() {
+        Ok(n) if !(positive && n == T::default()) => Ok(n),
+        _ => Err(if positive {
+            "must be a whole number > 0".to_string()
+        } else {
+            "must be a whole number >= 0".to_string()
+        }),
     }
+}
 
-    /// A real number in `domain`, or `None` when the option was not given.
-    /// Accepts exponents (`70e9`); refuses `inf` and `NaN`.
-    pub fn number(&self, name: &str, domain: Domain) -> Result<Option<f64>, CliError> {
-        let Some(raw) = self.values.get(name) else {
-            return Ok(None);
-        };
-        match raw.trim().parse::<f64>() {
-            Ok(x) if domain.contains(x) => Ok(Some(x)),
-            _ => Err(usage(format!(
-                "--{name} must be {}, got '{raw}'",
-                domain.describe()
-            ))),
-        }
-    }
+/// Value parser: a whole number >= 0 (`u32`, `u64`, ...).
+pub fn whole<T>(raw: &str) -> Result<T, String>
+where
+    T: FromStr + PartialEq + Default,
+{
+    whole_number(raw, false)
+}
 
-    /// A non-negative whole number (`u32`, `u64`, ...), or `None` when the
-    /// option was not given; `positive` also refuses zero.
-    pub fn whole<T>(&self, name: &str, positive: bool) -> Result<Option<T>, CliError>
-    where
-        T: FromStr + PartialEq + Default,
-    {
-        let Some(raw) = self.values.get(name) else {
-            return Ok(None);
-        };
-        match raw.trim().parse::<T>() {
-            Ok(n) if !(positive && n == T::default()) => Ok(Some(n)),
-            _ => {
-                let what = if positive {
-                    "a whole number > 0"
-                } else {
-                    "a whole number >= 0"
-                };
-                Err(usage(format!("--{name} must be {what}, got '{raw}'")))
-            }
-        }
-    }
+/// Value parser: a whole number > 0.
+pub fn positive_whole<T>(raw: &str) -> Result<T, String>
+where
+    T: FromStr + PartialEq + Default,
+{
+    whole_number(raw, true)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::error::ErrorKind;
+    use clap::Parser;
 
-    const SPEC: &[Opt] = &[
-        Opt {
-            name: "rtt-ms",
-            kind: Kind::Value,
-        },
-        Opt {
-            name: "layers",
-            kind: Kind::Value,
-        },
-        Opt {
-            name: "json",
-            kind: Kind::Flag,
-        },
-    ];
-
-    fn words(line: &str) -> Vec<String> {
-        line.split_whitespace().map(str::to_owned).collect()
+    /// A subcommand's shape: two valued options and a flag.
+    #[derive(Parser, Debug)]
+    #[command(name = "t")]
+    struct T {
+        #[arg(long, value_parser = positive, allow_negative_numbers = true)]
+        rtt_ms: Option<f64>,
+        #[arg(long, value_parser = positive_whole::<u32>)]
+        layers: Option<u32>,
+        #[arg(long)]
+        json: bool,
     }
 
-    fn message(result: Result<Parsed, CliError>) -> String {
-        match result {
-            Err(CliError::Usage(m)) => m,
-            Err(other) => format!("not a usage error: {other:?}"),
-            Ok(p) => format!("parsed {p:?}"),
+    fn parse(line: &str) -> Result<T, clap::Error> {
+        T::try_parse_from(std::iter::once("t").chain(line.split_whitespace()))
+    }
+
+    fn kind(line: &str) -> ErrorKind {
+        match parse(line) {
+            Err(e) => {
+                assert_eq!(e.exit_code(), 2, "{line}");
+                e.kind()
+            }
+            Ok(t) => panic!("{line}: parsed {t:?}"),
         }
     }
 
     #[test]
     fn both_value_spellings_and_flags() {
-        let p = parse(&words("--rtt-ms 70 --layers=80 --json"), SPEC).unwrap();
-        assert_eq!(p.number("rtt-ms", Domain::Positive).unwrap(), Some(70.0));
-        assert_eq!(p.whole::<u32>("layers", true).unwrap(), Some(80));
-        assert!(p.flag("json"));
+        let t = parse("--rtt-ms 70 --layers=80 --json").unwrap();
+        assert_eq!((t.rtt_ms, t.layers, t.json), (Some(70.0), Some(80), true));
+        let t = parse("--rtt-ms 7e1").unwrap();
+        assert_eq!((t.rtt_ms, t.layers, t.json), (Some(70.0), None, false));
     }
 
     #[test]
-    fn refusals_name_the_option() {
-        let cases = [
-            ("--rtt", "unknown option --rtt"),
-            ("--rtt-ms", "--rtt-ms needs a value"),
-            ("--rtt-ms --json", "--rtt-ms needs a value"),
-            ("--json --json", "--json is given more than once"),
-            ("--json=1", "--json takes no value"),
-            ("70", "unexpected argument '70'"),
-        ];
-        for (line, expected) in cases {
-            assert_eq!(message(parse(&words(line), SPEC)), expected);
-        }
-        let p = parse(&words("--rtt-ms inf --layers 8e1"), SPEC).unwrap();
-        assert!(p.number("rtt-ms", Domain::NonNegative).is_err());
-        assert!(p.whole::<u32>("layers", true).is_err());
+    fn refusals_exit_2_naming_the_option() {
+        assert_eq!(kind("--rtt"), ErrorKind::UnknownArgument);
+        assert_eq!(kind("--rtt-ms"), ErrorKind::InvalidValue);
+        assert_eq!(kind("--rtt-ms --json"), ErrorKind::InvalidValue);
+        assert_eq!(kind("--json --json"), ErrorKind::ArgumentConflict);
+        assert_eq!(kind("--rtt-ms 1 --rtt-ms 2"), ErrorKind::ArgumentConflict);
+        assert_eq!(kind("--json=1"), ErrorKind::TooManyValues);
+        assert_eq!(kind("70"), ErrorKind::UnknownArgument);
+        assert_eq!(kind("--rtt-ms inf"), ErrorKind::ValueValidation);
+        assert_eq!(kind("--rtt-ms -5"), ErrorKind::ValueValidation);
+        assert_eq!(kind("--layers 8e1"), ErrorKind::ValueValidation);
+        assert_eq!(kind("--layers 0"), ErrorKind::ValueValidation);
+        let e = parse("--rtt-ms fast").unwrap_err().to_string();
+        assert!(
+            e.contains("invalid value 'fast' for '--rtt-ms <RTT_MS>': must be a positive number"),
+            "{e}"
+        );
+        let e = parse("--json --json").unwrap_err().to_string();
+        assert!(e.contains("'--json' cannot be used multiple times"), "{e}");
+    }
+
+    #[test]
+    fn domains() {
+        assert_eq!(number(" 0 ", Domain::NonNegative), Ok(0.0));
+        assert!(number("0", Domain::Positive).is_err());
+        assert!(number("1", Domain::Utilization).is_err());
+        assert_eq!(number("1", Domain::Fraction), Ok(1.0));
+        assert_eq!(
+            number("NaN", Domain::Fraction),
+            Err("must be a fraction in (0, 1]".into())
+        );
+        assert_eq!(finite("-1"), Ok(-1.0));
+        assert!(finite("inf").is_err());
+        assert_eq!(whole::<u64>("0"), Ok(0));
+        assert_eq!(
+            positive_whole::<u32>("0"),
+            Err("must be a whole number > 0".into())
+        );
     }
 }

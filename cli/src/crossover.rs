@@ -3,7 +3,7 @@
 //! options, by fetch-path utilisation. Prints what `migration.rs` computes;
 //! no arithmetic of its own beyond unit conversion.
 
-use crate::args::{self, Domain, Kind, Opt, Parsed};
+use crate::args;
 use crate::CliError;
 use llm_geo_router::migration::{
     crossover_tokens, crossover_utilization, fetch_s, recompute_s, transfer_s_per_token, KvModel,
@@ -12,73 +12,69 @@ use serde_json::{json, Map, Value};
 
 pub const SUMMARY: &str = "fetch a migrated session's KV prefix over the WAN, or recompute it?";
 
-pub const USAGE: &str = "\
-usage: llm-geo-router crossover --layers L --kv-heads H --head-dim D [--kv-bytes B]
-                                --params P --tflops T --mfu M
-                                --bandwidth-gbps G --rtt-ms R
-                                [--prefix-tokens N --compute-util U --service-rate S]
-                                [--json]
+pub const ABOUT: &str = "\
+Fetch a migrated session's KV prefix over the WAN, or recompute it?
 
 When a region takes over a session, is fetching its cached KV prefix from the
-region that holds it faster than recomputing the prefix locally?
+region that holds it faster than recomputing the prefix locally? Prints the
+bytes per token, both costs per token and the prefix length where they cross
+(what migration.rs computes); given the three queue options, also prices one
+prefix on both queues and the fetch-path utilisation where recompute wins.";
 
-model:
-  --layers L            transformer layers
-  --kv-heads H          KV heads per layer
-  --head-dim D          dimension of one head
-  --kv-bytes B          bytes per cached element (default 2; 1 for FP8, 0.5 for 4-bit)
-  --params P            parameters, e.g. 70e9
-  --tflops T            dense accelerator throughput in TFLOP/s, e.g. 989
-  --mfu M               prefill model FLOPs utilisation, in (0, 1]
-link:
-  --bandwidth-gbps G    WAN goodput between the two regions, Gbit/s
-  --rtt-ms R            round trip between the two regions, ms
-queues (all three or none):
-  --prefix-tokens N     cached prefix length to price
-  --compute-util U      destination compute queue utilisation, in [0, 1)
-  --service-rate S      requests/s each queue (fetch path, compute) drains
-output:
-  --json                one JSON object instead of a table
-";
-
-const fn value(name: &'static str) -> Opt {
-    Opt {
-        name,
-        kind: Kind::Value,
-    }
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Transformer layers
+    #[arg(verbatim_doc_comment, long, value_name = "L", value_parser = args::positive_whole::<u32>,
+          help_heading = "Model")]
+    layers: u32,
+    /// KV heads per layer
+    #[arg(verbatim_doc_comment, long, value_name = "H", value_parser = args::positive_whole::<u32>,
+          help_heading = "Model")]
+    kv_heads: u32,
+    /// Dimension of one head
+    #[arg(verbatim_doc_comment, long, value_name = "D", value_parser = args::positive_whole::<u32>,
+          help_heading = "Model")]
+    head_dim: u32,
+    /// Bytes per cached element (1 for FP8, 0.5 for 4-bit)
+    #[arg(verbatim_doc_comment, long, value_name = "B", value_parser = args::positive, default_value = "2",
+          allow_negative_numbers = true, help_heading = "Model")]
+    kv_bytes: f64,
+    /// Parameters, e.g. 70e9
+    #[arg(verbatim_doc_comment, long, value_name = "P", value_parser = args::positive,
+          allow_negative_numbers = true, help_heading = "Model")]
+    params: f64,
+    /// Dense accelerator throughput in TFLOP/s, e.g. 989
+    #[arg(verbatim_doc_comment, long, value_name = "T", value_parser = args::positive,
+          allow_negative_numbers = true, help_heading = "Model")]
+    tflops: f64,
+    /// Prefill model FLOPs utilisation, in (0, 1]
+    #[arg(verbatim_doc_comment, long, value_name = "M", value_parser = args::fraction,
+          allow_negative_numbers = true, help_heading = "Model")]
+    mfu: f64,
+    /// WAN goodput between the two regions, Gbit/s
+    #[arg(verbatim_doc_comment, long, value_name = "G", value_parser = args::positive,
+          allow_negative_numbers = true, help_heading = "Link")]
+    bandwidth_gbps: f64,
+    /// Round trip between the two regions, ms
+    #[arg(verbatim_doc_comment, long, value_name = "R", value_parser = args::non_negative,
+          allow_negative_numbers = true, help_heading = "Link")]
+    rtt_ms: f64,
+    /// Cached prefix length to price
+    #[arg(verbatim_doc_comment, long, value_name = "N", value_parser = args::whole::<u64>,
+          help_heading = "Queues (all three or none)")]
+    prefix_tokens: Option<u64>,
+    /// Destination compute queue utilisation, in [0, 1)
+    #[arg(verbatim_doc_comment, long, value_name = "U", value_parser = args::utilization,
+          allow_negative_numbers = true, help_heading = "Queues (all three or none)")]
+    compute_util: Option<f64>,
+    /// Requests/s each queue (fetch path, compute) drains
+    #[arg(verbatim_doc_comment, long, value_name = "S", value_parser = args::positive,
+          allow_negative_numbers = true, help_heading = "Queues (all three or none)")]
+    service_rate: Option<f64>,
+    /// One JSON object instead of a table
+    #[arg(verbatim_doc_comment, long, help_heading = "Output")]
+    json: bool,
 }
-
-const OPTIONS: &[Opt] = &[
-    value("layers"),
-    value("kv-heads"),
-    value("head-dim"),
-    value("kv-bytes"),
-    value("params"),
-    value("tflops"),
-    value("mfu"),
-    value("bandwidth-gbps"),
-    value("rtt-ms"),
-    value("prefix-tokens"),
-    value("compute-util"),
-    value("service-rate"),
-    Opt {
-        name: "json",
-        kind: Kind::Flag,
-    },
-];
-
-const REQUIRED: &[&str] = &[
-    "layers",
-    "kv-heads",
-    "head-dim",
-    "params",
-    "tflops",
-    "mfu",
-    "bandwidth-gbps",
-    "rtt-ms",
-];
-
-const QUEUE_OPTIONS: &[&str] = &["prefix-tokens", "compute-util", "service-rate"];
 
 /// The optional queue scenario: price one prefix on both queues.
 struct Queues {
@@ -94,72 +90,61 @@ struct Inputs {
     queues: Option<Queues>,
 }
 
-pub fn run(argv: &[String]) -> Result<String, CliError> {
-    let parsed = args::parse(argv, OPTIONS)?;
-    let inputs = inputs(&parsed)?;
+pub fn run(a: Args) -> Result<String, CliError> {
+    let json = a.json;
+    let inputs = inputs(a)?;
     let report = Report::compute(&inputs);
-    Ok(if parsed.flag("json") {
+    Ok(if json {
         report.json()
     } else {
         report.table(&inputs)
     })
 }
 
-fn inputs(p: &Parsed) -> Result<Inputs, CliError> {
-    p.require_all(REQUIRED)?;
-    let missing: Vec<String> = QUEUE_OPTIONS
-        .iter()
-        .filter(|name| !p.has(name))
-        .map(|name| format!("--{name}"))
-        .collect();
-    if !missing.is_empty() && missing.len() != QUEUE_OPTIONS.len() {
-        return Err(CliError::Usage(format!(
-            "--prefix-tokens, --compute-util and --service-rate go together; missing {}",
-            missing.join(", ")
-        )));
-    }
-    let model = KvModel {
-        layers: required(p.whole("layers", true)?, "layers")?,
-        kv_heads: required(p.whole("kv-heads", true)?, "kv-heads")?,
-        head_dim: required(p.whole("head-dim", true)?, "head-dim")?,
-        kv_bytes: p.number("kv-bytes", Domain::Positive)?.unwrap_or(2.0),
-        params: required(p.number("params", Domain::Positive)?, "params")?,
-        tflops: required(p.number("tflops", Domain::Positive)?, "tflops")?,
-        mfu: required(p.number("mfu", Domain::Fraction)?, "mfu")?,
-    };
-    // The options above already hold every field to its domain; this keeps
-    // the CLI from ever accepting a model the plugin's config would refuse.
-    model
-        .validate()
-        .map_err(|e| CliError::Usage(format!("invalid model: {e}")))?;
-    let bandwidth_gbps = required(
-        p.number("bandwidth-gbps", Domain::Positive)?,
-        "bandwidth-gbps",
-    )?;
-    let rtt_ms = required(p.number("rtt-ms", Domain::NonNegative)?, "rtt-ms")?;
-    let queues = match (
-        p.whole("prefix-tokens", false)?,
-        p.number("compute-util", Domain::Utilization)?,
-        p.number("service-rate", Domain::Positive)?,
-    ) {
+fn inputs(a: Args) -> Result<Inputs, CliError> {
+    let queues = match (a.prefix_tokens, a.compute_util, a.service_rate) {
         (Some(prefix_tokens), Some(compute_util), Some(service_rate)) => Some(Queues {
             prefix_tokens,
             compute_util,
             service_rate,
         }),
-        _ => None,
+        (None, None, None) => None,
+        (p, c, r) => {
+            let missing: Vec<&str> = [
+                (p.is_none(), "--prefix-tokens"),
+                (c.is_none(), "--compute-util"),
+                (r.is_none(), "--service-rate"),
+            ]
+            .iter()
+            .filter(|(absent, _)| *absent)
+            .map(|(_, name)| *name)
+            .collect();
+            return Err(CliError::Usage(format!(
+                "--prefix-tokens, --compute-util and --service-rate go together; missing {}",
+                missing.join(", ")
+            )));
+        }
     };
+    let model = KvModel {
+        layers: a.layers,
+        kv_heads: a.kv_heads,
+        head_dim: a.head_dim,
+        kv_bytes: a.kv_bytes,
+        params: a.params,
+        tflops: a.tflops,
+        mfu: a.mfu,
+    };
+    // The options already hold every field to its domain; this keeps the
+    // CLI from ever accepting a model the plugin's config would refuse.
+    model
+        .validate()
+        .map_err(|e| CliError::Usage(format!("invalid model: {e}")))?;
     Ok(Inputs {
         model,
-        bandwidth_gbps,
-        rtt_ms,
+        bandwidth_gbps: a.bandwidth_gbps,
+        rtt_ms: a.rtt_ms,
         queues,
     })
-}
-
-/// `require_all` has run, so this only turns "absent" into the same message.
-fn required<T>(value: Option<T>, name: &str) -> Result<T, CliError> {
-    value.ok_or_else(|| CliError::Usage(format!("missing required option --{name}")))
 }
 
 struct QueueReport {

@@ -5,7 +5,6 @@
 //! replayed into an in-memory prefix directory. No routing logic of its
 //! own: it hands the stream what Envoy would and prints what comes back.
 
-use crate::args::{self, Kind, Opt, Parsed};
 use crate::CliError;
 use llm_geo_router::config::Config;
 use llm_geo_router::cost::{Cost, Decision};
@@ -26,94 +25,119 @@ use std::rc::Rc;
 
 pub const SUMMARY: &str = "the routing decision for one request, with every cost term";
 
-pub const USAGE: &str = "\
-usage: llm-geo-router explain --config FILE --snapshot FILE --request FILE
-                              [--path /v1/chat/completions] [--session S]
-                              [--residency R] [--inflight region=n,...]
-                              [--history FILE] [--now-ms T] [--json]
+pub const ABOUT: &str = "\
+The routing decision for one request, with every cost term.
 
-Runs the router filter's own state machine on one request and
-prints the decision: per region whether it is a candidate, healthy and over
-its bounded-load share, the tokens it is believed to hold, and the rtt,
-prefill and queue terms of its expected time to first token; then the chosen
-region, the reason, the runner-up, the migration action and the shared-data
-calls made. The prefix directory and the session records are in memory:
-empty, unless --history replays earlier requests into them.
+Runs the router filter's own state machine on one request and prints the
+decision: per region whether it is a candidate, healthy and over its
+bounded-load share, the tokens it is believed to hold, and the rtt, prefill
+and queue terms of its expected time to first token; then the chosen region,
+the reason, the runner-up, the migration action and the shared-data calls
+made. The prefix directory and the session records are in memory: empty,
+unless --history replays earlier requests into them.";
 
-inputs:
-  --config FILE     the plugin's JSON configuration (the `configuration` string)
-  --snapshot FILE   a fleet snapshot as the probe publishes it (shared-data key
-                    llm_geo_router.snapshot). Its freshness is NOT checked: it
-                    is used whatever its generated_ms and
-                    probe.snapshot_max_age_ms say, where the filter would
-                    ignore a stale one and fall back to the nearest region.
-  --request FILE    the request body, bytes as sent
-request:
-  --path P          request path, POST assumed (default /v1/chat/completions);
-                    another path is not interpreted: it goes to default_region
-  --session S       value of the session header (headers.session); else the
-                    body's `user`
-  --residency R     value of the residency header; refused unless the
-                    configuration sets residency.header
-  --inflight LIST   this Envoy's in-flight requests per region, e.g. near=3,mid=1
-                    (default 0); occupancy is the snapshot's waiting + running
-                    plus this minus the region's inflight_at_scrape
-directory:
-  --history FILE    JSON array of earlier requests, replayed in order:
-                      [{\"body\": {...} | \"file.json\", \"region\": \"mid\",
-                        \"at_ms\": 1700000000000, \"session\": \"s1\"}]
-                    a body file is relative to the history file's directory;
-                    `session` is optional (else the body's `user`). Each entry
-                    is recorded for its region as the router records the
-                    region it chose. at_ms: > 0, not decreasing.
-  --now-ms T        the request's time, ms since the Unix epoch (default: the
-                    later of the snapshot's generated_ms and the last at_ms)
-output:
-  --json            one JSON object instead of a table
-
+pub const AFTER: &str = "\
 Exit status: 0 routed (or sent to default_region uninterpreted); 1 the router
 would answer 400 (invalid body, unknown residency), and the OpenAI error body
 it would send is printed; 2 a wrong option, or a file that cannot be read or
-is invalid (the message names it).
-";
+is invalid (the message names it).";
 
-const fn value(name: &'static str) -> Opt {
-    Opt {
-        name,
-        kind: Kind::Value,
-    }
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The plugin's JSON configuration (the `configuration` string)
+    #[arg(
+        verbatim_doc_comment,
+        long,
+        value_name = "FILE",
+        help_heading = "Inputs"
+    )]
+    config: String,
+    /// A fleet snapshot as the probe publishes it (shared-data key
+    /// llm_geo_router.snapshot)
+    #[arg(
+        verbatim_doc_comment,
+        long,
+        value_name = "FILE",
+        help_heading = "Inputs",
+        long_help = "A fleet snapshot as the probe publishes it (shared-data key\n\
+                     llm_geo_router.snapshot). Its freshness is NOT checked: it is used\n\
+                     whatever its generated_ms and probe.snapshot_max_age_ms say, where\n\
+                     the filter would ignore a stale one and fall back to the nearest\n\
+                     region."
+    )]
+    snapshot: String,
+    /// The request body, bytes as sent
+    #[arg(
+        verbatim_doc_comment,
+        long,
+        value_name = "FILE",
+        help_heading = "Inputs"
+    )]
+    request: String,
+    /// Request path, POST assumed; another path is not interpreted: it goes
+    /// to default_region
+    #[arg(
+        verbatim_doc_comment,
+        long,
+        value_name = "P",
+        default_value = "/v1/chat/completions",
+        help_heading = "Request"
+    )]
+    path: String,
+    /// Value of the session header (headers.session); else the body's `user`
+    #[arg(verbatim_doc_comment, long, value_name = "S", help_heading = "Request")]
+    session: Option<String>,
+    /// Value of the residency header; refused unless the configuration sets
+    /// residency.header
+    #[arg(verbatim_doc_comment, long, value_name = "R", help_heading = "Request")]
+    residency: Option<String>,
+    /// This Envoy's in-flight requests per region, e.g. near=3,mid=1
+    /// (default 0)
+    #[arg(
+        verbatim_doc_comment,
+        long,
+        value_name = "LIST",
+        help_heading = "Request",
+        long_help = "This Envoy's in-flight requests per region, e.g. near=3,mid=1\n\
+                     (default 0); occupancy is the snapshot's waiting + running plus\n\
+                     this minus the region's inflight_at_scrape"
+    )]
+    inflight: Option<String>,
+    /// JSON array of earlier requests, replayed in order into the directory
+    #[arg(
+        verbatim_doc_comment,
+        long,
+        value_name = "FILE",
+        help_heading = "Directory",
+        long_help = "JSON array of earlier requests, replayed in order:\n  \
+                     [{\"body\": {...} | \"file.json\", \"region\": \"mid\",\n    \
+                     \"at_ms\": 1700000000000, \"session\": \"s1\"}]\n\
+                     a body file is relative to the history file's directory;\n\
+                     `session` is optional (else the body's `user`). Each entry is\n\
+                     recorded for its region as the router records the region it\n\
+                     chose. at_ms: > 0, not decreasing."
+    )]
+    history: Option<String>,
+    /// The request's time, ms since the Unix epoch (default: the later of the
+    /// snapshot's generated_ms and the last at_ms)
+    #[arg(verbatim_doc_comment, long, value_name = "T", value_parser = crate::args::whole::<u64>,
+          help_heading = "Directory")]
+    now_ms: Option<u64>,
+    /// One JSON object instead of a table
+    #[arg(verbatim_doc_comment, long, help_heading = "Output")]
+    json: bool,
 }
 
-const OPTIONS: &[Opt] = &[
-    value("config"),
-    value("snapshot"),
-    value("request"),
-    value("path"),
-    value("session"),
-    value("residency"),
-    value("inflight"),
-    value("history"),
-    value("now-ms"),
-    Opt {
-        name: "json",
-        kind: Kind::Flag,
-    },
-];
-
-const DEFAULT_PATH: &str = "/v1/chat/completions";
-
-pub fn run(argv: &[String]) -> Result<String, CliError> {
-    let p = args::parse(argv, OPTIONS)?;
-    p.require_all(&["config", "snapshot", "request"])?;
-    let config_path = path_of(&p, "config")?;
+pub fn run(a: Args) -> Result<String, CliError> {
+    let config_path = a.config.as_str();
     let cfg = Config::parse(&read("config", config_path)?)
         .map_err(|e| CliError::Input(format!("--config {config_path}: {e}")))?;
-    let snapshot_path = path_of(&p, "snapshot")?;
+    let snapshot_path = a.snapshot.as_str();
     let snapshot = Snapshot::decode(&read("snapshot", snapshot_path)?)
         .map_err(|e| CliError::Input(format!("--snapshot {snapshot_path}: {e}")))?;
-    let body = read("request", path_of(&p, "request")?)?;
-    let inflight = inflight(&cfg, p.text("inflight"))?;
-    let residency = match p.text("residency") {
+    let body = read("request", &a.request)?;
+    let inflight = inflight(&cfg, a.inflight.as_deref())?;
+    let residency = match a.residency.as_deref() {
         Some(_) if cfg.residency.header.is_none() => {
             return Err(CliError::Usage(
                 "--residency: the configuration sets no residency.header, so the \
@@ -123,12 +147,12 @@ pub fn run(argv: &[String]) -> Result<String, CliError> {
         }
         other => other,
     };
-    let history = match p.text("history") {
+    let history = match a.history.as_deref() {
         Some(file) => History::load(&cfg, Path::new(file))?,
         None => History::default(),
     };
     let last_at = history.entries.last().map_or(0, |e| e.at_ms);
-    let now_ms = match p.whole::<u64>("now-ms", false)? {
+    let now_ms = match a.now_ms {
         Some(t) if t < last_at => {
             return Err(CliError::Usage(format!(
                 "--now-ms {t} is before the history's last at_ms ({last_at})"
@@ -137,9 +161,9 @@ pub fn run(argv: &[String]) -> Result<String, CliError> {
         Some(t) => t,
         None => snapshot.generated_ms.max(last_at),
     };
-    let json_out = p.flag("json");
+    let json_out = a.json;
 
-    let req_path = p.text("path").unwrap_or(DEFAULT_PATH);
+    let req_path = a.path.as_str();
     // The filter's own state machine, with the snapshot used whatever its
     // age (the --snapshot file is the state to explain, not a live one).
     let mut cfg = cfg;
@@ -164,7 +188,7 @@ pub fn run(argv: &[String]) -> Result<String, CliError> {
             cfg,
             &shared.router,
             &mut host.store,
-            p.text("session"),
+            a.session.as_deref(),
             endpoint,
             &body,
             now_ms,
@@ -180,7 +204,7 @@ pub fn run(argv: &[String]) -> Result<String, CliError> {
         host.set_gauge(Stat::Region(i, RegionStat::RqActive), n.round() as u64);
     }
     let mut headers = vec![(":method", "POST"), (":path", req_path)];
-    if let Some(s) = p.text("session") {
+    if let Some(s) = a.session.as_deref() {
         headers.push((cfg.headers.session.as_str(), s));
     }
     if let (Some(name), Some(value)) = (&cfg.residency.header, residency) {
@@ -264,12 +288,6 @@ struct Session {
     key: String,
     /// The region that served its previous request, and when.
     last: Option<(usize, u64)>,
-}
-
-/// `require_all` has run; this only turns "absent" into the same message.
-fn path_of<'a>(p: &'a Parsed, name: &str) -> Result<&'a str, CliError> {
-    p.text(name)
-        .ok_or_else(|| CliError::Usage(format!("missing required option --{name}")))
 }
 
 fn read(option: &str, path: &str) -> Result<Vec<u8>, CliError> {

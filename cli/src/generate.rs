@@ -3,7 +3,6 @@
 //! `llm_geo_router_sim::scenario`; this module only writes the files and
 //! prints the scenario's figures.
 
-use crate::args::{self, Kind, Opt};
 use crate::CliError;
 use llm_geo_router_sim::scenario::{self, figures};
 use llm_geo_router_sim::trace;
@@ -11,17 +10,17 @@ use std::path::Path;
 
 pub const SUMMARY: &str = "write a benchmark scenario's fleet.json and trace.jsonl";
 
-pub const USAGE: &str = "\
-usage: llm-geo-router generate --scenario a|b|c|d|e|f|g --seed N [--out DIR]
+pub const ABOUT: &str = "\
+Write a benchmark scenario's fleet.json and trace.jsonl.
 
-Writes DIR/fleet.json and DIR/trace.jsonl (DIR is created if missing;
-default: the current directory) and prints the scenario's figures: requests,
-sessions, span, mean prompt tokens, prefix reuse (prompt tokens that are a
-prefix an earlier request already sent), offered decode load (decode work
-over all regions' slots for the trace's span), the prefill load on top of it
-(between every reused prefix cached and none), and the working set (prompt
-prefixes sent more than once) against the largest region cache. The same
-scenario and seed always give the same files.
+Writes DIR/fleet.json and DIR/trace.jsonl (DIR is created if missing) and
+prints the scenario's figures: requests, sessions, span, mean prompt tokens,
+prefix reuse (prompt tokens that are a prefix an earlier request already
+sent), offered decode load (decode work over all regions' slots for the
+trace's span), the prefill load on top of it (between every reused prefix
+cached and none), and the working set (prompt prefixes sent more than once)
+against the largest region cache. The same scenario and seed always give
+the same files.
 
 scenarios (regions iad, fra, icn; client regions na, eu, ap; na sees the
 regions at 37 / 279 / 456 ms):
@@ -43,38 +42,41 @@ region, 104-262 ms from the others, after measured inter-region round trips):
       sent more than once
   g   heterogeneous regions: nrt has half the slots of the others, fra twice
       their prefill time per token; chat, long-document sessions and long
-      one-off prompts at about 75 % of the fleet's slots
+      one-off prompts at about 75 % of the fleet's slots";
 
+pub const AFTER: &str = "\
 Exit status: 0 on success; 2 on a wrong option or a file that cannot be
-written.
-";
+written.";
 
-const OPTIONS: &[Opt] = &[
-    Opt {
-        name: "scenario",
-        kind: Kind::Value,
-    },
-    Opt {
-        name: "seed",
-        kind: Kind::Value,
-    },
-    Opt {
-        name: "out",
-        kind: Kind::Value,
-    },
-];
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The scenario: a, b, c, d, e, f or g
+    #[arg(verbatim_doc_comment, long, value_name = "a|b|c|d|e|f|g", value_parser = scenario_kind)]
+    scenario: scenario::Kind,
+    /// The seed (a whole number >= 0)
+    #[arg(verbatim_doc_comment, long, value_name = "N", value_parser = crate::args::whole::<u64>)]
+    seed: u64,
+    /// Where to write the files
+    #[arg(verbatim_doc_comment, long, value_name = "DIR", default_value = ".")]
+    out: String,
+}
 
-pub fn run(argv: &[String]) -> Result<String, CliError> {
-    let p = args::parse(argv, OPTIONS)?;
-    p.require_all(&["scenario", "seed"])?;
-    let name = p.text("scenario").unwrap_or_default();
-    let kind = scenario::Kind::parse(name).ok_or_else(|| {
-        CliError::Usage(format!(
-            "--scenario must be one of a, b, c, d, e, f, g, got '{name}'"
-        ))
-    })?;
-    let seed: u64 = p.whole("seed", false)?.unwrap_or(0);
-    let dir = Path::new(p.text("out").unwrap_or("."));
+fn scenario_kind(raw: &str) -> Result<scenario::Kind, String> {
+    scenario::Kind::parse(raw).ok_or_else(|| "must be one of a, b, c, d, e, f, g".to_string())
+}
+
+pub fn run(a: Args) -> Result<String, CliError> {
+    let (kind, seed) = (a.scenario, a.seed);
+    let name = match kind {
+        scenario::Kind::A => "a",
+        scenario::Kind::B => "b",
+        scenario::Kind::C => "c",
+        scenario::Kind::D => "d",
+        scenario::Kind::E => "e",
+        scenario::Kind::F => "f",
+        scenario::Kind::G => "g",
+    };
+    let dir = Path::new(&a.out);
     let s = scenario::generate(kind, seed);
     std::fs::create_dir_all(dir)
         .map_err(|e| CliError::Input(format!("--out {}: cannot create: {e}", dir.display())))?;

@@ -4,7 +4,6 @@
 //! `LadderConfig` validated by `Config::validate` as the plugin validates it;
 //! no controller logic of its own.
 
-use crate::args::{self, Kind, Opt, Parsed};
 use crate::CliError;
 use llm_geo_router::config::{Config, LADDER_RUNGS};
 use llm_geo_router::ladder::Ladder;
@@ -12,9 +11,8 @@ use std::io::Read;
 
 pub const SUMMARY: &str = "replay a capacity/demand ratio series through the ladder controller";
 
-pub const USAGE: &str = "\
-usage: llm-geo-router ladder [--up-at a,b,c,d,e] [--down-at a,b,c,d,e]
-                             [--dwell-s N] [--config FILE] < series
+pub const ABOUT: &str = "\
+Replay a capacity/demand ratio series through the ladder controller.
 
 Reads lines `t_seconds ratio` on stdin (ratio = capacity / demand, as the
 probe computes it each tick) and prints `t_seconds level` for each, running
@@ -24,42 +22,41 @@ the ratio is above down_at[level-1] and more than dwell_s seconds have passed
 since the level last changed. The first line starts the controller at level 0
 with its time as the last change, then is stepped like every other line.
 
-thresholds (default: the plugin's defaults, or the --config file's ladder):
-  --up-at LIST      5 comma-separated ratios; up_at[i] raises level i to i+1
-                    (default 1.00,0.90,0.75,0.60,0.45)
-  --down-at LIST    5 comma-separated ratios; above down_at[i] level i+1 may
-                    fall to i (default 1.10,1.00,0.85,0.70,0.55)
-  --dwell-s N       seconds a level holds before it may fall (default 300)
-  --config FILE     the plugin's JSON configuration: its `ladder` section
-                    (including forced_level, which then holds the level) is
-                    used; the options above still override it
-The result is validated as the plugin validates it (e.g. down_at[i] must be
-greater than up_at[i]), with the plugin's message.
+Thresholds default to the plugin's defaults, or the --config file's ladder;
+the options override them. The result is validated as the plugin validates it
+(e.g. down_at[i] must be greater than up_at[i]), with the plugin's message.
 
 input (stdin):
-  t_seconds         time of the sample in seconds (fractions allowed, >= 0),
-                    not decreasing from one line to the next
-  ratio             capacity/demand, a number >= 0; `inf` for no demand
-Blank lines and text after `#` are ignored. The time is printed as read.
+  t_seconds   time of the sample in seconds (fractions allowed, >= 0),
+              not decreasing from one line to the next
+  ratio       capacity/demand, a number >= 0; `inf` for no demand
+Blank lines and text after `#` are ignored. The time is printed as read.";
 
+pub const AFTER: &str = "\
 Exit status: 0 on success; 2 on a wrong option, an invalid --config file, an
 invalid threshold, or a malformed or out-of-order input line (the message
-names the line; nothing is printed then).
-";
+names the line; nothing is printed then).";
 
-const fn value(name: &'static str) -> Opt {
-    Opt {
-        name,
-        kind: Kind::Value,
-    }
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// 5 comma-separated ratios; up_at[i] raises level i to i+1 (default
+    /// 1.00,0.90,0.75,0.60,0.45)
+    #[arg(verbatim_doc_comment, long, value_name = "LIST", value_parser = rungs)]
+    up_at: Option<[f64; LADDER_RUNGS]>,
+    /// 5 comma-separated ratios; above down_at[i] level i+1 may fall to i
+    /// (default 1.10,1.00,0.85,0.70,0.55)
+    #[arg(verbatim_doc_comment, long, value_name = "LIST", value_parser = rungs)]
+    down_at: Option<[f64; LADDER_RUNGS]>,
+    /// Seconds a level holds before it may fall (default 300)
+    #[arg(verbatim_doc_comment, long, value_name = "N", value_parser = crate::args::finite,
+          allow_negative_numbers = true)]
+    dwell_s: Option<f64>,
+    /// The plugin's JSON configuration: its `ladder` section (including
+    /// forced_level, which then holds the level) is used; the options above
+    /// still override it
+    #[arg(verbatim_doc_comment, long, value_name = "FILE")]
+    config: Option<String>,
 }
-
-const OPTIONS: &[Opt] = &[
-    value("up-at"),
-    value("down-at"),
-    value("dwell-s"),
-    value("config"),
-];
 
 /// A configuration the plugin accepts, for when no --config is given: its
 /// `ladder` section takes every default.
@@ -69,9 +66,8 @@ const BARE_CONFIG: &[u8] =
 /// Times past this many milliseconds lose precision as `f64`.
 const MAX_T_MS: f64 = 9_007_199_254_740_992.0;
 
-pub fn run(argv: &[String]) -> Result<String, CliError> {
-    let p = args::parse(argv, OPTIONS)?;
-    let cfg = config(&p)?;
+pub fn run(a: Args) -> Result<String, CliError> {
+    let cfg = config(&a)?;
     let mut input = Vec::new();
     std::io::stdin()
         .lock()
@@ -82,8 +78,8 @@ pub fn run(argv: &[String]) -> Result<String, CliError> {
 
 /// The plugin configuration whose `ladder` the replay uses: the file's or a
 /// bare one, with the options applied, validated as a whole.
-fn config(p: &Parsed) -> Result<Config, CliError> {
-    let mut cfg = match p.text("config") {
+fn config(a: &Args) -> Result<Config, CliError> {
+    let mut cfg = match a.config.as_deref() {
         Some(path) => {
             let bytes = std::fs::read(path)
                 .map_err(|e| CliError::Input(format!("--config {path}: cannot read: {e}")))?;
@@ -91,45 +87,32 @@ fn config(p: &Parsed) -> Result<Config, CliError> {
         }
         None => Config::parse(BARE_CONFIG).map_err(|e| CliError::Input(e.to_string()))?,
     };
-    if let Some(up) = rungs(p, "up-at")? {
+    if let Some(up) = a.up_at {
         cfg.ladder.up_at = up;
     }
-    if let Some(down) = rungs(p, "down-at")? {
+    if let Some(down) = a.down_at {
         cfg.ladder.down_at = down;
     }
-    if let Some(raw) = p.text("dwell-s") {
-        cfg.ladder.dwell_s = finite("dwell-s", raw)?;
+    if let Some(dwell) = a.dwell_s {
+        cfg.ladder.dwell_s = dwell;
     }
     // Ranges and orderings are the plugin's to judge, in its own words.
     cfg.validate().map_err(|e| CliError::Usage(e.to_string()))?;
     Ok(cfg)
 }
 
-fn finite(name: &str, raw: &str) -> Result<f64, CliError> {
-    raw.trim()
-        .parse::<f64>()
-        .ok()
-        .filter(|x| x.is_finite())
-        .ok_or_else(|| CliError::Usage(format!("--{name} must be a number, got '{raw}'")))
-}
-
-/// `--up-at` / `--down-at`: exactly one number per rung.
-fn rungs(p: &Parsed, name: &str) -> Result<Option<[f64; LADDER_RUNGS]>, CliError> {
-    let Some(raw) = p.text(name) else {
-        return Ok(None);
-    };
+/// `--up-at` / `--down-at`: exactly one finite number per rung.
+fn rungs(raw: &str) -> Result<[f64; LADDER_RUNGS], String> {
     let values = raw
         .split(',')
-        .map(|v| finite(name, v))
-        .collect::<Result<Vec<f64>, CliError>>()?;
-    <[f64; LADDER_RUNGS]>::try_from(values.as_slice())
-        .map(Some)
-        .map_err(|_| {
-            CliError::Usage(format!(
-                "--{name} needs {LADDER_RUNGS} comma-separated numbers (one per rung), got {} in '{raw}'",
-                values.len()
-            ))
-        })
+        .map(|v| crate::args::finite(v).map_err(|_| format!("'{}' is not a number", v.trim())))
+        .collect::<Result<Vec<f64>, String>>()?;
+    <[f64; LADDER_RUNGS]>::try_from(values.as_slice()).map_err(|_| {
+        format!(
+            "needs {LADDER_RUNGS} comma-separated numbers (one per rung), got {}",
+            values.len()
+        )
+    })
 }
 
 /// One controller step per sample line; the output has one line per sample.

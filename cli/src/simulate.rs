@@ -1,12 +1,13 @@
 //! `simulate`: run routing policies over a trace on simulated engines and
 //! report TTFT, end-to-end latency, cache hits and load. The geo-router
 //! policy is the plugin's own core (guard, router, probe, ladder) with one
-//! Envoy per client region; the engines are the emulator's own model. All
-//! simulation logic is in `llm_geo_router_sim`; this module reads the files,
-//! prints the results and writes the plots.
+//! Envoy per client region; each baseline runs once per `--deployment`
+//! (`llm_geo_router_sim::deploy`); the engines are the emulator's own model.
+//! All simulation logic is in `llm_geo_router_sim`; this module reads the
+//! files, prints the results and writes the plots.
 
-use crate::args::{self, Kind, Opt};
 use crate::CliError;
+use llm_geo_router_sim::deploy::{self, Deployment};
 use llm_geo_router_sim::fleet::Fleet;
 use llm_geo_router_sim::policy::PolicyName;
 use llm_geo_router_sim::workload::Workload;
@@ -15,13 +16,12 @@ use std::path::Path;
 
 pub const SUMMARY: &str = "simulate routing policies over a trace (TTFT, e2e, cache hits)";
 
-pub const USAGE: &str = "\
-usage: llm-geo-router simulate --fleet FILE --trace FILE --policy NAME [--policy NAME ...]
-                               [--config FILE] [--json] [--plots DIR] [--title TEXT]
+pub const ABOUT: &str = "\
+Simulate routing policies over a trace (TTFT, e2e, cache hits).
 
 Runs each policy over the trace on its own fresh simulated engines (the
 engine emulator's model: FIFO slots, prefix cache, prefill and decode
-timing) and prints, per policy, TTFT and end-to-end percentiles, the cache
+timing) and prints, per run, TTFT and end-to-end percentiles, the cache
 hit token ratio, the requests completed, shed and capped, and the requests
 per region. Deterministic: the same files give the same numbers.
 
@@ -29,112 +29,159 @@ TTFT is measured at the client: half a round trip to the region, queueing,
 prefill of the uncached tokens, half a round trip back. End to end adds the
 decode of the remaining output tokens.
 
-inputs:
-  --fleet FILE     the fleet (JSON): client_regions, regions with rtt_ms per
-                   client region, max_concurrency, prefill_ms_per_token,
-                   decode_ms_per_token, cache_tokens; optional outages
-  --trace FILE     the trace (JSONL, one request a line, sorted by t_ms)
-  --policy NAME    geo-router, round-robin, least-request, session-affinity,
-                   nearest, cache-aware, gorgo, or all; repeat or separate
-                   with commas for several
-  --config FILE    plugin settings for geo-router (a plugin configuration
-                   without `regions`, merged over the one built from the
-                   fleet), e.g. {\"cost\": {\"w_queue\": 2}}
-output:
-  --json           one JSON object: {\"policies\": {\"<name>\": {\"ttft_ms\":
-                   {mean, p50, p95, p99}, \"e2e_ms\": {...},
-                   \"cache_hit_token_ratio\", \"requests\", \"completed\",
-                   \"shed\", \"capped\", \"per_region_requests\": {...}}}}
-                   shed: refused by the ladder (429); capped: a ladder cap
-                   applied (max_tokens clamped, or the prompt refused with
-                   413); requests − completed − shed − 413s failed in an
-                   outage. Only geo-router has a guard and a ladder.
-  --plots DIR      write ttft_cdf.svg, region_load.svg and (with geo-router)
-                   ladder.svg into DIR (created if missing)
-  --requests FILE  also write every request's outcome, one JSON object a
-                   line: policy, index, t_ms, session, client_region,
-                   region, status, ttft_ms, e2e_ms, prompt_tokens,
-                   cached_tokens, queued_ms, reason (geo-router)
-  --title TEXT     label in the plots' titles (default: the trace's
-                   directory name for trace.jsonl, else its file name)
+The geo-router runs as the plugin is deployed, one Envoy per client region.
+Every other policy (a baseline) runs once per --deployment, labelled
+<policy>@<deployment>:
+  oracle             one instance that knows every engine's queue and every
+                     routed prefix exactly and at once, at no network
+                     position: the limit, not a peer
+  global:<region>    one instance in that engine region: every request goes
+                     client -> router -> engine, so TTFT adds the client's
+                     round trip to the router's region and that region's
+                     round trip to the engine's (the fleet's region_rtt_ms,
+                     else an estimate: bench/README.md); it sees all traffic
+  per-client-region  one instance per client region, each seeing only its
+                     own traffic (its own prefix tree, in-flight counts and
+                     round-robin counter)
+Outside the oracle, gorgo reads the engines' queues by a scrape every
+probe.tick_ms (the plugin's probe tick, 1000 ms unless --config sets it).";
+
+pub const AFTER: &str = "\
+JSON (--json): {\"policies\": {\"<label>\": {\"policy\", \"deployment\",
+\"ttft_ms\": {mean, p50, p95, p99}, \"e2e_ms\": {...}, \"cache_hit_token_ratio\",
+\"requests\", \"completed\", \"shed\", \"capped\", \"per_region_requests\": {...}}}}
+with <label> geo-router or <policy>@<deployment>. shed: refused by the ladder
+(429); capped: a ladder cap applied (max_tokens clamped, or the prompt
+refused with 413); requests - completed - shed - 413s failed in an outage.
+Only geo-router has a guard and a ladder.
 
 Exit status: 0 on success; 2 on a wrong option or a file that cannot be read
-or is invalid (the message names it); 1 when the plots cannot be written.
-";
+or is invalid (the message names it); 1 when the plots cannot be written.";
 
-const OPTIONS: &[Opt] = &[
-    Opt {
-        name: "fleet",
-        kind: Kind::Value,
-    },
-    Opt {
-        name: "trace",
-        kind: Kind::Value,
-    },
-    Opt {
-        name: "config",
-        kind: Kind::Value,
-    },
-    Opt {
-        name: "plots",
-        kind: Kind::Value,
-    },
-    Opt {
-        name: "title",
-        kind: Kind::Value,
-    },
-    Opt {
-        name: "requests",
-        kind: Kind::Value,
-    },
-    Opt {
-        name: "json",
-        kind: Kind::Flag,
-    },
-];
+/// The policies of one `--policy` value.
+#[derive(Debug, Clone)]
+pub struct Policies(Vec<PolicyName>);
 
-/// `--policy` may repeat, which the shared parser refuses: take its values
-/// out first.
-fn split_policies(argv: &[String]) -> Result<(Vec<PolicyName>, Vec<String>), CliError> {
-    let mut names = Vec::new();
-    let mut rest = Vec::new();
-    let mut words = argv.iter();
-    while let Some(w) = words.next() {
-        let value = if w == "--policy" {
-            match words.next() {
-                Some(v) if !v.starts_with("--") => v.clone(),
-                _ => return Err(CliError::Usage("--policy needs a value".into())),
-            }
-        } else if let Some(v) = w.strip_prefix("--policy=") {
-            v.to_string()
+fn policies(raw: &str) -> Result<Policies, String> {
+    let mut out = Vec::new();
+    for name in raw.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        if name == "all" {
+            out.extend(PolicyName::ALL);
         } else {
-            rest.push(w.clone());
-            continue;
-        };
-        for name in value.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let add: Vec<PolicyName> = if name == "all" {
-                PolicyName::ALL.to_vec()
-            } else {
-                vec![PolicyName::parse(name).ok_or_else(|| {
-                    CliError::Usage(format!(
-                        "--policy: unknown policy '{name}'; known: {}, all",
-                        PolicyName::ALL.map(PolicyName::as_str).join(", ")
-                    ))
-                })?]
-            };
-            for p in add {
-                if !names.contains(&p) {
-                    names.push(p);
-                }
-            }
+            out.push(PolicyName::parse(name).ok_or_else(|| {
+                format!(
+                    "unknown policy '{name}'; known: {}, all",
+                    PolicyName::ALL.map(PolicyName::as_str).join(", ")
+                )
+            })?);
         }
     }
-    if names.is_empty() {
-        return Err(CliError::Usage(
-            "missing required option --policy (a policy name, or all)".into(),
-        ));
+    if out.is_empty() {
+        return Err("names no policy".into());
     }
-    Ok((names, rest))
+    Ok(Policies(out))
+}
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The fleet (JSON): client_regions, regions with rtt_ms per client
+    /// region, max_concurrency, prefill_ms_per_token, decode_ms_per_token,
+    /// cache_tokens; optional region_rtt_ms and outages
+    #[arg(
+        verbatim_doc_comment,
+        long,
+        value_name = "FILE",
+        help_heading = "Inputs"
+    )]
+    fleet: String,
+    /// The trace (JSONL, one request a line, sorted by t_ms)
+    #[arg(
+        verbatim_doc_comment,
+        long,
+        value_name = "FILE",
+        help_heading = "Inputs"
+    )]
+    trace: String,
+    /// geo-router, round-robin, least-request, session-affinity, nearest,
+    /// cache-aware, gorgo, or all; repeat or separate with commas for several
+    #[arg(verbatim_doc_comment, long = "policy", value_name = "NAME", value_parser = policies, required = true,
+          action = clap::ArgAction::Append, help_heading = "Inputs")]
+    policy: Vec<Policies>,
+    /// How the baselines are deployed: oracle, per-client-region or
+    /// global:<region> (one of the fleet's regions); repeat for several.
+    /// Default: all three, global in the region with the lowest round trip
+    /// summed over the trace's requests
+    #[arg(verbatim_doc_comment, long = "deployment", value_name = "D", value_parser = Deployment::parse,
+          action = clap::ArgAction::Append, help_heading = "Inputs")]
+    deployment: Vec<Deployment>,
+    /// Plugin settings for geo-router (a plugin configuration without
+    /// `regions`, merged over the one built from the fleet), e.g.
+    /// {"cost": {"w_queue": 2}}; its probe.tick_ms is also gorgo's scrape
+    /// period outside the oracle
+    #[arg(
+        verbatim_doc_comment,
+        long,
+        value_name = "FILE",
+        help_heading = "Inputs"
+    )]
+    config: Option<String>,
+    /// One JSON object (shape below)
+    #[arg(verbatim_doc_comment, long, help_heading = "Output")]
+    json: bool,
+    /// Write ttft_cdf.svg, region_load.svg and (with geo-router) ladder.svg
+    /// into DIR (created if missing)
+    #[arg(
+        verbatim_doc_comment,
+        long,
+        value_name = "DIR",
+        help_heading = "Output"
+    )]
+    plots: Option<String>,
+    /// Also write every request's outcome, one JSON object a line: policy
+    /// (the run's label), deployment, index, t_ms, session, client_region,
+    /// region, status, ttft_ms, e2e_ms, prompt_tokens, cached_tokens,
+    /// queued_ms, reason (geo-router)
+    #[arg(
+        verbatim_doc_comment,
+        long,
+        value_name = "FILE",
+        help_heading = "Output"
+    )]
+    requests: Option<String>,
+    /// Label in the plots' titles (default: the trace's directory name for
+    /// trace.jsonl, else its file name)
+    #[arg(
+        verbatim_doc_comment,
+        long,
+        value_name = "TEXT",
+        help_heading = "Output"
+    )]
+    title: Option<String>,
+}
+
+/// The policies asked for, each once, in the order first asked.
+fn policy_list(given: &[Policies]) -> Vec<PolicyName> {
+    let mut names = Vec::new();
+    for p in given.iter().flat_map(|p| p.0.iter()) {
+        if !names.contains(p) {
+            names.push(*p);
+        }
+    }
+    names
+}
+
+/// The deployments asked for, checked against the fleet (each once, a
+/// global router in one of its regions), or the default three.
+fn deployments(
+    given: &[Deployment],
+    fleet: &Fleet,
+    work: &Workload,
+) -> Result<Vec<Deployment>, CliError> {
+    if given.is_empty() {
+        return Ok(Deployment::defaults(fleet, work));
+    }
+    deploy::check(given, fleet).map_err(|e| CliError::Usage(format!("--deployment {e}")))?;
+    Ok(given.to_vec())
 }
 
 fn read(option: &str, path: &str) -> Result<Vec<u8>, CliError> {
@@ -156,19 +203,17 @@ fn label(trace_path: &str) -> String {
     stem.to_string()
 }
 
-pub fn run(argv: &[String]) -> Result<String, CliError> {
-    let (policies, rest) = split_policies(argv)?;
-    let p = args::parse(&rest, OPTIONS)?;
-    p.require_all(&["fleet", "trace"])?;
-    let fleet_path = p.text("fleet").unwrap_or_default();
-    let trace_path = p.text("trace").unwrap_or_default();
+pub fn run(a: Args) -> Result<String, CliError> {
+    let policies = policy_list(&a.policy);
+    let fleet_path = a.fleet.as_str();
+    let trace_path = a.trace.as_str();
     let fleet = Fleet::parse(&read("fleet", fleet_path)?)
         .map_err(|e| CliError::Input(format!("--fleet {fleet_path}: {e}")))?;
     let text = String::from_utf8(read("trace", trace_path)?)
         .map_err(|_| CliError::Input(format!("--trace {trace_path}: not UTF-8")))?;
     let requests =
         trace::parse(&text).map_err(|e| CliError::Input(format!("--trace {trace_path}: {e}")))?;
-    let overrides = match p.text("config") {
+    let overrides = match a.config.as_deref() {
         Some(path) => Some(
             serde_json::from_slice::<serde_json::Value>(&read("config", path)?)
                 .map_err(|e| CliError::Input(format!("--config {path}: not JSON: {e}")))?,
@@ -177,19 +222,18 @@ pub fn run(argv: &[String]) -> Result<String, CliError> {
     };
     let work = Workload::new(&fleet, requests)
         .map_err(|e| CliError::Input(format!("--trace {trace_path}: {e}")))?;
-    let runs =
-        simulate_all(&fleet, &work, &policies, overrides.as_ref()).map_err(CliError::Input)?;
+    let deployments = deployments(&a.deployment, &fleet, &work)?;
+    let jobs = deploy::jobs(&policies, &deployments);
+    let runs = simulate_all(&fleet, &work, &jobs, overrides.as_ref()).map_err(CliError::Input)?;
     let summaries: Vec<report::Summary> = runs
         .iter()
         .map(|r| report::summarize(&fleet, &work, r))
         .collect();
-    if let Some(dir) = p.text("plots") {
-        let title = p
-            .text("title")
-            .map_or_else(|| label(trace_path), str::to_string);
+    if let Some(dir) = a.plots.as_deref() {
+        let title = a.title.clone().unwrap_or_else(|| label(trace_path));
         write_plots(Path::new(dir), &plot::all(&title, &fleet, &runs))?;
     }
-    if let Some(path) = p.text("requests") {
+    if let Some(path) = a.requests.as_deref() {
         let mut out = String::new();
         for run in &runs {
             for line in report::request_lines(&fleet, &work, run) {
@@ -202,7 +246,7 @@ pub fn run(argv: &[String]) -> Result<String, CliError> {
             message: format!("--requests {path}: cannot write: {e}"),
         })?;
     }
-    if p.flag("json") {
+    if a.json {
         let v = report::to_json(&summaries);
         return Ok(format!("{v}\n"));
     }
@@ -219,4 +263,99 @@ fn write_plots(dir: &Path, plots: &[(&str, String)]) -> Result<(), CliError> {
         std::fs::write(dir.join(name), svg).map_err(fail)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use llm_geo_router_sim::scenario;
+
+    #[derive(Parser, Debug)]
+    struct T {
+        #[command(flatten)]
+        a: Args,
+    }
+
+    fn parse(extra: &[&str]) -> Result<Args, clap::Error> {
+        let base = ["t", "--fleet", "f.json", "--trace", "t.jsonl"];
+        T::try_parse_from(base.iter().chain(extra)).map(|t| t.a)
+    }
+
+    fn message(r: Result<Vec<Deployment>, CliError>) -> String {
+        match r {
+            Err(CliError::Usage(m)) => m,
+            other => format!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn policies_repeat_with_commas_and_all() {
+        let a = parse(&[
+            "--policy",
+            "gorgo",
+            "--policy=nearest, gorgo",
+            "--policy",
+            "all",
+        ])
+        .unwrap();
+        let p = policy_list(&a.policy);
+        assert_eq!(p.len(), 7);
+        assert_eq!(&p[..2], [PolicyName::Gorgo, PolicyName::Nearest]);
+        let e = parse(&["--policy", "fastest"]).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        assert!(e.to_string().contains("unknown policy 'fastest'"), "{e}");
+        let e = parse(&[]).unwrap_err();
+        assert!(e.to_string().contains("--policy <NAME>"), "{e}");
+    }
+
+    #[test]
+    fn deployments_parse_check_and_default() {
+        // Unknown kind: refused by the parser (exit 2, naming the option).
+        let e = parse(&["--policy", "all", "--deployment", "everywhere"]).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        let e = e.to_string();
+        assert!(
+            e.contains("invalid value 'everywhere' for '--deployment <D>'")
+                && e.contains("oracle, per-client-region, global:<region>"),
+            "{e}"
+        );
+        let s = scenario::generate(scenario::Kind::A, 1);
+        let trace: Vec<_> = s.trace.into_iter().take(50).collect();
+        let work = Workload::new(&s.fleet, trace).unwrap();
+        let given = |extra: &[&str]| {
+            let mut words = vec!["--policy", "all"];
+            for d in extra {
+                words.extend(["--deployment", d]);
+            }
+            let a = parse(&words).unwrap();
+            deployments(&a.deployment, &s.fleet, &work)
+        };
+        // Unknown region: refused against the fleet, listing its regions.
+        assert_eq!(
+            message(given(&["global:sfo"])),
+            "--deployment global:sfo: 'sfo' is not a region of the fleet; its regions: iad, fra, icn"
+        );
+        // The same deployment twice.
+        assert_eq!(
+            message(given(&["oracle", "global:fra", "oracle"])),
+            "--deployment 'oracle' is given more than once"
+        );
+        assert_eq!(
+            given(&["global:fra", "per-client-region"]).unwrap(),
+            [
+                Deployment::Global("fra".into()),
+                Deployment::PerClientRegion
+            ]
+        );
+        // None given: all three, the global router in iad (na's traffic).
+        assert_eq!(
+            given(&[]).unwrap(),
+            [
+                Deployment::Oracle,
+                Deployment::PerClientRegion,
+                Deployment::Global("iad".into())
+            ]
+        );
+    }
 }

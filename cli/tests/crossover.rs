@@ -131,21 +131,30 @@ fn refused(extra: &[&str]) -> String {
 #[test]
 fn bad_command_lines_exit_2_naming_the_option() {
     let missing = refused(&["--json"]);
-    assert!(missing.contains("--bandwidth-gbps"), "{missing}");
     assert!(
-        missing.contains("usage: llm-geo-router crossover"),
+        missing.contains("required arguments were not provided")
+            && missing.contains("--bandwidth-gbps"),
+        "{missing}"
+    );
+    assert!(
+        missing.contains("Usage: llm-geo-router crossover"),
         "{missing}"
     );
 
     let invalid = refused(&["--bandwidth-gbps", "fast"]);
     assert!(
-        invalid.contains("--bandwidth-gbps must be a positive number, got 'fast'"),
+        invalid
+            .contains("invalid value 'fast' for '--bandwidth-gbps <G>': must be a positive number"),
         "{invalid}"
     );
 
     let partial = refused(&["--bandwidth-gbps", "100", "--prefix-tokens", "600"]);
     assert!(
         partial.contains("missing --compute-util, --service-rate"),
+        "{partial}"
+    );
+    assert!(
+        partial.contains("Usage: llm-geo-router crossover"),
         "{partial}"
     );
 
@@ -160,10 +169,40 @@ fn bad_command_lines_exit_2_naming_the_option() {
         "20",
     ]);
     assert!(
-        saturated.contains("--compute-util must be a utilisation in [0, 1)"),
+        saturated.contains(
+            "invalid value '1' for '--compute-util <U>': must be a utilisation in [0, 1)"
+        ),
         "{saturated}"
     );
 
     let unknown = refused(&["--bandwidth-gbps", "100", "--rtt", "70"]);
-    assert!(unknown.contains("unknown option --rtt"), "{unknown}");
+    assert!(unknown.contains("unexpected argument '--rtt'"), "{unknown}");
+
+    let repeated = refused(&["--bandwidth-gbps", "100", "--rtt-ms", "70"]);
+    assert!(
+        repeated.contains("'--rtt-ms <R>' cannot be used multiple times"),
+        "{repeated}"
+    );
+    let repeated = refused(&["--bandwidth-gbps", "100", "--json", "--json"]);
+    assert!(
+        repeated.contains("'--json' cannot be used multiple times"),
+        "{repeated}"
+    );
+}
+
+#[test]
+fn help_is_printed_with_status_0() {
+    for flag in ["--help", "-h"] {
+        let out = Command::new(BIN)
+            .args(["crossover", flag])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{flag}");
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(
+            text.contains("Usage: llm-geo-router crossover")
+                && text.contains("--bandwidth-gbps <G>"),
+            "{text}"
+        );
+    }
 }

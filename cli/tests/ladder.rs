@@ -235,18 +235,31 @@ fn thresholds_are_refused_with_the_plugins_message() {
 fn wrong_options_and_files_are_named() {
     let err = failure(&["--up-at", "1,0.9,0.75,0.6"], "");
     assert!(
-        err.contains("--up-at needs 5 comma-separated numbers (one per rung), got 4"),
+        err.contains(
+            "invalid value '1,0.9,0.75,0.6' for '--up-at <LIST>': \
+             needs 5 comma-separated numbers (one per rung), got 4"
+        ),
         "{err}"
     );
     let err = failure(&["--down-at", "1.1,1,x,0.7,0.55"], "");
-    assert!(err.contains("--down-at must be a number, got 'x'"), "{err}");
+    assert!(
+        err.contains(
+            "invalid value '1.1,1,x,0.7,0.55' for '--down-at <LIST>': 'x' is not a number"
+        ),
+        "{err}"
+    );
     let err = failure(&["--dwell-s", "inf"], "");
     assert!(
-        err.contains("--dwell-s must be a number, got 'inf'"),
+        err.contains("invalid value 'inf' for '--dwell-s <N>': must be a number"),
         "{err}"
     );
     let err = failure(&["--dwell"], "");
-    assert!(err.contains("unknown option --dwell"), "{err}");
+    assert!(err.contains("unexpected argument '--dwell'"), "{err}");
+    let err = failure(&["--dwell-s", "10", "--dwell-s=20"], "");
+    assert!(
+        err.contains("'--dwell-s <N>' cannot be used multiple times"),
+        "{err}"
+    );
     let err = failure(&["--config", "{fixtures}/nope.json"], "");
     assert!(
         err.contains("--config") && err.contains("nope.json: cannot read"),

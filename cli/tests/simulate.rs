@@ -1,7 +1,8 @@
 //! The built `llm-geo-router generate` and `simulate`: a scenario written
 //! twice is the same bytes; a short generated trace simulated under every
-//! policy gives exactly one JSON object of the documented shape; plots are
-//! SVG; bad inputs are refused with the option or the line named.
+//! policy and deployment gives exactly one JSON object of the documented
+//! shape; plots are SVG; bad inputs are refused with the option or the line
+//! named.
 
 // clippy.toml exempts `#[test]` functions only; the helpers here are test code too.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -12,8 +13,7 @@ use std::process::{Command, Output};
 
 const BIN: &str = env!("CARGO_BIN_EXE_llm-geo-router");
 
-const POLICIES: [&str; 7] = [
-    "geo-router",
+const BASELINES: [&str; 6] = [
     "round-robin",
     "least-request",
     "session-affinity",
@@ -21,6 +21,9 @@ const POLICIES: [&str; 7] = [
     "cache-aware",
     "gorgo",
 ];
+
+/// The default deployments for scenario d (most traffic from na: iad).
+const DEPLOYMENTS: [&str; 3] = ["oracle", "per-client-region", "global:iad"];
 
 fn cli(args: &[&str]) -> Output {
     Command::new(BIN)
@@ -121,7 +124,7 @@ fn generate_is_deterministic_by_seed() {
 }
 
 #[test]
-fn simulate_json_has_the_documented_shape_for_every_policy() {
+fn simulate_json_has_the_documented_shape_for_every_policy_and_deployment() {
     let dir = scratch("json");
     let (fleet, trace) = tiny(&dir, 60);
     let text = ok(&[
@@ -139,9 +142,20 @@ fn simulate_json_has_the_documented_shape_for_every_policy() {
     let top = v.as_object().unwrap();
     assert_eq!(top.keys().collect::<Vec<_>>(), ["policies"]);
     let policies = v["policies"].as_object().unwrap();
-    assert_eq!(policies.len(), 7);
-    for name in POLICIES {
-        let p = &policies[name];
+    // The geo-router once, every baseline once per default deployment.
+    // With the oracle among them, the geo-router given exact figures too.
+    let mut labels = vec![
+        ("geo-router".to_string(), "geo-router", "per-client-region"),
+        ("geo-router(exact)".to_string(), "geo-router", "oracle"),
+    ];
+    for b in BASELINES {
+        for d in DEPLOYMENTS {
+            labels.push((format!("{b}@{d}"), b, d));
+        }
+    }
+    assert_eq!(policies.len(), labels.len());
+    for (name, policy, deployment) in &labels {
+        let p = &policies[name.as_str()];
         let keys: Vec<&String> = p.as_object().unwrap().keys().collect();
         assert_eq!(
             keys,
@@ -149,14 +163,18 @@ fn simulate_json_has_the_documented_shape_for_every_policy() {
                 "cache_hit_token_ratio",
                 "capped",
                 "completed",
+                "deployment",
                 "e2e_ms",
                 "per_region_requests",
+                "policy",
                 "requests",
                 "shed",
                 "ttft_ms"
             ],
             "{name}"
         );
+        assert_eq!(p["policy"], *policy);
+        assert_eq!(p["deployment"], *deployment);
         for dist in ["ttft_ms", "e2e_ms"] {
             let d = &p[dist];
             assert_eq!(d.as_object().unwrap().len(), 4, "{name} {dist}");
@@ -214,6 +232,10 @@ fn policies_repeat_and_plots_are_svg() {
         assert!(text.contains(name), "{name} in {text}");
     }
     assert!(!text.contains("cache-aware"));
+    for d in DEPLOYMENTS {
+        assert!(text.contains(&format!("gorgo@{d} ")), "gorgo@{d} in {text}");
+    }
+    assert!(!text.contains("geo-router@"), "{text}");
     for f in ["ttft_cdf.svg", "region_load.svg", "ladder.svg"] {
         let svg = std::fs::read_to_string(plots.join(f)).unwrap();
         assert!(
@@ -224,6 +246,66 @@ fn policies_repeat_and_plots_are_svg() {
     }
     let cdf = std::fs::read_to_string(plots.join("ttft_cdf.svg")).unwrap();
     assert!(cdf.contains(">geo-router<") && cdf.contains(">gorgo<"));
+    // A line per run, and a line style per deployment in the legend.
+    // (The geo-router twice: as deployed, and given exact figures.)
+    assert_eq!(cdf.matches("<path ").count(), 2 + 2 * 3, "{cdf}");
+    for d in [
+        ">oracle (the limit)<",
+        ">per-client-region<",
+        ">global:iad<",
+    ] {
+        assert!(cdf.contains(d), "{d}");
+    }
+    // Region load: the geo-router, then the best baseline of each deployment.
+    let load = std::fs::read_to_string(plots.join("region_load.svg")).unwrap();
+    assert_eq!(load.matches("Requests started per region: ").count(), 4);
+    for d in DEPLOYMENTS {
+        assert!(load.contains(&format!("@{d}</text>")), "{d}");
+    }
+}
+
+#[test]
+fn deployments_are_chosen_and_shown() {
+    let dir = scratch("deploy");
+    let (fleet, trace) = tiny(&dir, 40);
+    let text = ok(&[
+        "simulate",
+        "--fleet",
+        s(&fleet),
+        "--trace",
+        s(&trace),
+        "--policy",
+        "cache-aware,geo-router",
+        "--deployment",
+        "global:fra",
+        "--deployment=oracle",
+    ]);
+    let rows: Vec<&str> = text
+        .lines()
+        .skip(1)
+        .take_while(|l| !l.is_empty())
+        .map(|l| l.split_whitespace().next().unwrap())
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            "cache-aware@global:fra",
+            "cache-aware@oracle",
+            "geo-router",
+            "geo-router(exact)"
+        ],
+        "{text}"
+    );
+    assert!(text.contains("@oracle: "), "the oracle is labelled: {text}");
+    // The help names the option and the three kinds.
+    let help = ok(&["simulate", "--help"]);
+    assert!(
+        help.contains("--deployment <D>")
+            && help.contains("per-client-region")
+            && help.contains("global:<region>")
+            && help.contains("oracle"),
+        "{help}"
+    );
 }
 
 #[test]
@@ -238,7 +320,7 @@ fn bad_inputs_are_refused_with_what_to_fix() {
     };
     refused(
         &["simulate", "--fleet", s(&fleet), "--trace", s(&trace)],
-        "missing required option --policy",
+        "the following required arguments were not provided:\n  --policy <NAME>",
     );
     refused(
         &[
@@ -250,8 +332,45 @@ fn bad_inputs_are_refused_with_what_to_fix() {
             "--policy",
             "fastest",
         ],
-        "unknown policy 'fastest'",
+        "invalid value 'fastest' for '--policy <NAME>': unknown policy 'fastest'",
     );
+    let with = |extra: &[&'static str]| {
+        let mut args = vec![
+            "simulate".to_string(),
+            "--fleet".into(),
+            s(&fleet).into(),
+            "--trace".into(),
+            s(&trace).into(),
+            "--policy".into(),
+            "nearest".into(),
+        ];
+        args.extend(extra.iter().map(|a| a.to_string()));
+        args
+    };
+    let refused_with = |extra: &[&'static str], expected: &str| {
+        let args = with(extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        refused(&args, expected);
+    };
+    refused_with(
+        &["--deployment", "regional"],
+        "invalid value 'regional' for '--deployment <D>': unknown deployment 'regional'; \
+         known: oracle, per-client-region, global:<region>",
+    );
+    refused_with(
+        &["--deployment", "global:sfo"],
+        "error: simulate: --deployment global:sfo: 'sfo' is not a region of the fleet; \
+         its regions: iad, fra, icn",
+    );
+    refused_with(
+        &["--deployment", "oracle", "--deployment", "oracle"],
+        "--deployment 'oracle' is given more than once",
+    );
+    refused_with(
+        &["--fleet", "other.json"],
+        "the argument '--fleet <FILE>' cannot be used multiple times",
+    );
+    refused_with(&["--speed", "2"], "unexpected argument '--speed'");
     let unsorted = dir.join("unsorted.jsonl");
     let text = std::fs::read_to_string(&trace).unwrap();
     let mut lines: Vec<&str> = text.lines().collect();
@@ -287,6 +406,6 @@ fn bad_inputs_are_refused_with_what_to_fix() {
     );
     refused(
         &["generate", "--scenario", "h", "--seed", "1"],
-        "--scenario must be one of a, b, c, d, e, f, g",
+        "invalid value 'h' for '--scenario <a|b|c|d|e|f|g>': must be one of a, b, c, d, e, f, g",
     );
 }

@@ -1,7 +1,9 @@
 //! The fleet file (JSON): where clients are, the engine regions with their
-//! round trips from each client region, their engine figures, and (an
-//! extension for scenario d) outages during which a region's engine refuses
-//! and drops requests and fails its health checks.
+//! round trips from each client region, their engine figures, optionally
+//! the round trips between engine regions (for a router deployed in one
+//! region: `sim::Deployment::Global`), and (an extension for scenario d)
+//! outages during which a region's engine refuses and drops requests and
+//! fails its health checks.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -30,6 +32,13 @@ pub struct Region {
     pub decode_ms_per_token: f64,
     /// Prefix cache capacity in tokens.
     pub cache_tokens: u64,
+    /// Optional: one network round trip between this region and other
+    /// engine regions (its own name: within the region, default 0). The
+    /// matrix is symmetric: a pair may be given on either side, or on both
+    /// with the same value. A pair given on neither side is estimated
+    /// (`Fleet::region_rtt`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub region_rtt_ms: BTreeMap<String, f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -97,6 +106,28 @@ impl Fleet {
                     at("rtt_ms")
                 ));
             }
+            for (other, v) in &r.region_rtt_ms {
+                let at = format!("{}.{other}", at("region_rtt_ms"));
+                let Some(o) = self.regions.iter().find(|o| &o.name == other) else {
+                    return Err(format!("{at}: {other:?} is not a region"));
+                };
+                if !(v.is_finite() && *v >= 0.0) {
+                    return Err(format!("{at}: {v} must be a number >= 0"));
+                }
+                if let Some(back) = o.region_rtt_ms.get(&r.name) {
+                    if back != v {
+                        return Err(format!(
+                            "{at}: {v} differs from regions[{}].region_rtt_ms.{}: {back} \
+                             (one round trip, the same both ways)",
+                            self.regions
+                                .iter()
+                                .position(|x| x.name == *other)
+                                .unwrap_or(0),
+                            r.name
+                        ));
+                    }
+                }
+            }
             if r.max_concurrency == 0 {
                 return Err(format!("{}: must be at least 1", at("max_concurrency")));
             }
@@ -149,6 +180,44 @@ impl Fleet {
         }
     }
 
+    /// One round trip between engine regions `a` and `b` (a router in `a`
+    /// forwarding to the engine in `b`): the fleet's `region_rtt_ms` when it
+    /// gives the pair (either side), 0 within a region, else the estimate
+    /// documented in bench/README.md:
+    ///
+    /// `max over client regions c of |rtt(c, a) − rtt(c, b)|`
+    ///
+    /// the triangle inequality's lower bound, the smallest round trip the
+    /// fleet's own client figures allow. It leans in favour of a router
+    /// placed away from its clients, but not past the point where going
+    /// through it would be quicker than going straight to the engine: with
+    /// it, `rtt(c, a) + region_rtt(a, b) >= rtt(c, b)` for every client
+    /// region. For the generated scenarios (iad, fra, icn) it gives 242, 419
+    /// and 276 ms (iad–fra, iad–icn, fra–icn), set by na's 37 / 279 / 456 ms
+    /// and eu's 24 ms to fra.
+    pub fn region_rtt(&self, a: usize, b: usize) -> f64 {
+        let (Some(ra), Some(rb)) = (self.regions.get(a), self.regions.get(b)) else {
+            return 0.0;
+        };
+        if let Some(v) = ra
+            .region_rtt_ms
+            .get(&rb.name)
+            .or_else(|| rb.region_rtt_ms.get(&ra.name))
+        {
+            return *v;
+        }
+        if a == b {
+            return 0.0;
+        }
+        (0..self.client_regions.len())
+            .map(|c| (self.rtt(c, a) - self.rtt(c, b)).abs())
+            .fold(0.0, f64::max)
+    }
+
+    pub fn region_index(&self, name: &str) -> Option<usize> {
+        self.regions.iter().position(|r| r.name == name)
+    }
+
     pub fn client_index(&self, name: &str) -> Option<usize> {
         self.client_regions.iter().position(|c| c == name)
     }
@@ -182,5 +251,76 @@ mod tests {
         assert!(bad(r#""to_ms": 20"#, r#""to_ms": 5"#).starts_with("outages[0]:"));
         assert!(bad(r#""name": "iad""#, r#""name": "IAD""#).starts_with("regions[0].name"));
         assert!(bad("max_concurrency", "max_conc").contains("unknown field"));
+        let rtt = r#""cache_tokens": 600000"#;
+        assert!(
+            bad(rtt, r#""cache_tokens": 1, "region_rtt_ms": {"fra": 80}"#)
+                .starts_with("regions[0].region_rtt_ms.fra: \"fra\" is not a region")
+        );
+        assert!(
+            bad(rtt, r#""cache_tokens": 1, "region_rtt_ms": {"iad": -1}"#)
+                .starts_with("regions[0].region_rtt_ms.iad: -1 must be a number >= 0")
+        );
+    }
+
+    fn three(extra_iad: &str, extra_fra: &str) -> Fleet {
+        Fleet::parse(
+            format!(
+                r#"{{"client_regions": ["na", "eu", "ap"], "regions": [
+                {{"name": "iad", "rtt_ms": {{"na": 37, "eu": 95, "ap": 210}}, "max_concurrency": 1,
+                 "prefill_ms_per_token": 0, "decode_ms_per_token": 1, "cache_tokens": 1{extra_iad}}},
+                {{"name": "fra", "rtt_ms": {{"na": 279, "eu": 24, "ap": 260}}, "max_concurrency": 1,
+                 "prefill_ms_per_token": 0, "decode_ms_per_token": 1, "cache_tokens": 1{extra_fra}}},
+                {{"name": "icn", "rtt_ms": {{"na": 456, "eu": 300, "ap": 41}}, "max_concurrency": 1,
+                 "prefill_ms_per_token": 0, "decode_ms_per_token": 1, "cache_tokens": 1}}]}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn region_round_trips_given_or_estimated() {
+        // Estimated: the largest difference of two regions' round trips from
+        // one client region (na's for iad–fra and iad–icn, eu's for fra–icn).
+        let f = three("", "");
+        assert_eq!(f.region_rtt(0, 1), 242.0);
+        assert_eq!(f.region_rtt(1, 0), 242.0);
+        assert_eq!(f.region_rtt(0, 2), 419.0);
+        assert_eq!(f.region_rtt(1, 2), 276.0);
+        assert_eq!(f.region_rtt(2, 2), 0.0);
+        // No client goes faster through a router than straight to the engine.
+        for (c, g, r) in
+            (0..3).flat_map(|c| (0..3).flat_map(move |g| (0..3).map(move |r| (c, g, r))))
+        {
+            assert!(
+                f.rtt(c, g) + f.region_rtt(g, r) >= f.rtt(c, r),
+                "{c} {g} {r}"
+            );
+        }
+        // Given on either side, or both alike; the other pairs still estimated.
+        let f = three(r#", "region_rtt_ms": {"fra": 85, "iad": 2}"#, "");
+        assert_eq!((f.region_rtt(0, 1), f.region_rtt(1, 0)), (85.0, 85.0));
+        assert_eq!(f.region_rtt(0, 0), 2.0);
+        assert_eq!(f.region_rtt(1, 2), 276.0);
+        let f = three(
+            r#", "region_rtt_ms": {"fra": 85}"#,
+            r#", "region_rtt_ms": {"iad": 85}"#,
+        );
+        assert_eq!(f.region_rtt(1, 0), 85.0);
+        let e = Fleet::parse(
+            &serde_json::to_vec(&{
+                let mut f = three(r#", "region_rtt_ms": {"fra": 85}"#, "");
+                f.regions[1].region_rtt_ms.insert("iad".into(), 90.0);
+                f
+            })
+            .unwrap(),
+        )
+        .unwrap_err();
+        assert!(
+            e.starts_with(
+                "regions[0].region_rtt_ms.fra: 85 differs from regions[1].region_rtt_ms.iad: 90"
+            ),
+            "{e}"
+        );
     }
 }

@@ -5,10 +5,11 @@
 //!
 //! `trace` and `fleet` are the input formats; `scenario` generates them;
 //! `workload` prepares a trace once for every policy; `sim` runs one policy
-//! (`geo` for the geo-router, `policy` for the baselines, `trie` their
-//! prefix trees, `events` the clock); `report` and `plot` turn runs into
-//! numbers and SVG.
+//! (`geo` for the geo-router, `policy` for the baselines, `deploy` how a
+//! baseline is deployed, `trie` their prefix trees, `events` the clock);
+//! `report` and `plot` turn runs into numbers and SVG.
 
+pub mod deploy;
 pub mod events;
 pub mod fleet;
 pub mod geo;
@@ -22,24 +23,25 @@ pub mod trace;
 pub mod trie;
 pub mod workload;
 
+use deploy::Job;
 use fleet::Fleet;
-use policy::PolicyName;
 use serde_json::Value;
 use sim::Run;
 use workload::Workload;
 
-/// Runs each policy on its own fresh engines, in parallel; the results come
-/// back in the order asked and do not depend on the scheduling.
+/// Runs each job (a policy and its deployment, `deploy::jobs`) on its own
+/// fresh engines, in parallel; the results come back in the order asked and
+/// do not depend on the scheduling.
 pub fn simulate_all(
     fleet: &Fleet,
     work: &Workload,
-    policies: &[PolicyName],
+    jobs: &[Job],
     overrides: Option<&Value>,
 ) -> Result<Vec<Run>, String> {
     std::thread::scope(|scope| {
-        let handles: Vec<_> = policies
+        let handles: Vec<_> = jobs
             .iter()
-            .map(|&p| scope.spawn(move || sim::run(fleet, work, p, overrides)))
+            .map(|j| scope.spawn(move || sim::run(fleet, work, j.policy, &j.deployment, overrides)))
             .collect();
         handles
             .into_iter()
@@ -54,17 +56,27 @@ pub fn simulate_all(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use deploy::Deployment;
+    use policy::PolicyName;
 
     #[test]
     fn parallel_runs_equal_sequential_ones() {
         let s = scenario::generate(scenario::Kind::D, 5);
         let trace: Vec<_> = s.trace.into_iter().take(150).collect();
         let work = Workload::new(&s.fleet, trace).unwrap();
-        let all = simulate_all(&s.fleet, &work, &PolicyName::ALL, None).unwrap();
-        for (p, r) in PolicyName::ALL.iter().zip(&all) {
-            let alone = sim::run(&s.fleet, &work, *p, None).unwrap();
-            assert_eq!(r.policy, *p);
-            assert_eq!(r.records, alone.records, "{p:?}");
+        let deployments = [
+            Deployment::Oracle,
+            Deployment::PerClientRegion,
+            Deployment::Global("fra".into()),
+        ];
+        let jobs = deploy::jobs(&PolicyName::ALL, &deployments);
+        assert_eq!(jobs.len(), 2 + 6 * 3);
+        let all = simulate_all(&s.fleet, &work, &jobs, None).unwrap();
+        for (j, r) in jobs.iter().zip(&all) {
+            let alone = sim::run(&s.fleet, &work, j.policy, &j.deployment, None).unwrap();
+            assert_eq!((r.policy, &r.deployment), (j.policy, &j.deployment));
+            assert_eq!(r.label(), j.label());
+            assert_eq!(r.records, alone.records, "{}", j.label());
         }
     }
 }

@@ -1,9 +1,12 @@
 //! Hand-written SVG plots of simulation runs (no plotting crate): the TTFT
-//! CDF per policy, requests started per region over time, and the
-//! geo-router's ladder level over time. Each is a self-contained SVG with
-//! axes, ticks, axis labels, a title and a legend.
+//! CDF per run (colour: the policy, line style: its deployment), requests
+//! started per region over time, and the geo-router's ladder level over
+//! time. Each is a self-contained SVG with axes, ticks, axis labels, a
+//! title and a legend.
 
+use crate::deploy::Deployment;
 use crate::fleet::Fleet;
+use crate::policy::PolicyName;
 use crate::sim::Run;
 use std::fmt::Write;
 
@@ -23,6 +26,37 @@ const PALETTE: [&str; 9] = [
 
 fn colour(i: usize) -> &'static str {
     PALETTE.get(i % PALETTE.len()).copied().unwrap_or("#000000")
+}
+
+/// A policy's colour: the same in every plot.
+fn policy_colour(p: PolicyName) -> &'static str {
+    colour(PolicyName::ALL.iter().position(|x| *x == p).unwrap_or(0))
+}
+
+const SOLID: &str = "";
+const DOTTED: &str = "2,3";
+const DASHES: [&str; 4] = ["7,4", "10,3,2,3", "12,6", "4,4"];
+
+/// Line style of a deployment: per client region solid (as the
+/// geo-router), the oracle dotted, each global placement its own dashes
+/// (by its place among `globals`).
+fn deployment_dash(d: &Deployment, globals: &[&Deployment]) -> &'static str {
+    match d {
+        Deployment::PerClientRegion => SOLID,
+        Deployment::Oracle => DOTTED,
+        Deployment::Global(_) => {
+            let k = globals.iter().position(|g| *g == d).unwrap_or(0);
+            DASHES.get(k % DASHES.len()).copied().unwrap_or(SOLID)
+        }
+    }
+}
+
+fn dash_attr(dash: &str) -> String {
+    if dash.is_empty() {
+        String::new()
+    } else {
+        format!(r#" stroke-dasharray="{dash}""#)
+    }
 }
 
 fn esc(s: &str) -> String {
@@ -230,7 +264,7 @@ impl Chart {
         );
     }
 
-    fn line(&mut self, points: &[(f64, f64)], colour: &str, dash: bool) {
+    fn line(&mut self, points: &[(f64, f64)], colour: &str, dash: &str) {
         if points.is_empty() {
             return;
         }
@@ -247,26 +281,18 @@ impl Chart {
         let _ = writeln!(
             self.svg,
             r##"<path d="{d}" fill="none" stroke="{colour}" stroke-width="2"{}/>"##,
-            if dash {
-                r#" stroke-dasharray="7,4""#
-            } else {
-                ""
-            }
+            dash_attr(dash)
         );
     }
 
-    fn key(&mut self, label: &str, colour: &str, dash: bool) {
+    fn key(&mut self, label: &str, colour: &str, dash: &str) {
         let x = W - RIGHT + 16.0;
         let y = TOP + 10.0 + 22.0 * self.legend as f64;
         let _ = writeln!(
             self.svg,
             r##"<line x1="{x}" y1="{y}" x2="{}" y2="{y}" stroke="{colour}" stroke-width="3"{}/><text x="{}" y="{}">{}</text>"##,
             x + 26.0,
-            if dash {
-                r#" stroke-dasharray="7,4""#
-            } else {
-                ""
-            },
+            dash_attr(dash),
             x + 32.0,
             y + 4.0,
             esc(label)
@@ -313,14 +339,26 @@ fn cdf_points(sorted: &[f64], n: usize) -> Vec<(f64, f64)> {
     out
 }
 
-/// TTFT CDF, one line per run (log time axis).
+/// The baselines' deployments in `runs`, in order of appearance.
+fn deployments(runs: &[Run]) -> Vec<&Deployment> {
+    let mut out: Vec<&Deployment> = Vec::new();
+    for r in runs.iter().filter(|r| r.policy != PolicyName::GeoRouter) {
+        if !out.contains(&&r.deployment) {
+            out.push(&r.deployment);
+        }
+    }
+    out
+}
+
+/// TTFT CDF, one line per run (log time axis): the colour is the policy,
+/// the line style the deployment; the legend lists both.
 pub fn ttft_cdf(title: &str, runs: &[Run]) -> String {
-    let samples: Vec<(&str, Vec<f64>)> = runs
+    let samples: Vec<(&Run, Vec<f64>)> = runs
         .iter()
         .map(|r| {
             let mut v: Vec<f64> = r.records.iter().filter_map(|x| x.ttft_ms).collect();
             v.sort_by(f64::total_cmp);
-            (r.policy.as_str(), v)
+            (r, v)
         })
         .collect();
     let lo = samples
@@ -350,10 +388,42 @@ pub fn ttft_cdf(title: &str, runs: &[Run]) -> String {
         "fraction of requests",
     );
     c.hline(0.95, "p95");
-    for (k, (name, v)) in samples.iter().enumerate() {
-        let colour = colour(k);
-        c.line(&cdf_points(v, 300), colour, false);
-        c.key(name, colour, false);
+    let deployed = deployments(runs);
+    let globals: Vec<&Deployment> = deployed
+        .iter()
+        .copied()
+        .filter(|d| matches!(d, Deployment::Global(_)))
+        .collect();
+    // The geo-router as deployed is solid; given exact figures (its oracle
+    // row), it takes the oracle's line style.
+    let dash = |r: &Run| {
+        if r.policy == PolicyName::GeoRouter && r.deployment != Deployment::Oracle {
+            SOLID
+        } else {
+            deployment_dash(&r.deployment, &globals)
+        }
+    };
+    for (r, v) in &samples {
+        c.line(&cdf_points(v, 300), policy_colour(r.policy), dash(r));
+    }
+    let mut policies: Vec<PolicyName> = Vec::new();
+    for (r, _) in &samples {
+        if !policies.contains(&r.policy) {
+            policies.push(r.policy);
+        }
+    }
+    for p in policies {
+        c.key(p.as_str(), policy_colour(p), SOLID);
+    }
+    if !deployed.is_empty() {
+        c.note("baselines deployed:");
+        for d in deployed {
+            let name = match d {
+                Deployment::Oracle => "oracle (the limit)".to_string(),
+                other => other.to_string(),
+            };
+            c.key(&name, "#555555", deployment_dash(d, &globals));
+        }
     }
     c.finish()
 }
@@ -408,7 +478,7 @@ pub fn region_load(title: &str, fleet: &Fleet, runs: &[&Run]) -> String {
         let x = Axis::linear(0.0, span, 8, "");
         let y = Axis::linear(0.0, ymax.max(1.0), 5, "");
         let mut c = Chart::new(
-            &format!("{title}: {}", run.policy.as_str()),
+            &format!("{title}: {}", run.label()),
             x,
             y,
             "time (s)",
@@ -431,8 +501,8 @@ pub fn region_load(title: &str, fleet: &Fleet, runs: &[&Run]) -> String {
                         .collect()
                 })
                 .unwrap_or_default();
-            c.line(&pts, colour(r), false);
-            c.key(&region.name, colour(r), false);
+            c.line(&pts, colour(r), SOLID);
+            c.key(&region.name, colour(r), SOLID);
         }
         let panel = c.finish();
         let _ = writeln!(
@@ -482,8 +552,9 @@ pub fn ladder(title: &str, fleet: &Fleet, run: &Run) -> String {
         // Offset each Envoy slightly so equal levels stay visible.
         let off = 0.06 * k as f64;
         let pts: Vec<(f64, f64)> = pts.into_iter().map(|(t, l)| (t, l + off)).collect();
-        c.line(&pts, colour(k), k % 2 == 1);
-        c.key(&format!("Envoy in {name}"), colour(k), k % 2 == 1);
+        let dash = if k % 2 == 1 { "7,4" } else { SOLID };
+        c.line(&pts, colour(k), dash);
+        c.key(&format!("Envoy in {name}"), colour(k), dash);
     }
     c.note("(lines offset slightly");
     c.note(" so equal levels show)");
@@ -491,9 +562,10 @@ pub fn ladder(title: &str, fleet: &Fleet, run: &Run) -> String {
 }
 
 /// Every plot of a set of runs, as (file name, SVG): the TTFT CDF of all
-/// runs; requests started per region for the geo-router and the other
-/// policy with the lowest p95 TTFT (or the two best without a geo-router);
-/// the geo-router's ladder level.
+/// runs; requests started per region for the geo-router and, for each
+/// deployment of the baselines, the baseline with the lowest p95 TTFT (or,
+/// without a geo-router and with one deployment, the two best); the
+/// geo-router's ladder level.
 pub fn all(label: &str, fleet: &Fleet, runs: &[Run]) -> Vec<(&'static str, String)> {
     let mut out = vec![(
         "ttft_cdf.svg",
@@ -511,9 +583,15 @@ pub fn all(label: &str, fleet: &Fleet, runs: &[Run]) -> Vec<(&'static str, Strin
         .filter(|r| r.policy != crate::policy::PolicyName::GeoRouter)
         .collect();
     others.sort_by(|a, b| p95(a).total_cmp(&p95(b)));
+    let deployed = deployments(runs);
+    let best: Vec<&Run> = deployed
+        .iter()
+        .filter_map(|d| others.iter().copied().find(|r| r.deployment == **d))
+        .collect();
     let panels: Vec<&Run> = match geo {
-        Some(g) => std::iter::once(g).chain(others.first().copied()).collect(),
-        None => others.iter().take(2).copied().collect(),
+        Some(g) => std::iter::once(g).chain(best).collect(),
+        None if deployed.len() <= 1 => others.iter().take(2).copied().collect(),
+        None => best,
     };
     if !panels.is_empty() {
         out.push((

@@ -1,7 +1,9 @@
 //! The policies a simulation can run, and the baselines' decisions. Each
-//! baseline is one type with its thresholds as named constants; all of them
-//! see the fleet with perfect, instant knowledge (one global instance, not
-//! one per client region): strong baselines, the opposite of a strawman.
+//! baseline is one type with its thresholds as named constants, deciding on
+//! a `View`: what the router instance that runs it knows. How much that is
+//! (everything at once for the oracle, its own traffic and a periodic
+//! scrape for a deployed instance) is the simulation's business
+//! (`deploy`, `sim`); the decisions are the same code in every deployment.
 //! The geo-router is in `geo.rs`: it runs the plugin's own code.
 
 use crate::trace::fnv1a64;
@@ -61,12 +63,16 @@ pub const GORGO_W_QUEUE: f64 = 0.5;
 pub struct View<'a> {
     /// Passing active health checks.
     pub healthy: &'a [bool],
-    /// Requests routed there and not yet finished (the router's active count).
+    /// Requests this router instance routed there and has not seen finish
+    /// (the router's active count).
     pub outstanding: &'a [u64],
-    /// Prompt tokens routed there that have not started prefill yet (in
-    /// transit or in the engine's waiting queue).
+    /// Prompt tokens waiting there: for the oracle, every prompt routed
+    /// there that has not started prefill yet (in transit or in the
+    /// engine's waiting queue), at once; for a deployed router, the engine's
+    /// waiting queue at the last scrape.
     pub queued_tokens: &'a [u64],
-    /// Round trip from the request's client region.
+    /// Round trip from where the router is: the request's client region,
+    /// or the router's own region for a global one.
     pub rtt_ms: &'a [f64],
     pub names: &'a [String],
 }

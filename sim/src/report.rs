@@ -48,7 +48,12 @@ pub fn dist(values: &[f64]) -> Option<Dist> {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Summary {
+    /// `geo-router`, or `<policy>@<deployment>` for a baseline.
+    pub label: String,
     pub policy: &'static str,
+    /// `oracle`, `per-client-region`, `global:<region>` (the geo-router:
+    /// always `per-client-region`).
+    pub deployment: String,
     pub ttft: Option<Dist>,
     pub e2e: Option<Dist>,
     pub cache_hit_token_ratio: f64,
@@ -104,7 +109,9 @@ pub fn summarize(fleet: &Fleet, work: &Workload, run: &Run) -> Summary {
         })
         .collect();
     Summary {
+        label: run.label(),
         policy: run.policy.as_str(),
+        deployment: run.deployment.to_string(),
         ttft: dist(&ttft),
         e2e: dist(&e2e),
         cache_hit_token_ratio: if prompt == 0 {
@@ -138,7 +145,8 @@ pub fn request_lines(fleet: &Fleet, work: &Workload, run: &Run) -> Vec<Value> {
                 Status::Failed => "failed",
             };
             json!({
-                "policy": run.policy.as_str(),
+                "policy": run.label(),
+                "deployment": run.deployment.to_string(),
                 "index": i,
                 "t_ms": req.t_ms,
                 "session": req.session,
@@ -163,13 +171,16 @@ fn dist_json(d: Option<Dist>) -> Value {
     }
 }
 
-/// The `--json` object: `{"policies": {"<name>": {...}}}`.
+/// The `--json` object: `{"policies": {"<label>": {...}}}`, the label
+/// `geo-router` or `<policy>@<deployment>`.
 pub fn to_json(summaries: &[Summary]) -> Value {
     let mut policies = Map::new();
     for s in summaries {
         policies.insert(
-            s.policy.to_string(),
+            s.label.clone(),
             json!({
+                "policy": s.policy,
+                "deployment": s.deployment,
                 "ttft_ms": dist_json(s.ttft),
                 "e2e_ms": dist_json(s.e2e),
                 "cache_hit_token_ratio": s.cache_hit_token_ratio,
@@ -184,13 +195,20 @@ pub fn to_json(summaries: &[Summary]) -> Value {
     json!({ "policies": policies })
 }
 
-/// A table for people.
+/// A table for people: one row per run, the oracle rows marked as the
+/// limit they are.
 pub fn to_text(summaries: &[Summary]) -> String {
     let f = |d: Option<Dist>, pick: fn(&Dist) -> f64| {
         d.map_or("-".to_string(), |d| format!("{:.0}", pick(&d)))
     };
+    let w = summaries
+        .iter()
+        .map(|x| x.label.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(17);
     let mut s = format!(
-        "{:<17} {:>8} {:>8} {:>8} {:>9} {:>9} {:>6} {:>6} {:>6} {:>6} {:>6}\n",
+        "{:<w$} {:>8} {:>8} {:>8} {:>9} {:>9} {:>6} {:>6} {:>6} {:>6} {:>6}\n",
         "policy",
         "ttft p50",
         "ttft p95",
@@ -205,8 +223,8 @@ pub fn to_text(summaries: &[Summary]) -> String {
     );
     for x in summaries {
         s.push_str(&format!(
-            "{:<17} {:>8} {:>8} {:>8} {:>9} {:>9} {:>6.3} {:>6} {:>6} {:>6} {:>6}\n",
-            x.policy,
+            "{:<w$} {:>8} {:>8} {:>8} {:>9} {:>9} {:>6.3} {:>6} {:>6} {:>6} {:>6}\n",
+            x.label,
             f(x.ttft, |d| d.p50),
             f(x.ttft, |d| d.p95),
             f(x.ttft, |d| d.p99),
@@ -232,8 +250,8 @@ pub fn to_text(summaries: &[Summary]) -> String {
             })
             .collect();
         s.push_str(&format!(
-            "  {:<17} {}; session moves {}\n",
-            x.policy,
+            "  {:<w$} {}; session moves {}\n",
+            x.label,
             parts.join(", "),
             x.session_moves
         ));
@@ -242,9 +260,15 @@ pub fn to_text(summaries: &[Summary]) -> String {
         let parts: Vec<String> = x.reasons.iter().map(|(r, n)| format!("{r} {n}")).collect();
         s.push_str(&format!(
             "\n{} decisions by reason: {}\n",
-            x.policy,
+            x.label,
             parts.join(", ")
         ));
+    }
+    if summaries.iter().any(|x| x.deployment == "oracle") {
+        s.push_str(
+            "\n@oracle: one instance that sees every queue and prefix exactly and at once, \
+             at no network position: the limit, not a peer.\n",
+        );
     }
     s
 }

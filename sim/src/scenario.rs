@@ -126,6 +126,7 @@ fn regions(slots: [u32; 3], decode_ms: f64) -> Vec<Region> {
         prefill_ms_per_token: 0.09,
         decode_ms_per_token: decode_ms,
         cache_tokens: 600_000,
+        region_rtt_ms: BTreeMap::new(),
     };
     let [a, b, c] = slots;
     vec![
@@ -423,6 +424,15 @@ const CONTINENT_RTT_MS: [(&str, [f64; 3]); 3] = [
     ("ap", [170.0, 262.0, 25.0]),
 ];
 
+/// Round trips between the engine regions (the measured figures above),
+/// each pair once: what a router deployed in one region pays to reach
+/// another.
+const INTER_REGION_RTT_MS: [(&str, &str, f64); 3] = [
+    ("iad", "fra", 88.6),
+    ("iad", "nrt", 145.3),
+    ("fra", "nrt", 236.5),
+];
+
 /// The fleet of e, f and g: iad (us-east-1, N. Virginia), fra
 /// (eu-central-1, Frankfurt), nrt (ap-northeast-1, Tokyo), with the round
 /// trips of [`CONTINENT_RTT_MS`].
@@ -441,6 +451,11 @@ fn continents(engines: [Engines; 3], decode_ms: f64) -> Fleet {
             prefill_ms_per_token: e.prefill_ms,
             decode_ms_per_token: decode_ms,
             cache_tokens: e.cache_tokens,
+            region_rtt_ms: INTER_REGION_RTT_MS
+                .iter()
+                .filter(|(a, _, _)| *a == name)
+                .map(|(_, b, ms)| (b.to_string(), *ms))
+                .collect(),
         })
         .collect();
     Fleet {

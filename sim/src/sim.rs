@@ -10,7 +10,15 @@
 //! token, as the emulator streams it. An engine in an outage refuses new
 //! requests (the client learns it half a round trip later), drops the ones
 //! it holds, fails its health checks, and comes back with an empty cache.
+//!
+//! A baseline runs as its `Deployment` says (`deploy`). A router in another
+//! region than its client (`global:<region>`) puts itself on the path both
+//! ways: `rtt` above is then the client's round trip to the router's region
+//! plus that region's round trip to the engine's (`Fleet::region_rtt`), the
+//! router decides when the request reaches it, and it counts a request out
+//! when the end of the answer passes it.
 
+use crate::deploy::{self, Deployment};
 use crate::events::EventQueue;
 use crate::fleet::Fleet;
 use crate::geo::{self, Callout, Envoy, Handled};
@@ -69,6 +77,8 @@ pub struct Record {
 #[derive(Debug, Clone)]
 pub struct Run {
     pub policy: PolicyName,
+    /// How the policy was deployed (the geo-router: always per client region).
+    pub deployment: Deployment,
     pub records: Vec<Record>,
     /// (time, region) of every prefill start.
     pub starts: Vec<(f64, usize)>,
@@ -85,10 +95,26 @@ pub struct Run {
     pub reasons: std::collections::BTreeMap<&'static str, u64>,
 }
 
+impl Run {
+    /// `geo-router`, or `<policy>@<deployment>` (`deploy::label`).
+    pub fn label(&self) -> String {
+        deploy::label(self.policy, &self.deployment)
+    }
+}
+
 #[derive(Debug, Clone)]
 enum Ev {
     Tick,
+    /// A baseline scrapes the engines' queues (outside the oracle).
+    Scrape,
     Arrive(usize),
+    /// The request reaches a router away from its client (`global`).
+    RouterArrive(usize),
+    /// The end of the answer (or the refusal) passes the router.
+    RouterHears {
+        i: usize,
+        ok: bool,
+    },
     EngineArrive(usize),
     FirstToken(usize),
     EngineDone(usize),
@@ -124,7 +150,14 @@ enum Stage {
 struct Live {
     stage: Stage,
     region: usize,
-    rtt: f64,
+    /// Round trip between the client and its router: 0 unless the router
+    /// is in another region (`global`).
+    to_router: f64,
+    /// Round trip between the router and the engine (the client's own round
+    /// trip to the engine when the router is at the client).
+    to_engine: f64,
+    /// The baseline instance that routed it.
+    router: usize,
     output_tokens: u32,
     started_at: f64,
     reached_at: f64,
@@ -136,6 +169,9 @@ struct Station {
     up: bool,
     /// Requests the engine holds (waiting or running).
     held: BTreeSet<usize>,
+    /// Prompt tokens (as the segments count them) of the requests in its
+    /// waiting queue: what a scrape reads.
+    waiting_tokens: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -162,7 +198,36 @@ impl HealthCheck {
 
 enum Mode {
     Geo(Vec<Envoy>),
-    Base(Baseline),
+    Base(Peers),
+}
+
+/// A baseline as deployed: one instance (oracle, global) or one per client
+/// region.
+struct Peers {
+    deployment: Deployment,
+    /// `global`: the router's region.
+    router_region: Option<usize>,
+    instances: Vec<Peer>,
+    /// Outside the oracle, GORGO's queued tokens are a scrape every this
+    /// many ms (the plugin's `probe.tick_ms`).
+    scrape_ms: Option<f64>,
+}
+
+/// One baseline router: its state (counter, prefix tree) and its own count
+/// of the requests it routed and has not seen end, per region.
+struct Peer {
+    baseline: Baseline,
+    outstanding: Vec<u64>,
+}
+
+impl Peers {
+    /// The instance that routes a request from client region `client`.
+    fn instance(&self, client: usize) -> usize {
+        match self.deployment {
+            Deployment::PerClientRegion => client,
+            Deployment::Oracle | Deployment::Global(_) => 0,
+        }
+    }
 }
 
 struct Sim<'a> {
@@ -173,8 +238,11 @@ struct Sim<'a> {
     live: Vec<Live>,
     records: Vec<Record>,
     mode: Mode,
-    outstanding: Vec<u64>,
+    /// Prompt tokens routed to each region that have not started prefill
+    /// (in transit or waiting): the oracle's exact view of the queues.
     queued_tokens: Vec<u64>,
+    /// The last scrape of each engine's `waiting_tokens`.
+    scraped: Vec<u64>,
     health: Vec<HealthCheck>,
     names: Vec<String>,
     tick_ms: f64,
@@ -201,24 +269,72 @@ pub fn mean_output_tokens(work: &Workload) -> f64 {
         / n
 }
 
-/// Runs `policy` over the workload on fresh engines. `overrides`: a partial
-/// plugin configuration for the geo-router.
+/// Runs `policy` over the workload on fresh engines, a baseline deployed as
+/// `deployment` (the geo-router is always one Envoy per client region, and
+/// ignores it). `overrides`: a partial plugin configuration for the
+/// geo-router; its `probe.tick_ms` is also the scrape period of a deployed
+/// (not oracle) GORGO.
 pub fn run(
     fleet: &Fleet,
     work: &Workload,
     policy: PolicyName,
+    deployment: &Deployment,
     overrides: Option<&Value>,
 ) -> Result<Run, String> {
     let regions = fleet.regions.len();
+    // The geo-router is always one Envoy per client region; asked for as
+    // the oracle, it is given the engines' exact figures (`Knowledge::Exact`).
+    let deployment = match policy {
+        PolicyName::GeoRouter if *deployment == Deployment::Oracle => Deployment::Oracle,
+        PolicyName::GeoRouter => Deployment::PerClientRegion,
+        _ => deployment.clone(),
+    };
+    let knowledge = if deployment == Deployment::Oracle {
+        geo::Knowledge::Exact
+    } else {
+        geo::Knowledge::Operator
+    };
     let mode = match Baseline::new(policy, regions) {
-        Some(b) => Mode::Base(b),
+        Some(_) => {
+            let count = match deployment {
+                Deployment::PerClientRegion => fleet.client_regions.len(),
+                Deployment::Oracle | Deployment::Global(_) => 1,
+            };
+            let mut instances = Vec::with_capacity(count);
+            for _ in 0..count {
+                if let Some(baseline) = Baseline::new(policy, regions) {
+                    instances.push(Peer {
+                        baseline,
+                        outstanding: vec![0; regions],
+                    });
+                }
+            }
+            let scrape_ms = if policy == PolicyName::Gorgo && deployment != Deployment::Oracle {
+                let cfg = geo::plugin_config(
+                    fleet,
+                    0,
+                    geo::Knowledge::Operator,
+                    mean_output_tokens(work),
+                    overrides,
+                )
+                .map_err(|e| format!("--config: {e}"))?;
+                Some(f64::from(cfg.probe.tick_ms).max(1.0))
+            } else {
+                None
+            };
+            Mode::Base(Peers {
+                router_region: deployment.router_region(fleet)?,
+                deployment: deployment.clone(),
+                instances,
+                scrape_ms,
+            })
+        }
         None => {
             let mean_out = mean_output_tokens(work);
             let mut envoys = Vec::new();
             for c in 0..fleet.client_regions.len() {
-                let cfg =
-                    geo::plugin_config(fleet, c, geo::Knowledge::Operator, mean_out, overrides)
-                        .map_err(|e| format!("--config: {e}"))?;
+                let cfg = geo::plugin_config(fleet, c, knowledge, mean_out, overrides)
+                    .map_err(|e| format!("--config: {e}"))?;
                 envoys.push(Envoy::new(cfg, core_ms(0.0)));
             }
             Mode::Geo(envoys)
@@ -247,6 +363,7 @@ pub fn run(
                 config,
                 up: true,
                 held: BTreeSet::new(),
+                waiting_tokens: 0,
             }
         })
         .collect();
@@ -260,7 +377,9 @@ pub fn run(
             Live {
                 stage: Stage::Pending,
                 region: 0,
-                rtt: 0.0,
+                to_router: 0.0,
+                to_engine: 0.0,
+                router: 0,
                 output_tokens: 0,
                 started_at: 0.0,
                 reached_at: 0.0,
@@ -283,8 +402,8 @@ pub fn run(
             n
         ],
         mode,
-        outstanding: vec![0; regions],
         queued_tokens: vec![0; regions],
+        scraped: vec![0; regions],
         health: vec![
             HealthCheck {
                 healthy: true,
@@ -306,6 +425,9 @@ pub fn run(
         reasons: std::collections::BTreeMap::new(),
     };
     sim.q.push(0.0, Ev::Tick);
+    if matches!(&sim.mode, Mode::Base(p) if p.scrape_ms.is_some()) {
+        sim.q.push(0.0, Ev::Scrape);
+    }
     for (i, r) in work.requests.iter().enumerate() {
         sim.q.push(r.t_ms, Ev::Arrive(i));
     }
@@ -320,6 +442,7 @@ pub fn run(
     }
     Ok(Run {
         policy,
+        deployment,
         records: sim.records,
         starts: sim.starts,
         levels: sim.levels,
@@ -334,12 +457,19 @@ impl Sim<'_> {
     fn handle(&mut self, now: f64, ev: Ev) -> Result<(), String> {
         match ev {
             Ev::Tick => self.tick(now),
+            Ev::Scrape => self.scrape(now),
             Ev::Arrive(i) => self.arrive(i, now)?,
+            Ev::RouterArrive(i) => self.route(i, now)?,
+            Ev::RouterHears { i, ok } => self.router_hears(i, now, ok),
             Ev::EngineArrive(i) => self.engine_arrive(i, now),
             Ev::FirstToken(i) => {
                 if self.stage(i) == Stage::Running {
-                    let rtt = self.live.get(i).map_or(0.0, |l| l.rtt);
-                    self.q.push(now + rtt / 2.0, Ev::ClientFirstToken(i));
+                    // Through the router (if it is away from the client).
+                    let back = self
+                        .live
+                        .get(i)
+                        .map_or(0.0, |l| l.to_engine / 2.0 + l.to_router / 2.0);
+                    self.q.push(now + back, Ev::ClientFirstToken(i));
                 }
             }
             Ev::ClientFirstToken(i) => self.client_first_token(i, now),
@@ -438,11 +568,55 @@ impl Sim<'_> {
         }
     }
 
+    /// Every engine's waiting queue as a scrape reads it; a lost region
+    /// does not answer and keeps its last reading.
+    fn scrape(&mut self, now: f64) {
+        let Mode::Base(peers) = &self.mode else {
+            return;
+        };
+        let Some(every) = peers.scrape_ms else {
+            return;
+        };
+        for (seen, s) in self.scraped.iter_mut().zip(&self.stations) {
+            if s.up {
+                *seen = s.waiting_tokens;
+            }
+        }
+        if self.unresolved > 0 {
+            self.q.push(now + every, Ev::Scrape);
+        }
+    }
+
+    /// The client sends request `i`: to its router, which is here unless it
+    /// is a global one in another region.
     fn arrive(&mut self, i: usize, now: f64) -> Result<(), String> {
+        let to_router = self.to_router(i);
+        if to_router > 0.0 {
+            self.q.push(now + to_router / 2.0, Ev::RouterArrive(i));
+            return Ok(());
+        }
+        self.route(i, now)
+    }
+
+    /// Round trip between request `i`'s client and its router.
+    fn to_router(&self, i: usize) -> f64 {
+        let client = self.work.prepared.get(i).map_or(0, |p| p.client);
+        match &self.mode {
+            Mode::Base(Peers {
+                router_region: Some(g),
+                ..
+            }) => self.fleet.rtt(client, *g),
+            _ => 0.0,
+        }
+    }
+
+    /// The router has request `i`: it decides, and sends it on.
+    fn route(&mut self, i: usize, now: f64) -> Result<(), String> {
         let (Some(req), Some(prep)) = (self.work.requests.get(i), self.work.prepared.get(i)) else {
             return Ok(());
         };
         let client = prep.client;
+        let mut router = 0;
         let mut output_tokens = prep.output_tokens;
         let region = match &mut self.mode {
             Mode::Geo(envoys) => {
@@ -479,34 +653,60 @@ impl Sim<'_> {
                     Err(e) => return Err(format!("request {i}: {e}")),
                 }
             }
-            Mode::Base(b) => {
+            Mode::Base(peers) => {
+                // Round trips as the router sees them: from where it is.
                 let rtt: Vec<f64> = (0..self.stations.len())
-                    .map(|r| self.fleet.rtt(client, r))
+                    .map(|r| match peers.router_region {
+                        Some(g) => self.fleet.region_rtt(g, r),
+                        None => self.fleet.rtt(client, r),
+                    })
                     .collect();
                 let healthy: Vec<bool> = self.health.iter().map(|h| h.healthy).collect();
+                // Only the oracle knows the queues exactly and at once.
+                let queued = match peers.deployment {
+                    Deployment::Oracle => &self.queued_tokens,
+                    Deployment::Global(_) | Deployment::PerClientRegion => &self.scraped,
+                };
+                router = peers.instance(client);
+                let Some(peer) = peers.instances.get_mut(router) else {
+                    return Err(format!("request {i}: no router for its client region"));
+                };
                 let view = View {
                     healthy: &healthy,
-                    outstanding: &self.outstanding,
-                    queued_tokens: &self.queued_tokens,
+                    outstanding: &peer.outstanding,
+                    queued_tokens: queued,
                     rtt_ms: &rtt,
                     names: &self.names,
                 };
-                b.choose(
+                let region = peer.baseline.choose(
                     &view,
                     &Ask {
                         session: &req.session,
                         segments: &prep.segments,
                         prompt_tokens: prep.segment_tokens,
                     },
-                )
+                );
+                if let Some(o) = peer.outstanding.get_mut(region) {
+                    *o += 1;
+                }
+                region
             }
         };
-        let rtt = self.fleet.rtt(client, region);
+        let to_router = self.to_router(i);
+        let to_engine = match &self.mode {
+            Mode::Base(Peers {
+                router_region: Some(g),
+                ..
+            }) => self.fleet.region_rtt(*g, region),
+            _ => self.fleet.rtt(client, region),
+        };
         if let Some(l) = self.live.get_mut(i) {
             *l = Live {
                 stage: Stage::InTransit,
                 region,
-                rtt,
+                to_router,
+                to_engine,
+                router,
                 output_tokens,
                 started_at: 0.0,
                 reached_at: 0.0,
@@ -515,13 +715,10 @@ impl Sim<'_> {
         if let Some(rec) = self.records.get_mut(i) {
             rec.region = Some(region);
         }
-        if let Some(o) = self.outstanding.get_mut(region) {
-            *o += 1;
-        }
         if let Some(q) = self.queued_tokens.get_mut(region) {
             *q += prep.segment_tokens;
         }
-        self.q.push(now + rtt / 2.0, Ev::EngineArrive(i));
+        self.q.push(now + to_engine / 2.0, Ev::EngineArrive(i));
         Ok(())
     }
 
@@ -566,7 +763,13 @@ impl Sim<'_> {
         };
         match admission {
             Admission::Started => self.start(i, now),
-            Admission::Queued => self.set_stage(i, Stage::Waiting),
+            Admission::Queued => {
+                self.set_stage(i, Stage::Waiting);
+                let tokens = self.work.prepared.get(i).map_or(0, |p| p.segment_tokens);
+                if let Some(s) = self.stations.get_mut(region) {
+                    s.waiting_tokens += tokens;
+                }
+            }
         }
     }
 
@@ -580,6 +783,9 @@ impl Sim<'_> {
         };
         let plan = s.engine.admit(i as u64, &prep.prompt);
         let decode = s.engine.timing.decode_ms_per_token;
+        if self.live.get(i).is_some_and(|l| l.stage == Stage::Waiting) {
+            s.waiting_tokens = s.waiting_tokens.saturating_sub(prep.segment_tokens);
+        }
         self.unqueue(i);
         let out = self.live.get(i).map_or(1, |l| l.output_tokens).max(1);
         if let Some(l) = self.live.get_mut(i) {
@@ -630,20 +836,43 @@ impl Sim<'_> {
         }
     }
 
-    /// The engine is done with request `i`; the client hears half a round
-    /// trip later.
+    /// The engine is done with request `i`; the router hears half a round
+    /// trip later, and the client when it passes the answer on.
     fn leave(&mut self, i: usize, now: f64, ok: bool) {
-        let rtt = self.live.get(i).map_or(0.0, |l| l.rtt);
+        let to_engine = self.live.get(i).map_or(0.0, |l| l.to_engine);
         self.set_stage(i, Stage::Leaving);
-        let at = now + rtt / 2.0;
-        self.q.push(
-            at,
-            if ok {
+        self.q
+            .push(now + to_engine / 2.0, Ev::RouterHears { i, ok });
+    }
+
+    /// The end of request `i` passes its router: a baseline counts it out.
+    fn router_hears(&mut self, i: usize, now: f64, ok: bool) {
+        if self.stage(i) != Stage::Leaving {
+            return;
+        }
+        let (region, router, to_router) = self
+            .live
+            .get(i)
+            .map_or((0, 0, 0.0), |l| (l.region, l.router, l.to_router));
+        if let Mode::Base(peers) = &mut self.mode {
+            if let Some(o) = peers
+                .instances
+                .get_mut(router)
+                .and_then(|p| p.outstanding.get_mut(region))
+            {
+                *o = o.saturating_sub(1);
+            }
+        }
+        if to_router > 0.0 {
+            let ev = if ok {
                 Ev::ClientDone(i)
             } else {
                 Ev::ClientFail(i)
-            },
-        );
+            };
+            self.q.push(now + to_router / 2.0, ev);
+        } else {
+            self.client_end(i, now, ok);
+        }
     }
 
     fn client_first_token(&mut self, i: usize, now: f64) {
@@ -664,7 +893,6 @@ impl Sim<'_> {
         if self.stage(i) != Stage::Leaving {
             return;
         }
-        let region = self.region_of(i);
         let t0 = self.work.requests.get(i).map_or(now, |r| r.t_ms);
         if let Some(rec) = self.records.get_mut(i) {
             if ok {
@@ -673,9 +901,6 @@ impl Sim<'_> {
             } else {
                 rec.status = Status::Failed;
             }
-        }
-        if let Some(o) = self.outstanding.get_mut(region) {
-            *o = o.saturating_sub(1);
         }
         let client = self.work.prepared.get(i).map_or(0, |p| p.client);
         if let Mode::Geo(envoys) = &mut self.mode {
@@ -694,6 +919,7 @@ impl Sim<'_> {
                 s.up = false;
                 // A lost region comes back as a fresh engine: empty cache.
                 s.engine = Engine::new(s.config);
+                s.waiting_tokens = 0;
                 std::mem::take(&mut s.held).into_iter().collect()
             }
             None => return,
@@ -769,7 +995,7 @@ mod tests {
         let prefill = n as f64 * 0.5;
         let w = Workload::new(&f, vec![req(1000.0, "s1", "na", &[("sys-1", 100)], 5)]).unwrap();
         for p in PolicyName::ALL {
-            let r = run(&f, &w, p, None).unwrap();
+            let r = run(&f, &w, p, &Deployment::Oracle, None).unwrap();
             let rec = &r.records[0];
             assert_eq!(rec.status, Status::Completed, "{p:?}");
             assert_eq!(rec.prompt_tokens, n as u64);
@@ -801,7 +1027,7 @@ mod tests {
             req(0.0, "c", "na", &seg, 100),
         ];
         let w = Workload::new(&f, trace).unwrap();
-        let r = run(&f, &w, PolicyName::Nearest, None).unwrap();
+        let r = run(&f, &w, PolicyName::Nearest, &Deployment::Oracle, None).unwrap();
         let ttft: Vec<f64> = r.records.iter().map(|x| x.ttft_ms.unwrap()).collect();
         assert_eq!(ttft[0], 10.0 + cold);
         // The second is admitted at the same instant: the first one's blocks
@@ -833,15 +1059,171 @@ mod tests {
             ));
         }
         let w = Workload::new(&f, trace).unwrap();
+        let deployments = [
+            Deployment::Oracle,
+            Deployment::PerClientRegion,
+            Deployment::Global("near".into()),
+            Deployment::Global("far".into()),
+        ];
         for p in PolicyName::ALL {
-            let a = run(&f, &w, p, None).unwrap();
-            let b = run(&f, &w, p, None).unwrap();
-            assert_eq!(a.records, b.records, "{p:?}");
-            assert_eq!(a.starts, b.starts, "{p:?}");
-            assert_eq!(a.levels, b.levels, "{p:?}");
-            // Every request resolved, some failed in the outage.
-            assert!(a.records.iter().any(|r| r.status == Status::Completed));
+            for d in &deployments {
+                let a = run(&f, &w, p, d, None).unwrap();
+                let b = run(&f, &w, p, d, None).unwrap();
+                assert_eq!(a.records, b.records, "{p:?} {d}");
+                assert_eq!(a.starts, b.starts, "{p:?} {d}");
+                assert_eq!(a.levels, b.levels, "{p:?} {d}");
+                // Every request resolved, some failed in the outage.
+                assert!(a.records.iter().any(|r| r.status == Status::Completed));
+            }
         }
+    }
+
+    fn regions(r: &Run) -> Vec<Option<usize>> {
+        r.records.iter().map(|x| x.region).collect()
+    }
+
+    #[test]
+    fn per_client_region_routers_keep_their_own_prefix_trees_and_counts() {
+        let f = fleet("");
+        // na sends X (to near: all idle) then A (to far: near has X in
+        // flight); eu then sends B, which shares A's 1000-token prefix.
+        let trace = vec![
+            req(0.0, "x", "na", &[("q", 100)], 100),
+            req(1.0, "a", "na", &[("doc", 1000), ("a", 10)], 100),
+            req(2.0, "b", "eu", &[("doc", 1000), ("b", 10)], 5),
+        ];
+        let w = Workload::new(&f, trace).unwrap();
+        let run_as = |d: Deployment| run(&f, &w, PolicyName::CacheAware, &d, None).unwrap();
+        // One tree for all traffic: B follows the prefix to far.
+        for d in [Deployment::Oracle, Deployment::Global("near".into())] {
+            assert_eq!(
+                regions(&run_as(d.clone())),
+                [Some(0), Some(1), Some(1)],
+                "{d}"
+            );
+        }
+        // eu's router never saw A: its tree is empty and its own counts are
+        // all zero, so B goes to the first least-loaded region, near, cold.
+        let r = run_as(Deployment::PerClientRegion);
+        assert_eq!(regions(&r), [Some(0), Some(1), Some(0)]);
+        assert_eq!(r.records[2].cached_tokens, 0);
+        // Least request: na's X (one output token, a short prompt: done well
+        // before 100 ms) goes near, its Z (long) far, as near is busy at
+        // 1 ms. At 100 ms a shared router counts far busy, near idle; eu's
+        // own router counts nothing and takes its nearest, far.
+        let trace = vec![
+            req(0.0, "x", "na", &[("q", 10)], 1),
+            req(1.0, "z", "na", &[("z", 100)], 100),
+            req(100.0, "y", "eu", &[("y", 100)], 5),
+        ];
+        let w = Workload::new(&f, trace).unwrap();
+        let lr = |d: Deployment| regions(&run(&f, &w, PolicyName::LeastRequest, &d, None).unwrap());
+        assert_eq!(lr(Deployment::Oracle), [Some(0), Some(1), Some(0)]);
+        assert_eq!(lr(Deployment::PerClientRegion), [Some(0), Some(1), Some(1)]);
+    }
+
+    #[test]
+    fn a_global_router_adds_the_round_trip_to_its_region() {
+        // near–far 100 ms; eu is 120 ms from near, 10 ms from far.
+        let f = Fleet::parse(
+            br#"{"client_regions": ["na", "eu"], "regions": [
+              {"name": "near", "rtt_ms": {"na": 10, "eu": 120}, "max_concurrency": 2,
+               "prefill_ms_per_token": 0.5, "decode_ms_per_token": 10, "cache_tokens": 100000,
+               "region_rtt_ms": {"far": 100}},
+              {"name": "far", "rtt_ms": {"na": 120, "eu": 10}, "max_concurrency": 2,
+               "prefill_ms_per_token": 0.5, "decode_ms_per_token": 10, "cache_tokens": 100000}]}"#,
+        )
+        .unwrap();
+        let w = Workload::new(&f, vec![req(1000.0, "s1", "eu", &[("sys-1", 100)], 5)]).unwrap();
+        let prefill = engine_tokens(&[("sys-1", 100)]) as f64 * 0.5;
+        let near = Deployment::Global("near".into());
+        for p in PolicyName::ALL.into_iter().skip(1) {
+            let rec = &run(&f, &w, p, &near, None).unwrap().records[0];
+            assert_eq!(rec.status, Status::Completed, "{p:?}");
+            // eu → near 120 ms, near → engine 0 or 100 ms, then the prefill.
+            let (region, via) = match rec.region {
+                Some(0) => (0, 0.0),
+                Some(1) => (1, 100.0),
+                other => panic!("{p:?}: {other:?}"),
+            };
+            assert_eq!(f.region_rtt(0, region), via);
+            assert_eq!(rec.ttft_ms, Some(120.0 + via + prefill), "{p:?}");
+            assert_eq!(rec.e2e_ms, Some(120.0 + via + prefill + 40.0), "{p:?}");
+            // Seen from near, near is nearest: all but the session hash stay.
+            let expected = if p == PolicyName::SessionAffinity {
+                1
+            } else {
+                0
+            };
+            assert_eq!(region, expected, "{p:?}");
+        }
+        // The same engine (the session's hash: far) straight from the client
+        // (oracle) and through a router in near: 120 + 100 − 10 = 210 ms more.
+        let sa = |d: &Deployment| {
+            run(&f, &w, PolicyName::SessionAffinity, d, None)
+                .unwrap()
+                .records[0]
+                .clone()
+        };
+        let (direct, routed) = (sa(&Deployment::Oracle), sa(&near));
+        assert_eq!((direct.region, routed.region), (Some(1), Some(1)));
+        assert_eq!(direct.ttft_ms, Some(10.0 + prefill));
+        assert_eq!(routed.ttft_ms, Some(10.0 + prefill + 210.0));
+        // A router in far, where the client is next to: nothing added.
+        let far = sa(&Deployment::Global("far".into()));
+        assert_eq!(far.ttft_ms, direct.ttft_ms);
+        // An unknown region is refused, naming the fleet's.
+        let e = run(
+            &f,
+            &w,
+            PolicyName::Nearest,
+            &Deployment::Global("mid".into()),
+            None,
+        )
+        .unwrap_err();
+        assert!(e.contains("its regions: near, far"), "{e}");
+    }
+
+    #[test]
+    fn a_deployed_gorgo_sees_the_queues_only_at_each_scrape() {
+        // One slot per region: r0 runs long at near, r1 waits behind it.
+        let f = fleet_with(1, "");
+        let trace = vec![
+            req(100.0, "r0", "na", &[("a", 100)], 200),
+            req(200.0, "r1", "na", &[("b", 100)], 5),
+            req(300.0, "r2", "na", &[("c", 100)], 5),
+            req(1100.0, "r3", "na", &[("d", 100)], 5),
+        ];
+        let w = Workload::new(&f, trace).unwrap();
+        let gorgo = |d: Deployment, o: Option<&Value>| {
+            regions(&run(&f, &w, PolicyName::Gorgo, &d, o).unwrap())
+        };
+        // The oracle sees r1's 100 queued tokens at once: 0.5 × 100 > 0.276
+        // × 110 ms, so r2 goes to far, and so does r3 (r1 still waits).
+        assert_eq!(
+            gorgo(Deployment::Oracle, None),
+            [Some(0), Some(0), Some(1), Some(1)]
+        );
+        // A deployed router still has the scrape at 0 (nothing queued) when
+        // r2 comes: near again. The scrape at 1000 ms shows r1 and r2
+        // waiting: r3 goes to far.
+        for d in [
+            Deployment::PerClientRegion,
+            Deployment::Global("near".into()),
+        ] {
+            assert_eq!(
+                gorgo(d.clone(), None),
+                [Some(0), Some(0), Some(0), Some(1)],
+                "{d}"
+            );
+        }
+        // The scrape follows the plugin's probe.tick_ms: at 250 ms it
+        // already shows r1 waiting.
+        let fast = serde_json::json!({"probe": {"tick_ms": 250, "timeout_ms": 250}});
+        assert_eq!(
+            gorgo(Deployment::PerClientRegion, Some(&fast)),
+            [Some(0), Some(0), Some(1), Some(1)]
+        );
     }
 
     #[test]
@@ -864,7 +1246,14 @@ mod tests {
             ));
         }
         let w = Workload::new(&f, trace).unwrap();
-        let r = run(&f, &w, PolicyName::GeoRouter, None).unwrap();
+        let r = run(
+            &f,
+            &w,
+            PolicyName::GeoRouter,
+            &Deployment::PerClientRegion,
+            None,
+        )
+        .unwrap();
         let region = |k: usize| r.records[k].region;
         // Before the outage: near, from cache after the first turn.
         assert!(
@@ -890,7 +1279,7 @@ mod tests {
         assert!((1..=4).contains(&failed), "{failed}");
         // Nearest keeps sending to the lost region until its health check
         // fails, then far: the same loss window.
-        let n = run(&f, &w, PolicyName::Nearest, None).unwrap();
+        let n = run(&f, &w, PolicyName::Nearest, &Deployment::Oracle, None).unwrap();
         let failed_n = n
             .records
             .iter()
