@@ -9,9 +9,10 @@ Routers (each in front of its own fresh set of three engine emulators, near
 5 ms, mid 40 ms, far 120 ms away as in the demo, so every run starts with
 cold caches):
 
-- `plugin`: Envoy from envoy/envoy.yaml (harness.render_config), the region
-  figures overridden to match the emulated engines (prefill rate,
-  max_concurrency, service_ms, capacity_rps);
+- `plugin`: Envoy from envoy/envoy.yaml (harness.render_config), told only
+  what an operator knows: each region's slots (max_concurrency) and a
+  capacity estimate from them at the default service time; prefill rate,
+  service time and RTT at their defaults (`plugin_overrides`);
 - `round_robin`, `least_request`, `ring_hash`: Envoy without the plugin,
   one cluster with the three engines as endpoints
   (envoy/bench/live-round-robin.yaml, live-least-request.yaml,
@@ -38,7 +39,9 @@ others are doing (one thread per request in flight, at most
 sending the request to the first SSE `data:` line; e2e = to the end of the
 stream. Single vantage point: the replayer runs on loopback, so every
 request sees the same client-to-region delays whatever its
-`client_region` (which is recorded, not used).
+`client_region` (which is recorded, not used). wasm-tests/bench_live_geo.py
+(scripts/bench-live-geo) is the several-vantage variant: each request enters
+at the router of its own client region, behind an emulated WAN.
 
 Output per router: TTFT mean/p50/p95/p99, e2e p50/p95, requests per region
 (`x-engine-replica`, cross-checked with the emulators' /admin/stats), cache
@@ -346,12 +349,16 @@ def one_request(port: int, p: Prepared, due: float, timeout: float, start: float
     return res
 
 
-def replay(port: int, preps: list[Prepared], time_scale: float, max_inflight: int,
+def replay(port, preps: list[Prepared], time_scale: float, max_inflight: int,
            timeout: float) -> tuple[list[Result], dict]:
     """Sends every request at its scheduled time (open loop), each on its own
     thread, at most `max_inflight` (and never more than the trace has) in
     flight; returns the results and the client's own figures (how many were
-    in flight at most, how long the dispatcher waited for a free thread)."""
+    in flight at most, how long the dispatcher waited for a free thread).
+    `port`: the router's port, or a function of the request giving it (the
+    several-vantage benchmark sends each request to its client region's
+    router)."""
+    port_of = port if callable(port) else (lambda _p: port)
     results: list[Result | None] = [None] * len(preps)
     bound = max(1, min(max_inflight, len(preps)))
     sem = threading.BoundedSemaphore(bound)
@@ -364,7 +371,7 @@ def replay(port: int, preps: list[Prepared], time_scale: float, max_inflight: in
             inflight[0] += 1
             inflight[1] = max(inflight[1], inflight[0])
         try:
-            results[i] = one_request(port, p, due, timeout, start)
+            results[i] = one_request(port_of(p), p, due, timeout, start)
         finally:
             with lock:
                 inflight[0] -= 1
@@ -446,27 +453,26 @@ def start_engines(run_dir: Path, figs: dict[str, dict], time_scale: float) -> di
     return engines
 
 
-def service_ms(fig: dict, time_scale: float, info: dict) -> float:
-    """Mean slot time of a cold request of the trace, scaled: an upper bound
-    (cache hits shorten prefill)."""
-    return round((info["output_tokens_mean"] * fig["decode_ms_per_token"]
-                  + info["prompt_tokens_mean"] * fig["prefill_ms_per_token"]) * time_scale, 1)
+DEFAULT_SERVICE_MS = 2000.0  # docs/CONFIG.md, regions[].service_ms default
 
 
 def plugin_overrides(figs: dict[str, dict], time_scale: float, info: dict) -> dict:
-    """The demo's plugin configuration with the region figures an operator
-    would measure on these engines (prefill rate, slots, slot time, and the
-    requests per second those sustain); everything else as in
+    """The demo's plugin configuration with what an operator knows of these
+    engines: their slots (`max_concurrency`) and a capacity estimate from
+    them at the documented default service time. Never the engines' exact
+    figures nor anything computed from the trace: prefill rate, service
+    time and RTT stay at their defaults (the probe measures RTT, online
+    tuning fits the prefill rate and the weights). Everything else as in
     envoy/envoy.yaml."""
+    del time_scale, info  # what the operator does not know
     cfg = yaml.safe_load(harness.DEMO_CONFIG.read_text())
     regions = harness.plugin_config(cfg)["regions"]
     for r in regions:
         fig = figs[r["name"]]
-        svc = service_ms(fig, time_scale, info)
-        r["prefill_ms_per_token"] = round(fig["prefill_ms_per_token"] * time_scale, 6)
+        for known_only_to_the_engines in ("prefill_ms_per_token", "service_ms", "rtt_ms"):
+            r.pop(known_only_to_the_engines, None)
         r["max_concurrency"] = fig["max_concurrency"]
-        r["service_ms"] = svc
-        r["capacity_rps"] = round(fig["max_concurrency"] * 1000 / svc, 2)
+        r["capacity_rps"] = round(fig["max_concurrency"] * 1000 / DEFAULT_SERVICE_MS, 2)
     return {"regions": regions}
 
 
@@ -667,11 +673,13 @@ def inflight_at(results: list[Result], t_ms: float, region: str, me: Result) -> 
                and o.sent_ms <= t_ms < o.sent_ms + o.e2e_ms)
 
 
-def summarize(results: list[Result], engines: dict[str, dict], slots: dict[str, int] | None = None) -> dict:
+def summarize(results: list[Result], engines: dict[str, dict], slots: dict[str, int] | None = None,
+              regions: list[str] | None = None) -> dict:
+    regions = REGIONS if regions is None else regions
     ok = [r for r in results if r.error is None]
     ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
     e2e = [r.e2e_ms for r in ok if r.e2e_ms is not None]
-    by_region = {name: 0 for name in REGIONS}
+    by_region = {name: 0 for name in regions}
     for r in results:
         if r.replica:
             by_region[r.replica] = by_region.get(r.replica, 0) + 1
@@ -751,7 +759,7 @@ def summarize(results: list[Result], engines: dict[str, dict], slots: dict[str, 
         if lo and slots and len({r.idx for r in results}) == len(results):
             free = 0
             for r, d in lo:
-                others = [g for g in REGIONS if g != r.replica]
+                others = [g for g in regions if g != r.replica and g in slots]
                 if all(inflight_at(results, r.sent_ms, g, r) < slots[g] for g in others):
                     free += 1
             out["by_reason"]["load-override"]["others_had_free_slot"] = free
@@ -924,7 +932,7 @@ def doc_section(result: dict, tbl: str, lines: list[str]) -> str:
                    f"prefill and {f0['decode_ms_per_token']:g} ms decode per token)")
     else:
         engines = "; ".join(f"{n} `{' '.join(f)}`" for n, f in flags.items())
-    regions = {r["name"]: {k: r[k] for k in ("prefill_ms_per_token", "max_concurrency", "service_ms", "capacity_rps")}
+    regions = {r["name"]: {k: r[k] for k in ("max_concurrency", "capacity_rps") if k in r}
                for r in result["plugin_overrides"]["regions"]}
     if same_for_all(regions):
         plug = "every region " + ", ".join(f"`{k}` {v}" for k, v in next(iter(regions.values())).items())

@@ -836,7 +836,12 @@ def test_hostile_requests(fleet_factory, run_dir):
     # Fast engines (the point is Envoy and the plugin, not prefill), and the
     # ladder held at level 2 so that the guard parses every free-tier body
     # too (and clamps max_tokens) while the router parses every body.
-    fast = ["--max-concurrency", "64", "--prefill-ms-per-token", "0.0005", "--decode-ms-per-token", "0.05"]
+    # Engines with a long context (3 MB of text is about 1.4M of their
+    # tokens): the huge valid prompts are here to cross Envoy and the
+    # plugin, and the engine answers them. A 32k engine refuses them in its
+    # own words (the emulator's tests cover that).
+    fast = ["--max-concurrency", "64", "--prefill-ms-per-token", "0.0005", "--decode-ms-per-token", "0.05",
+            "--max-model-len", "4000000"]
     fleet = fleet_factory({"probe": {"tick_ms": 300, "timeout_ms": 300, "snapshot_max_age_ms": 3000},
                            "ladder": {"forced_level": 2}},
                           engine_extra={n: fast for n in harness.DEMO_REGIONS})
