@@ -434,8 +434,15 @@ def engine_figures(args) -> tuple[dict[str, dict], str]:
     return out, how
 
 
+# The engines serve a 128k-context model (Llama 3.1 class): the traces' long
+# agentic prompts are 30-45k of the engines' own tokens, past the emulator's
+# default --max-model-len of 32768, which would refuse them with a 400.
+MAX_MODEL_LEN = 131072
+
+
 def engine_args(fig: dict, time_scale: float) -> list[str]:
-    return ["--max-concurrency", str(fig["max_concurrency"]),
+    return ["--max-model-len", str(MAX_MODEL_LEN),
+            "--max-concurrency", str(fig["max_concurrency"]),
             "--prefill-ms-per-token", f"{fig['prefill_ms_per_token'] * time_scale:g}",
             "--decode-ms-per-token", f"{fig['decode_ms_per_token'] * time_scale:g}",
             "--cache-tokens", str(fig["cache_tokens"])]
