@@ -441,11 +441,11 @@ MAX_MODEL_LEN = 131072
 
 
 def engine_args(fig: dict, time_scale: float) -> list[str]:
-    return ["--max-model-len", str(MAX_MODEL_LEN),
-            "--max-concurrency", str(fig["max_concurrency"]),
+    return ["--max-concurrency", str(fig["max_concurrency"]),
             "--prefill-ms-per-token", f"{fig['prefill_ms_per_token'] * time_scale:g}",
             "--decode-ms-per-token", f"{fig['decode_ms_per_token'] * time_scale:g}",
-            "--cache-tokens", str(fig["cache_tokens"])]
+            "--cache-tokens", str(fig["cache_tokens"]),
+            "--max-model-len", str(MAX_MODEL_LEN)]
 
 
 def start_engines(run_dir: Path, figs: dict[str, dict], time_scale: float) -> dict[str, harness.Engine]:

@@ -115,18 +115,21 @@ class Geo:
             missing = [c for c in self.clients if c not in r.get("rtt_ms", {})]
             if missing:
                 raise ValueError(f"fleet: region {r['name']} has no rtt_ms for {missing}")
-        given = {r["name"]: r.get("region_rtt_ms") for r in fleet["regions"]}
-        self.region_rtt_estimated = not all(given.values())
+        # The fleet gives each pair once, on either side (symmetric); a pair
+        # it does not give is estimated, and the output says so.
+        given = {r["name"]: r.get("region_rtt_ms") or {} for r in fleet["regions"]}
+        self.region_rtt_estimated = False
         self.rr: dict[tuple[str, str], float] = {}
         for a in self.regions:
             for b in self.regions:
                 if a == b:
                     self.rr[a, b] = intra_region_ms
-                elif not self.region_rtt_estimated and b in given[a]:
+                elif b in given[a]:
                     self.rr[a, b] = float(given[a][b])
-                elif not self.region_rtt_estimated and a in (given[b] or {}):
+                elif a in given[b]:
                     self.rr[a, b] = float(given[b][a])
                 else:
+                    self.region_rtt_estimated = True
                     self.rr[a, b] = max(abs(self.rtt(c, a) - self.rtt(c, b)) for c in self.clients)
 
     def rtt(self, client: str, region: str) -> float:
@@ -765,7 +768,11 @@ def doc_section(result: dict, tbl: str, lines: list[str], plots: list[str]) -> s
                   f"`{display_name(rat['best_peer'], result.get('global_region'))}`)." if rat else "No ratio: the geo-router or every other router did not run.")
     plot_md = "\n\n".join(f"![{Path(p).stem}]({p})" for p in plots)
     compute = {n: " ".join(f[2:8]) for n, f in a["engine_flags"].items()}  # past --max-concurrency N
-    engines = ", ".join(f"{n} {f[1]} slots" for n, f in a["engine_flags"].items()) + "; " + (
+    def slots(flags: list[str]) -> str:
+        i = flags.index("--max-concurrency") if "--max-concurrency" in flags else -1
+        return flags[i + 1] if 0 <= i < len(flags) - 1 else "?"
+
+    engines = ", ".join(f"{n} {slots(f)} slots" for n, f in a["engine_flags"].items()) + "; " + (
         f"each `{next(iter(compute.values()))}`" if len(set(compute.values())) == 1
         else "; ".join(f"{n} `{c}`" for n, c in compute.items())) + " (scaled), plus the delays above"
     return bl.reflow(f"""\
