@@ -63,12 +63,17 @@ def test_hot_system_prompt_spreads_within_the_load_bound(fleet_factory):
     assert overrides > 0
     # In flight per region never exceeds its bound, max((1 + eps) x fair
     # share, floor 0.5 x 8 slots), by more than the two workers' race (each
-    # may decide on the same gauge reading).
+    # may decide on the same gauge reading) plus one: the router bounds
+    # occupancy (the engine's count at the last scrape plus what this Envoy
+    # sent since), which can lead this Envoy's in-flight gauge, sampled here,
+    # by a request. Seen at 3.0 once in seven fresh runs after the engines
+    # got their own tokenizer (longer prefills, more overlap); without the
+    # bound, near takes every request and the excess is above 10.
     busy = [s for s in samples if sum(s.values()) >= 12]
     assert len(busy) > 10, samples[:5]
     worst = max(max(s.values()) - max((1 + eps) * sum(s.values()) / 3, 4) for s in busy)
     print("samples:", len(busy), "worst excess over the bound:", round(worst, 2))
-    assert worst <= 2.0, worst
+    assert worst <= 3.0, worst
 
 
 def test_two_envoys_agree_on_new_conversations(fleet_factory):
