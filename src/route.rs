@@ -301,6 +301,14 @@ impl Routed {
             s.push_str("; cached_tokens=");
             push_u64(&mut s, c.cached_tokens);
         }
+        if let Some(p) = &d.passed_over {
+            s.push_str("; passed_over=");
+            s.push_str(name(p.region));
+            s.push_str("; passed_over_wait_ms=");
+            push_one_decimal(&mut s, p.wait_ms);
+            s.push_str("; move_ms=");
+            push_one_decimal(&mut s, p.move_ms);
+        }
         if let Some((i, c)) = d.runner_up.and_then(|i| d.costs.get(i).map(|c| (i, c))) {
             s.push_str("; runner_up=");
             s.push_str(name(i));
@@ -496,6 +504,7 @@ mod kv_action_tests {
                     ..Cost::default()
                 })
                 .collect(),
+            passed_over: None,
         }
     }
 

@@ -757,19 +757,27 @@ def summarize(results: list[Result], engines: dict[str, dict], slots: dict[str, 
         if pairs:
             out["predicted_ttft_ms_mean"] = rnd(sum(a for a, _ in pairs) / len(pairs))
             out["measured_ttft_ms_mean_same_requests"] = rnd(sum(b for _, b in pairs) / len(pairs))
-        # Bounded load: for each load-override, did every other region have a
-        # free slot (fewer requests in flight, by the client's accounting,
-        # than its engine's slots)? Then the region passed over, whichever it
-        # was, would not have made the request queue. Single-round runs only
-        # (sent_ms restarts each round).
-        lo = [(r, d) for r, d in routed if d.get("reason") == "load-override"]
-        if lo and slots and len({r.idx for r in results}) == len(results):
-            free = 0
-            for r, d in lo:
-                others = [g for g in regions if g != r.replica and g in slots]
-                if all(inflight_at(results, r.sent_ms, g, r) < slots[g] for g in others):
-                    free += 1
-            out["by_reason"]["load-override"]["others_had_free_slot"] = free
+        # The load guard: for each decision that passed a region over for its
+        # load (`load`, `load-override`, `spread`), did the region passed over
+        # have a free slot, by the client's own accounting (fewer requests of
+        # this run in flight there than its engine has slots), and did the
+        # router predict a wait there (`passed_over_wait_ms` > 0)? Issue 14's
+        # target: no `load-override` with a free slot and no predicted wait.
+        # Single-round runs only (sent_ms restarts each round).
+        if slots and len({r.idx for r in results}) == len(results):
+            for reason in ("load", "load-override", "spread"):
+                moved = [(r, d) for r, d in routed if d.get("reason") == reason and d.get("passed_over") in slots]
+                if not moved:
+                    continue
+                free = [(r, d) for r, d in moved
+                        if inflight_at(results, r.sent_ms, d["passed_over"], r) < slots[d["passed_over"]]]
+                out["by_reason"][reason]["passed_over_had_free_slot"] = len(free)
+                out["by_reason"][reason]["passed_over_free_slot_and_no_predicted_wait"] = sum(
+                    float(d.get("passed_over_wait_ms", 0) or 0) == 0 for _, d in free)
+                out["by_reason"][reason]["passed_over_wait_ms_mean"] = rnd(
+                    sum(float(d.get("passed_over_wait_ms", 0) or 0) for _, d in moved) / len(moved))
+                out["by_reason"][reason]["move_ms_mean"] = rnd(
+                    sum(float(d.get("move_ms", 0) or 0) for _, d in moved) / len(moved))
     return out
 
 
@@ -810,7 +818,7 @@ def table(summaries: dict[str, dict], skipped: dict[str, str]) -> str:
     return "\n".join(rows)
 
 
-def reading(summaries: dict[str, dict], skipped: dict[str, str], plugin_cost: dict | None = None) -> list[str]:
+def reading(summaries: dict[str, dict], skipped: dict[str, str]) -> list[str]:
     """Plain statements read off the numbers, no adjectives the numbers do
     not carry."""
     out = []
@@ -829,7 +837,6 @@ def reading(summaries: dict[str, dict], skipped: dict[str, str], plugin_cost: di
         out.append(f"`{k}` served {s['ok']} of {s['requests']} requests ({json.dumps(s['errors'])}); its TTFT "
                    f"and cache figures are over the requests it served, so they do not compare with the others'.")
     p = ran.get("plugin")
-    cost = plugin_cost or {}
     if p:
         for k, s in ran.items():
             if k == "plugin":
@@ -856,19 +863,16 @@ def reading(summaries: dict[str, dict], skipped: dict[str, str], plugin_cost: di
                 f"`{r}` {v['n']} requests, TTFT p50 {fmt(v['ttft_p50_ms'])} ms, cache hit "
                 f"{100 * v['cache_hit_token_ratio']:.0f} %, predicted queue > 0 in {v['predicted_queue_ms_gt0']}, "
                 f"engine queue >= {QUEUED_MS} ms {v['engine_queued']}" for r, v in br.items()) + ".")
-        lo = br.get("load-override")
-        if lo and lo["n"] >= 0.1 * p["requests"]:
+        for reason in ("load", "load-override", "spread"):
+            lo = br.get(reason)
+            if not lo or "passed_over_had_free_slot" not in lo:
+                continue
             out.append(
-                f"{lo['n']} of {p['requests']} plugin decisions ({100 * lo['n'] / p['requests']:.0f} %) were "
-                f"`load-override` (bounded load passed over the cheapest region); the chosen region's predicted "
-                f"queue was > 0 in {lo['predicted_queue_ms_gt0']} of them and its engine made "
-                f"{lo['engine_queued']} of them wait {QUEUED_MS} ms or more for a slot"
-                + (f"; in {lo['others_had_free_slot']} of them every other region had fewer requests in flight "
-                   f"than its engine has slots (so the region passed over had a free slot)"
-                   if "others_had_free_slot" in lo else "")
-                + f" (with `cost.bounded_load_floor` "
-                f"{cost.get('bounded_load_floor', 0.5)} and `cost.bounded_load_epsilon` "
-                f"{cost.get('bounded_load_epsilon', 0.25)}{'' if plugin_cost else ', the defaults'}).")
+                f"`{reason}`: {lo['n']} of {p['requests']} plugin decisions passed a region over for its load "
+                f"(its predicted wait for a slot {fmt(lo['passed_over_wait_ms_mean'])} ms on average against "
+                f"{fmt(lo['move_ms_mean'])} ms to move); the region passed over had a free slot by the client's "
+                f"accounting in {lo['passed_over_had_free_slot']} of them, and a free slot with no predicted "
+                f"wait in {lo['passed_over_free_slot_and_no_predicted_wait']}.")
     for k, s in summaries.items():
         lag = s["dispatch_lag_ms"]
         busy = max((r.get("machine_cpu_busy", 0) for r in s.get("runs", [])), default=0)
@@ -1186,7 +1190,7 @@ def main() -> int:
                                         {n: f["max_concurrency"] for n, f in figs.items()})
             summaries[name]["runs"] = extras[name]
     tbl = table(summaries, skipped)
-    lines = reading(summaries, skipped, overrides.get("cost"))
+    lines = reading(summaries, skipped)
     print(tbl)
     print("\n".join("- " + l for l in lines))
 

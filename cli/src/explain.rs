@@ -579,6 +579,11 @@ impl Report<'_> {
             "region": self.name(d.region),
             "reason": d.reason.as_str(),
             "runner_up": d.runner_up.map(|i| self.name(i)),
+            "passed_over": d.passed_over.map(|p| json!({
+                "region": self.name(p.region),
+                "wait_ms": p.wait_ms,
+                "move_ms": p.move_ms,
+            })),
             "session": self.session.as_ref().map(|s| json!({
                 "key": s.key,
                 "last_region": s.last.map(|(r, _)| self.name(r)),
@@ -700,6 +705,14 @@ impl Report<'_> {
             None => "none".to_string(),
         };
         out.push_str(&format!("runner-up  {runner_up}\n"));
+        if let Some(p) = d.passed_over {
+            out.push_str(&format!(
+                "passed     {} (its wait for a slot {:.1} ms against {:.1} ms to move)\n",
+                self.name(p.region),
+                p.wait_ms,
+                p.move_ms
+            ));
+        }
         let migration = match &self.routed.kv {
             Some(kv) => {
                 let fetch = kv

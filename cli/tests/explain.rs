@@ -145,21 +145,46 @@ fn a_pin_away_from_the_holder_fetches_its_prefix() {
 }
 
 #[test]
-fn in_flight_requests_push_past_the_load_bound() {
-    // mid's 7 requests are over its share of 9 across 24 slots: the bound
-    // passes it over although it holds the prefix and has no queue yet.
+fn in_flight_requests_do_not_pass_over_a_holder_with_a_free_slot() {
+    // mid's 7 requests are far over its share of 9 across 24 slots, but it
+    // has a free slot: nothing waits there, and the prefix stays with it.
     let v = decision(&[
         "--history",
         "{fixtures}/history.json",
         "--inflight",
         "mid=6",
     ]);
-    assert_eq!(v["region"], "near");
-    assert_eq!(v["reason"], "load-override");
+    assert_eq!(v["region"], "mid");
+    assert_eq!(v["reason"], "cache");
     let mid = region(&v, "mid");
-    assert_eq!(mid["over_bound"], true);
+    assert_eq!(mid["over_bound"], false);
     assert_eq!(num(mid, "occupancy"), 7.0);
-    assert_eq!(num(mid, "queue_ms"), 0.0);
+    assert!(v["passed_over"].is_null(), "{v}");
+}
+
+#[test]
+fn a_full_holder_is_passed_over_when_its_wait_exceeds_the_move() {
+    // 20 requests at mid's 8 slots: 13 ahead, 13/8 x 400 ms = 650 ms of
+    // wait, more than moving the prompt's held tokens' prefill to near.
+    let v = decision(&[
+        "--history",
+        "{fixtures}/history.json",
+        "--inflight",
+        "mid=19",
+    ]);
+    assert_eq!(v["region"], "near");
+    assert_eq!(v["reason"], "load");
+    let p = &v["passed_over"];
+    assert_eq!(p["region"], "mid");
+    assert_eq!(num(p, "wait_ms"), 650.0);
+    assert!(num(p, "move_ms") < 650.0, "{p}");
+    assert!(
+        v["decision"]
+            .as_str()
+            .unwrap()
+            .contains("; passed_over=mid; passed_over_wait_ms=650.0; move_ms="),
+        "{v}"
+    );
 }
 
 #[test]
