@@ -146,6 +146,13 @@ pub struct Args {
     #[arg(verbatim_doc_comment, long, value_name = "N", default_value = "1",
           value_parser = crate::args::positive_whole::<usize>, allow_negative_numbers = true, help_heading = "Inputs")]
     proxies: usize,
+    /// Multiply the trace's request rate by F: every request's t_ms is
+    /// divided by F before simulating, so think times between a session's
+    /// turns shrink too (F > 1) and the span is 1/F as long; the fleet's
+    /// outages keep their times
+    #[arg(verbatim_doc_comment, long, value_name = "F", default_value = "1",
+          value_parser = crate::args::positive, allow_negative_numbers = true, help_heading = "Inputs")]
+    rate_scale: f64,
     /// One JSON object (shape below)
     #[arg(verbatim_doc_comment, long, help_heading = "Output")]
     json: bool,
@@ -232,8 +239,9 @@ pub fn run(a: Args) -> Result<String, CliError> {
         .map_err(|e| CliError::Input(format!("--fleet {fleet_path}: {e}")))?;
     let text = String::from_utf8(read("trace", trace_path)?)
         .map_err(|_| CliError::Input(format!("--trace {trace_path}: not UTF-8")))?;
-    let requests =
+    let mut requests =
         trace::parse(&text).map_err(|e| CliError::Input(format!("--trace {trace_path}: {e}")))?;
+    scale_rate(&mut requests, a.rate_scale);
     let overrides = match a.config.as_deref() {
         Some(path) => Some(
             serde_json::from_slice::<serde_json::Value>(&read("config", path)?)
@@ -273,6 +281,15 @@ pub fn run(a: Args) -> Result<String, CliError> {
         return Ok(format!("{v}\n"));
     }
     Ok(report::to_text(&summaries))
+}
+
+/// `--rate-scale`: the same requests `factor` times as fast.
+fn scale_rate(requests: &mut [trace::TraceRequest], factor: f64) {
+    if factor != 1.0 {
+        for r in requests {
+            r.t_ms /= factor;
+        }
+    }
 }
 
 fn write_plots(dir: &Path, plots: &[(&str, String)]) -> Result<(), CliError> {

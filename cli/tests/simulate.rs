@@ -415,6 +415,12 @@ fn bad_inputs_are_refused_with_what_to_fix() {
             &format!("invalid value '{bad}' for '--proxies <N>': must be a whole number > 0"),
         );
     }
+    for bad in ["0", "-2", "inf", "NaN", "fast"] {
+        refused_with(
+            &["--rate-scale", bad],
+            &format!("invalid value '{bad}' for '--rate-scale <F>': must be a positive number"),
+        );
+    }
     let unsorted = dir.join("unsorted.jsonl");
     let text = std::fs::read_to_string(&trace).unwrap();
     let mut lines: Vec<&str> = text.lines().collect();
@@ -455,7 +461,7 @@ fn bad_inputs_are_refused_with_what_to_fix() {
 }
 
 #[test]
-fn proxies_deploy_only_the_geo_router_several_times() {
+fn proxies_and_rate_scale() {
     let dir = scratch("proxies");
     let (fleet, trace) = tiny(&dir, 80);
     let json = |extra: &[&str]| -> Value {
@@ -485,6 +491,45 @@ fn proxies_deploy_only_the_geo_router_several_times() {
     // The baselines are deployed as they were.
     assert_eq!(base(&one), base(&four));
     assert_eq!(json(&["--proxies", "1"]), one);
+    // Twice the rate: the same requests, the span halved.
+    let requests = dir.join("requests.jsonl");
+    ok(&[
+        "simulate",
+        "--fleet",
+        s(&fleet),
+        "--trace",
+        s(&trace),
+        "--policy",
+        "nearest",
+        "--deployment",
+        "oracle",
+        "--rate-scale",
+        "2",
+        "--requests",
+        s(&requests),
+    ]);
+    let original: Vec<f64> = std::fs::read_to_string(&trace)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["t_ms"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
+    let scaled: Vec<f64> = std::fs::read_to_string(&requests)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["t_ms"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(scaled, original.iter().map(|t| t / 2.0).collect::<Vec<_>>());
     let help = ok(&["simulate", "--help"]);
-    assert!(help.contains("--proxies <N>"), "{help}");
+    assert!(
+        help.contains("--proxies <N>") && help.contains("think times"),
+        "{help}"
+    );
 }
