@@ -29,7 +29,9 @@ TTFT is measured at the client: half a round trip to the region, queueing,
 prefill of the uncached tokens, half a round trip back. End to end adds the
 decode of the remaining output tokens.
 
-The geo-router runs as the plugin is deployed, one Envoy per client region.
+The geo-router runs as the plugin is deployed, one Envoy per client region
+(--proxies N: N Envoys per client region, each with its own plugin state,
+a request going to the next in turn, as behind an L7 load balancer).
 Every other policy (a baseline) runs once per --deployment, labelled
 <policy>@<deployment>:
   oracle             one instance that knows every engine's queue and every
@@ -49,11 +51,22 @@ probe.tick_ms (the plugin's probe tick, 1000 ms unless --config sets it).";
 pub const AFTER: &str = "\
 JSON (--json): {\"policies\": {\"<label>\": {\"policy\", \"deployment\",
 \"ttft_ms\": {mean, p50, p95, p99}, \"e2e_ms\": {...}, \"cache_hit_token_ratio\",
-\"requests\", \"completed\", \"shed\", \"capped\", \"per_region_requests\": {...}}}}
+\"requests\", \"completed\", \"shed\", \"capped\", \"per_region_requests\": {...},
+\"proxies\", \"utilisation\": {<region>: x}, \"queued_share\",
+\"occupancy\": {<region>: {p50, p95, max}}, \"queue_time_share\": {<region>: x},
+\"reasons\": {<reason>: n}}}}
 with <label> geo-router or <policy>@<deployment>. shed: refused by the ladder
 (429); capped: a ladder cap applied (max_tokens clamped, or the prompt
 refused with 413); requests - completed - shed - 413s failed in an outage.
-Only geo-router has a guard and a ladder.
+Only geo-router has a guard and a ladder (and reasons: its decisions per
+reason; proxies: its Envoys per client region, 1 for a baseline).
+utilisation: slot time used / (slots x time) in the middle half of the
+trace's span. queued_share: of the requests an engine gave a slot, the
+fraction that waited for it (more than 0.5 ms). occupancy: requests at the
+region's engine (running + waiting) / its slots, sampled every 1000 ms of
+simulated time in the middle half (nearest-rank percentiles; above 1 means
+requests waiting); queue_time_share: the fraction of those samples with a
+request waiting. null where there is no sample.
 
 Exit status: 0 on success; 2 on a wrong option or a file that cannot be read
 or is invalid (the message names it); 1 when the plots cannot be written.";
@@ -125,6 +138,21 @@ pub struct Args {
         help_heading = "Inputs"
     )]
     config: Option<String>,
+    /// The geo-router as N Envoys per client region (gateway replicas behind
+    /// an L7 load balancer), each with its own plugin state (directory,
+    /// probe, in-flight counts) from the same configuration, all probing at
+    /// the same ticks; a client region's n-th request goes to its Envoy
+    /// n mod N. The baselines ignore it
+    #[arg(verbatim_doc_comment, long, value_name = "N", default_value = "1",
+          value_parser = crate::args::positive_whole::<usize>, allow_negative_numbers = true, help_heading = "Inputs")]
+    proxies: usize,
+    /// Multiply the trace's request rate by F: every request's t_ms is
+    /// divided by F before simulating, so think times between a session's
+    /// turns shrink too (F > 1) and the span is 1/F as long; the fleet's
+    /// outages keep their times
+    #[arg(verbatim_doc_comment, long, value_name = "F", default_value = "1",
+          value_parser = crate::args::positive, allow_negative_numbers = true, help_heading = "Inputs")]
+    rate_scale: f64,
     /// One JSON object (shape below)
     #[arg(verbatim_doc_comment, long, help_heading = "Output")]
     json: bool,
@@ -211,8 +239,9 @@ pub fn run(a: Args) -> Result<String, CliError> {
         .map_err(|e| CliError::Input(format!("--fleet {fleet_path}: {e}")))?;
     let text = String::from_utf8(read("trace", trace_path)?)
         .map_err(|_| CliError::Input(format!("--trace {trace_path}: not UTF-8")))?;
-    let requests =
+    let mut requests =
         trace::parse(&text).map_err(|e| CliError::Input(format!("--trace {trace_path}: {e}")))?;
+    scale_rate(&mut requests, a.rate_scale);
     let overrides = match a.config.as_deref() {
         Some(path) => Some(
             serde_json::from_slice::<serde_json::Value>(&read("config", path)?)
@@ -224,7 +253,8 @@ pub fn run(a: Args) -> Result<String, CliError> {
         .map_err(|e| CliError::Input(format!("--trace {trace_path}: {e}")))?;
     let deployments = deployments(&a.deployment, &fleet, &work)?;
     let jobs = deploy::jobs(&policies, &deployments);
-    let runs = simulate_all(&fleet, &work, &jobs, overrides.as_ref()).map_err(CliError::Input)?;
+    let runs = simulate_all(&fleet, &work, &jobs, overrides.as_ref(), a.proxies)
+        .map_err(CliError::Input)?;
     let summaries: Vec<report::Summary> = runs
         .iter()
         .map(|r| report::summarize(&fleet, &work, r))
@@ -251,6 +281,15 @@ pub fn run(a: Args) -> Result<String, CliError> {
         return Ok(format!("{v}\n"));
     }
     Ok(report::to_text(&summaries))
+}
+
+/// `--rate-scale`: the same requests `factor` times as fast.
+fn scale_rate(requests: &mut [trace::TraceRequest], factor: f64) {
+    if factor != 1.0 {
+        for r in requests {
+            r.t_ms /= factor;
+        }
+    }
 }
 
 fn write_plots(dir: &Path, plots: &[(&str, String)]) -> Result<(), CliError> {

@@ -165,11 +165,17 @@ fn simulate_json_has_the_documented_shape_for_every_policy_and_deployment() {
                 "completed",
                 "deployment",
                 "e2e_ms",
+                "occupancy",
                 "per_region_requests",
                 "policy",
+                "proxies",
+                "queue_time_share",
+                "queued_share",
+                "reasons",
                 "requests",
                 "shed",
-                "ttft_ms"
+                "ttft_ms",
+                "utilisation"
             ],
             "{name}"
         );
@@ -195,6 +201,38 @@ fn simulate_json_has_the_documented_shape_for_every_policy_and_deployment() {
         assert_eq!(per_region.keys().collect::<Vec<_>>(), ["fra", "iad", "icn"]);
         let routed: u64 = per_region.values().map(|n| n.as_u64().unwrap()).sum();
         assert!(routed >= completed && routed <= 60, "{name}");
+        assert_eq!(p["proxies"], 1, "{name}");
+        let q = p["queued_share"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&q), "{name}: {q}");
+        for figure in ["utilisation", "occupancy", "queue_time_share"] {
+            let by_region = p[figure].as_object().unwrap();
+            assert_eq!(by_region.keys().collect::<Vec<_>>(), ["fra", "iad", "icn"]);
+        }
+        for o in p["occupancy"].as_object().unwrap().values() {
+            let o = o.as_object().unwrap();
+            assert_eq!(
+                o.keys().collect::<Vec<_>>(),
+                ["max", "p50", "p95"],
+                "{name}"
+            );
+            assert!(
+                o["p50"].as_f64() <= o["p95"].as_f64() && o["p95"].as_f64() <= o["max"].as_f64()
+            );
+        }
+        for share in p["queue_time_share"].as_object().unwrap().values() {
+            assert!((0.0..=1.0).contains(&share.as_f64().unwrap()), "{name}");
+        }
+        let decisions: u64 = p["reasons"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|n| n.as_u64().unwrap())
+            .sum();
+        if *policy == "geo-router" {
+            assert_eq!(decisions, routed, "{name}");
+        } else {
+            assert_eq!(decisions, 0, "{name}");
+        }
     }
     // The same inputs give the same bytes.
     let again = ok(&[
@@ -371,6 +409,18 @@ fn bad_inputs_are_refused_with_what_to_fix() {
         "the argument '--fleet <FILE>' cannot be used multiple times",
     );
     refused_with(&["--speed", "2"], "unexpected argument '--speed'");
+    for bad in ["0", "-1", "1.5", "two"] {
+        refused_with(
+            &["--proxies", bad],
+            &format!("invalid value '{bad}' for '--proxies <N>': must be a whole number > 0"),
+        );
+    }
+    for bad in ["0", "-2", "inf", "NaN", "fast"] {
+        refused_with(
+            &["--rate-scale", bad],
+            &format!("invalid value '{bad}' for '--rate-scale <F>': must be a positive number"),
+        );
+    }
     let unsorted = dir.join("unsorted.jsonl");
     let text = std::fs::read_to_string(&trace).unwrap();
     let mut lines: Vec<&str> = text.lines().collect();
@@ -407,5 +457,79 @@ fn bad_inputs_are_refused_with_what_to_fix() {
     refused(
         &["generate", "--scenario", "h", "--seed", "1"],
         "invalid value 'h' for '--scenario <a|b|c|d|e|f|g>': must be one of a, b, c, d, e, f, g",
+    );
+}
+
+#[test]
+fn proxies_and_rate_scale() {
+    let dir = scratch("proxies");
+    let (fleet, trace) = tiny(&dir, 80);
+    let json = |extra: &[&str]| -> Value {
+        let mut args = vec![
+            "simulate",
+            "--fleet",
+            s(&fleet),
+            "--trace",
+            s(&trace),
+            "--policy",
+            "geo-router,least-request",
+            "--deployment",
+            "per-client-region",
+            "--json",
+        ];
+        args.extend(extra);
+        serde_json::from_str(&ok(&args)).unwrap()
+    };
+    let one = json(&[]);
+    let four = json(&["--proxies", "4"]);
+    let geo = |v: &Value| v["policies"]["geo-router"].clone();
+    let base = |v: &Value| v["policies"]["least-request@per-client-region"].clone();
+    assert_eq!(
+        (geo(&one)["proxies"].clone(), geo(&four)["proxies"].clone()),
+        (1.into(), 4.into())
+    );
+    // The baselines are deployed as they were.
+    assert_eq!(base(&one), base(&four));
+    assert_eq!(json(&["--proxies", "1"]), one);
+    // Twice the rate: the same requests, the span halved.
+    let requests = dir.join("requests.jsonl");
+    ok(&[
+        "simulate",
+        "--fleet",
+        s(&fleet),
+        "--trace",
+        s(&trace),
+        "--policy",
+        "nearest",
+        "--deployment",
+        "oracle",
+        "--rate-scale",
+        "2",
+        "--requests",
+        s(&requests),
+    ]);
+    let original: Vec<f64> = std::fs::read_to_string(&trace)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["t_ms"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
+    let scaled: Vec<f64> = std::fs::read_to_string(&requests)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["t_ms"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(scaled, original.iter().map(|t| t / 2.0).collect::<Vec<_>>());
+    let help = ok(&["simulate", "--help"]);
+    assert!(
+        help.contains("--proxies <N>") && help.contains("think times"),
+        "{help}"
     );
 }

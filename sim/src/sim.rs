@@ -71,6 +71,9 @@ pub struct Record {
     pub queued_ms: Option<f64>,
     /// Geo-router: the queue wait it predicted (unweighted), ms.
     pub predicted_queue_ms: Option<f64>,
+    /// Geo-router: which of its client region's Envoys handled it (0 with
+    /// one Envoy per client region).
+    pub proxy: Option<usize>,
 }
 
 /// One policy's run.
@@ -82,13 +85,19 @@ pub struct Run {
     pub records: Vec<Record>,
     /// (time, region) of every prefill start.
     pub starts: Vec<(f64, usize)>,
-    /// Per client region: (time, ladder level) at each probe tick (geo-router).
+    /// Per client region: (time, ladder level) at each probe tick
+    /// (geo-router; with several Envoys per client region, its first one's).
     pub levels: Vec<Vec<(f64, u8)>>,
+    /// Geo-router: Envoys per client region (`run_with`); 1 for a baseline.
+    pub proxies: usize,
     /// Per region: slot time used (ms) within `window_ms`.
     pub busy_ms: Vec<f64>,
     /// The middle half of the trace's span, where utilisation is measured
     /// (away from the ramp-up and the drain).
     pub window_ms: (f64, f64),
+    /// Per region: (requests at the engine, running and waiting; of them
+    /// waiting) every `SAMPLE_MS` within `window_ms`.
+    pub occupancy: Vec<Vec<(u32, u32)>>,
     /// When the last request resolved.
     pub end_ms: f64,
     /// Geo-router: decisions per reason (`cost::Reason::as_str`).
@@ -123,15 +132,19 @@ enum Ev {
     ClientFail(usize),
     ProbeSample {
         client: usize,
+        proxy: usize,
         callout: Callout,
     },
     ProbeDeliver {
         client: usize,
+        proxy: usize,
         token: u32,
         answer: Box<Answer>,
     },
     OutageStart(usize),
     OutageEnd(usize),
+    /// Read every engine's occupancy (`Run::occupancy`).
+    Sample,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,7 +169,8 @@ struct Live {
     /// Round trip between the router and the engine (the client's own round
     /// trip to the engine when the router is at the client).
     to_engine: f64,
-    /// The baseline instance that routed it.
+    /// The baseline instance that routed it; the geo-router: which of its
+    /// client region's Envoys.
     router: usize,
     output_tokens: u32,
     started_at: f64,
@@ -197,7 +211,8 @@ impl HealthCheck {
 }
 
 enum Mode {
-    Geo(Vec<Envoy>),
+    /// Per client region, its Envoys (`Sim::proxies` of them).
+    Geo(Vec<Vec<Envoy>>),
     Base(Peers),
 }
 
@@ -249,11 +264,18 @@ struct Sim<'a> {
     unresolved: usize,
     starts: Vec<(f64, usize)>,
     levels: Vec<Vec<(f64, u8)>>,
+    /// Geo-router: requests seen per client region, for the round robin
+    /// over its Envoys.
+    sent: Vec<u64>,
     busy_ms: Vec<f64>,
     window_ms: (f64, f64),
+    occupancy: Vec<Vec<(u32, u32)>>,
     end_ms: f64,
     reasons: std::collections::BTreeMap<&'static str, u64>,
 }
+
+/// The period of `Run::occupancy`'s samples, ms of simulated time.
+pub const SAMPLE_MS: f64 = 1000.0;
 
 fn core_ms(t: f64) -> u64 {
     EPOCH_MS + t.max(0.0).floor() as u64
@@ -281,6 +303,26 @@ pub fn run(
     deployment: &Deployment,
     overrides: Option<&Value>,
 ) -> Result<Run, String> {
+    run_with(fleet, work, policy, deployment, overrides, 1)
+}
+
+/// `run` with the geo-router deployed as `proxies` Envoys per client region
+/// (gateway replicas behind an L7 load balancer): each its own plugin state
+/// (directory, probe, in-flight counts) from the same configuration, all
+/// created at 0 and ticking together. Request `n` of a client region
+/// (counting from 0) goes to its Envoy `n mod proxies`. Baselines ignore
+/// `proxies`.
+pub fn run_with(
+    fleet: &Fleet,
+    work: &Workload,
+    policy: PolicyName,
+    deployment: &Deployment,
+    overrides: Option<&Value>,
+    proxies: usize,
+) -> Result<Run, String> {
+    if proxies == 0 {
+        return Err("proxies: must be at least 1".into());
+    }
     let regions = fleet.regions.len();
     // The geo-router is always one Envoy per client region; asked for as
     // the oracle, it is given the engines' exact figures (`Knowledge::Exact`).
@@ -333,15 +375,23 @@ pub fn run(
             let mean_out = mean_output_tokens(work);
             let mut envoys = Vec::new();
             for c in 0..fleet.client_regions.len() {
-                let cfg = geo::plugin_config(fleet, c, knowledge, mean_out, overrides)
-                    .map_err(|e| format!("--config: {e}"))?;
-                envoys.push(Envoy::new(cfg, core_ms(0.0)));
+                let mut replicas = Vec::with_capacity(proxies);
+                for _ in 0..proxies {
+                    let cfg = geo::plugin_config(fleet, c, knowledge, mean_out, overrides)
+                        .map_err(|e| format!("--config: {e}"))?;
+                    replicas.push(Envoy::new(cfg, core_ms(0.0)));
+                }
+                envoys.push(replicas);
             }
             Mode::Geo(envoys)
         }
     };
     let tick_ms = match &mode {
-        Mode::Geo(e) => e.first().map_or(1000.0, |e| f64::from(e.cfg.probe.tick_ms)),
+        Mode::Geo(e) => e
+            .iter()
+            .flatten()
+            .next()
+            .map_or(1000.0, |e| f64::from(e.cfg.probe.tick_ms)),
         Mode::Base(_) => 1000.0,
     }
     .max(1.0);
@@ -398,6 +448,7 @@ pub fn run(
                 reason: None,
                 queued_ms: None,
                 predicted_queue_ms: None,
+                proxy: None,
             };
             n
         ],
@@ -416,11 +467,13 @@ pub fn run(
         unresolved: n,
         starts: Vec::new(),
         levels: vec![Vec::new(); fleet.client_regions.len()],
+        sent: vec![0; fleet.client_regions.len()],
         busy_ms: vec![0.0; regions],
         window_ms: {
             let span = work.requests.last().map_or(0.0, |r| r.t_ms);
             (0.25 * span, 0.75 * span)
         },
+        occupancy: vec![Vec::new(); regions],
         end_ms: 0.0,
         reasons: std::collections::BTreeMap::new(),
     };
@@ -437,6 +490,17 @@ pub fn run(
             sim.q.push(o.to_ms, Ev::OutageEnd(r));
         }
     }
+    // Occupancy samples at lo, lo + SAMPLE_MS, ... before hi (only reads).
+    let (lo, hi) = sim.window_ms;
+    let mut k = 0u32;
+    loop {
+        let t = lo + f64::from(k) * SAMPLE_MS;
+        if t >= hi {
+            break;
+        }
+        sim.q.push(t, Ev::Sample);
+        k += 1;
+    }
     while let Some((now, ev)) = sim.q.pop() {
         sim.handle(now, ev)?;
     }
@@ -446,8 +510,14 @@ pub fn run(
         records: sim.records,
         starts: sim.starts,
         levels: sim.levels,
+        proxies: if matches!(policy, PolicyName::GeoRouter) {
+            proxies
+        } else {
+            1
+        },
         busy_ms: sim.busy_ms,
         window_ms: sim.window_ms,
+        occupancy: sim.occupancy,
         end_ms: sim.end_ms,
         reasons: sim.reasons,
     })
@@ -476,7 +546,11 @@ impl Sim<'_> {
             Ev::EngineDone(i) => self.engine_done(i, now),
             Ev::ClientDone(i) => self.client_end(i, now, true),
             Ev::ClientFail(i) => self.client_end(i, now, false),
-            Ev::ProbeSample { client, callout } => {
+            Ev::ProbeSample {
+                client,
+                proxy,
+                callout,
+            } => {
                 // The callout reaches the engine: what it answers now.
                 let answer = self.stations.get(callout.region).filter(|s| s.up).map(|s| {
                     let mut a = Answer {
@@ -504,6 +578,7 @@ impl Sim<'_> {
                     now + rtt / 2.0,
                     Ev::ProbeDeliver {
                         client,
+                        proxy,
                         token: callout.token,
                         // A lost region does not answer: the callout fails.
                         answer: Box::new(answer.unwrap_or_default()),
@@ -512,13 +587,12 @@ impl Sim<'_> {
             }
             Ev::ProbeDeliver {
                 client,
+                proxy,
                 token,
                 answer,
             } => {
-                if let Mode::Geo(envoys) = &mut self.mode {
-                    if let Some(e) = envoys.get_mut(client) {
-                        e.answer(token, *answer, core_ms(now));
-                    }
+                if let Some(e) = self.envoy(client, proxy) {
+                    e.answer(token, *answer, core_ms(now));
                 }
             }
             Ev::OutageStart(r) => self.outage_start(r, now),
@@ -527,8 +601,24 @@ impl Sim<'_> {
                     s.up = true;
                 }
             }
+            Ev::Sample => {
+                for (series, s) in self.occupancy.iter_mut().zip(&self.stations) {
+                    let running = s.engine.scheduler.running();
+                    let waiting = s.engine.scheduler.waiting();
+                    let n = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
+                    series.push((n(running).saturating_add(n(waiting)), n(waiting)));
+                }
+            }
         }
         Ok(())
+    }
+
+    /// Envoy `proxy` of client region `client` (geo-router).
+    fn envoy(&mut self, client: usize, proxy: usize) -> Option<&mut Envoy> {
+        match &mut self.mode {
+            Mode::Geo(envoys) => envoys.get_mut(client)?.get_mut(proxy),
+            Mode::Base(_) => None,
+        }
     }
 
     fn stage(&self, i: usize) -> Stage {
@@ -544,16 +634,28 @@ impl Sim<'_> {
     fn tick(&mut self, now: f64) {
         match &mut self.mode {
             Mode::Geo(envoys) => {
-                for (c, e) in envoys.iter_mut().enumerate() {
-                    let (callouts, level) = e.tick(core_ms(now));
-                    for callout in callouts {
-                        let rtt = self.fleet.rtt(c, callout.region);
-                        // The callout reads the engine half a round trip later.
-                        self.q
-                            .push(now + rtt / 2.0, Ev::ProbeSample { client: c, callout });
-                    }
-                    if let Some(series) = self.levels.get_mut(c) {
-                        series.push((now, level));
+                for (c, replicas) in envoys.iter_mut().enumerate() {
+                    for (proxy, e) in replicas.iter_mut().enumerate() {
+                        let (callouts, level) = e.tick(core_ms(now));
+                        for callout in callouts {
+                            let rtt = self.fleet.rtt(c, callout.region);
+                            // The callout reads the engine half a round trip later.
+                            self.q.push(
+                                now + rtt / 2.0,
+                                Ev::ProbeSample {
+                                    client: c,
+                                    proxy,
+                                    callout,
+                                },
+                            );
+                        }
+                        // The ladder as the first Envoy of each client region
+                        // publishes it.
+                        if proxy == 0 {
+                            if let Some(series) = self.levels.get_mut(c) {
+                                series.push((now, level));
+                            }
+                        }
                     }
                 }
             }
@@ -616,11 +718,25 @@ impl Sim<'_> {
             return Ok(());
         };
         let client = prep.client;
-        let mut router = 0;
+        let router: usize;
         let mut output_tokens = prep.output_tokens;
         let region = match &mut self.mode {
             Mode::Geo(envoys) => {
-                let Some(e) = envoys.get_mut(client) else {
+                // Round robin over the client region's Envoys, per request.
+                let sent = self.sent.get_mut(client);
+                let nth = sent.as_ref().map_or(0, |n| **n);
+                if let Some(n) = sent {
+                    *n += 1;
+                }
+                let Some(replicas) = envoys.get_mut(client) else {
+                    return Ok(());
+                };
+                let count = replicas.len().max(1) as u64;
+                router = usize::try_from(nth % count).unwrap_or(0);
+                if let Some(rec) = self.records.get_mut(i) {
+                    rec.proxy = Some(router);
+                }
+                let Some(e) = replicas.get_mut(router) else {
                     return Ok(());
                 };
                 let body = trace::request_body(req);
@@ -882,10 +998,9 @@ impl Sim<'_> {
             rec.ttft_ms = Some(ttft);
         }
         let client = self.work.prepared.get(i).map_or(0, |p| p.client);
-        if let Mode::Geo(envoys) = &mut self.mode {
-            if let Some(e) = envoys.get_mut(client) {
-                e.first_byte(i, core_ms(now));
-            }
+        let proxy = self.live.get(i).map_or(0, |l| l.router);
+        if let Some(e) = self.envoy(client, proxy) {
+            e.first_byte(i, core_ms(now));
         }
     }
 
@@ -903,10 +1018,9 @@ impl Sim<'_> {
             }
         }
         let client = self.work.prepared.get(i).map_or(0, |p| p.client);
-        if let Mode::Geo(envoys) = &mut self.mode {
-            if let Some(e) = envoys.get_mut(client) {
-                e.done(i, ok, core_ms(now));
-            }
+        let proxy = self.live.get(i).map_or(0, |l| l.router);
+        if let Some(e) = self.envoy(client, proxy) {
+            e.done(i, ok, core_ms(now));
         }
         self.set_stage(i, Stage::Resolved);
         self.unresolved = self.unresolved.saturating_sub(1);
@@ -1223,6 +1337,100 @@ mod tests {
         assert_eq!(
             gorgo(Deployment::PerClientRegion, Some(&fast)),
             [Some(0), Some(0), Some(1), Some(1)]
+        );
+    }
+
+    #[test]
+    fn several_envoys_per_client_region_take_its_requests_in_turn() {
+        let f = fleet("");
+        let clients = ["na", "na", "eu", "na", "na", "eu", "na"];
+        let trace: Vec<TraceRequest> = clients
+            .iter()
+            .enumerate()
+            .map(|(k, c)| req(100.0 * k as f64, &format!("s{k}"), c, &[("q", 50)], 5))
+            .collect();
+        let w = Workload::new(&f, trace).unwrap();
+        let geo = |n: usize| {
+            run_with(
+                &f,
+                &w,
+                PolicyName::GeoRouter,
+                &Deployment::PerClientRegion,
+                None,
+                n,
+            )
+            .unwrap()
+        };
+        let proxies = |r: &Run| r.records.iter().map(|x| x.proxy).collect::<Vec<_>>();
+        // A counter per client region: na's 0th, 1st, 2nd, ... and eu's.
+        let r = geo(3);
+        assert_eq!(r.proxies, 3);
+        assert_eq!(
+            proxies(&r),
+            [0, 1, 0, 2, 0, 1, 1].map(Some),
+            "{:?}",
+            r.records
+        );
+        assert!(r.records.iter().all(|x| x.status == Status::Completed));
+        // The ladder: one series per client region (its first Envoy's).
+        assert_eq!(r.levels.len(), 2);
+        assert_eq!(r.levels[0].len(), geo(1).levels[0].len());
+        assert_eq!(proxies(&geo(1)), [Some(0); 7]);
+        // Baselines ignore it.
+        let b = run_with(
+            &f,
+            &w,
+            PolicyName::LeastRequest,
+            &Deployment::PerClientRegion,
+            None,
+            3,
+        )
+        .unwrap();
+        assert_eq!((b.proxies, b.records[0].proxy), (1, None));
+        let e = run_with(
+            &f,
+            &w,
+            PolicyName::GeoRouter,
+            &Deployment::PerClientRegion,
+            None,
+            0,
+        )
+        .unwrap_err();
+        assert!(e.contains("at least 1"), "{e}");
+    }
+
+    #[test]
+    fn several_envoys_keep_their_own_in_flight_counts() {
+        // Four slots a region. After the probes have read the idle engines,
+        // na sends a burst of eight at once: one Envoy counts its own
+        // in flight and spreads them (bounded load); eight Envoys each see
+        // one (the last goes to the warm-up's Envoy, done by then), nothing
+        // in flight, and all take the nearest region.
+        let f = fleet_with(4, "");
+        let mut trace = vec![req(0.0, "w", "na", &[("w", 10)], 2)];
+        for k in 0..8 {
+            trace.push(req(5000.0, &format!("b{k}"), "na", &[("q", 50)], 200));
+        }
+        let w = Workload::new(&f, trace).unwrap();
+        let geo = |n: usize| {
+            run_with(
+                &f,
+                &w,
+                PolicyName::GeoRouter,
+                &Deployment::PerClientRegion,
+                None,
+                n,
+            )
+            .unwrap()
+        };
+        let far = |r: &Run| r.records.iter().filter(|x| x.region == Some(1)).count();
+        let one = geo(1);
+        assert!(far(&one) > 0, "{:?}", one.records);
+        let eight = geo(8);
+        assert_eq!(far(&eight), 0, "{:?}", eight.records);
+        assert_eq!(
+            eight.records.iter().map(|x| x.proxy).collect::<Vec<_>>(),
+            [0, 1, 2, 3, 4, 5, 6, 7, 0].map(Some)
         );
     }
 
