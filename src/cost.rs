@@ -30,14 +30,14 @@ pub enum Reason {
     Load,
     /// Nothing cached decided it: the lowest network + queue cost won.
     Rtt,
-    /// The hot-spot guard passed over the region holding more of the prompt:
-    /// it had no free slot, and its expected wait exceeded what the move
-    /// costs (the prefill of the tokens not held elsewhere plus the round
-    /// trip difference), though the weighted cost alone would have stayed.
+    /// The load guard passed over the region holding the prompt: it had no
+    /// free slot, and its expected wait exceeded what the move costs (the
+    /// prefill of the tokens not held elsewhere plus the round-trip
+    /// difference), though the weighted cost alone would have stayed.
     LoadOverride,
-    /// A prompt the cheapest region holds no more of than the chosen one
-    /// (no cache miss is forced) was placed away from it: it was over its
-    /// share of the in-flight work.
+    /// The load guard's share bound passed over the cheapest region for a
+    /// prompt it does not hold (a new conversation) or that a region with
+    /// room holds as much of.
     Spread,
     /// The residency pin excluded the cheapest region.
     Pin,
@@ -94,6 +94,9 @@ pub struct Cost {
     pub candidate: bool,
     /// A candidate left out by the load guard (see `apply_load_guard`).
     pub over_bound: bool,
+    /// Left out as a full holder whose wait exceeded what the move costs
+    /// (not for its share).
+    pub over_wait: bool,
 }
 
 /// The region that would have been chosen on cache and cost but was passed
@@ -102,7 +105,8 @@ pub struct Cost {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PassedOver {
     pub region: usize,
-    /// Its expected wait for a slot (unweighted, ms): 0 while it has one free.
+    /// Its expected wait for a slot as compared (ms): the larger of `wait_ms`
+    /// and its queue term; 0 while it has a slot free.
     pub wait_ms: f64,
     /// What the move costs (ms): the chosen region's round trip, prefill and
     /// wait minus the passed-over region's round trip and prefill.
@@ -248,9 +252,7 @@ pub fn decide(inp: &Inputs) -> Decision {
     {
         Reason::Pin
     } else if let Some(u) = unbounded.filter(|&u| u != region) {
-        let forced_miss = costs.get(u).map_or(0, |c| c.cached_tokens)
-            > costs.get(region).map_or(0, |c| c.cached_tokens);
-        if forced_miss {
+        if costs.get(u).is_some_and(|c| c.over_wait) {
             Reason::LoadOverride
         } else {
             Reason::Spread
@@ -279,7 +281,7 @@ fn passed_over(costs: &[Cost], from: usize, region: usize) -> Option<PassedOver>
     let c = costs.get(region)?;
     Some(PassedOver {
         region: from,
-        wait_ms: f.wait_ms,
+        wait_ms: f.wait_ms.max(f.queue_ms),
         move_ms: move_ms(f, c),
     })
 }
@@ -352,6 +354,7 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
                 healthy,
                 candidate: healthy,
                 over_bound: false,
+                over_wait: false,
             }
         })
         .collect()
@@ -374,23 +377,24 @@ fn holds_prompt(costs: &[Cost], prompt_tokens: u64) -> bool {
 
 /// The load guard: marks the candidates the request must not go to although
 /// they may be the cheapest. Nothing is marked unless some other candidate
-/// has a free slot and is within its share (moving to a full region would
-/// only move the queue).
+/// has a free slot and is within its share bound (moving to a full region
+/// would only move the queue); call those "room".
 ///
-/// * A candidate holding more of the prompt than every such region (moving
-///   the request away forces a cache miss) is marked only when the move pays:
-///   it has no free slot, and its expected wait for one exceeds what the move
+/// * A prompt some candidate holds (`held`: at least half of it beyond what
+///   every other candidate holds), at a candidate holding more of it than
+///   every room region (moving forces a cache miss): marked only when the
+///   move pays. It has no free slot, and its expected wait for one (the
+///   larger of `wait_ms` and the tuned queue term) exceeds what the move
 ///   costs (`move_ms`: the prefill of the tokens not held there, plus the
-///   round trip and wait difference). The cost itself already weighs the
-///   wait by `w_queue`; the guard holds when tuning has lowered that weight,
-///   and never fires while the holder has a free slot.
-/// * Any other candidate (one such region holds as much: moving there
-///   forces no miss) is marked when, with this request, its occupancy would
-///   exceed `(1 + ε)` times its fair share (by `max_concurrency`) of all
-///   candidates' occupancy and `floor × max_concurrency`: a prompt some
-///   region holds by `bounded_load_epsilon`/`_floor`, a prompt no region
-///   holds (a new conversation, whose later turns will follow it) by the
-///   tighter `placement_epsilon`/`_floor`.
+///   round trip and wait difference). While the holder has a free slot, its
+///   wait is 0 and the prompt stays.
+/// * Otherwise (a prompt no region holds, or one a room region holds as
+///   much of) the share bound: marked when, with this request, its
+///   occupancy would exceed `(1 + ε)` times its fair share (by
+///   `max_concurrency`) of all candidates' occupancy and
+///   `floor × max_concurrency`; a held prompt by `bounded_load_epsilon` /
+///   `_floor`, a prompt no region holds (a new conversation, whose later
+///   turns will follow it) by the tighter `placement_epsilon` / `_floor`.
 fn apply_load_guard(cfg: &Config, costs: &mut [Cost], held: bool) {
     let slots = |i: usize| f64::from(cfg.regions.get(i).map_or(1, |r| r.max_concurrency.max(1)));
     let total_slots: f64 = costs
@@ -440,7 +444,7 @@ fn apply_load_guard(cfg: &Config, costs: &mut [Cost], held: bool) {
     if room.is_empty() {
         return;
     }
-    let marks: Vec<bool> = costs
+    let marks: Vec<(bool, bool)> = costs
         .iter()
         .enumerate()
         .map(|(i, c)| {
@@ -450,20 +454,22 @@ fn apply_load_guard(cfg: &Config, costs: &mut [Cost], held: bool) {
                     .filter_map(|&j| costs.get(j))
             };
             if !c.candidate || others().next().is_none() {
-                return false;
+                return (false, false);
             }
-            if !others().any(|o| o.cached_tokens >= c.cached_tokens) {
+            if held && !others().any(|o| o.cached_tokens >= c.cached_tokens) {
                 let cheapest_move = others()
                     .map(|o| move_ms(c, o))
                     .fold(f64::INFINITY, f64::min);
-                c.wait_ms > 0.0 && c.wait_ms > cheapest_move
+                let wait = c.wait_ms.max(c.queue_ms);
+                (c.wait_ms > 0.0 && wait > cheapest_move, true)
             } else {
-                over_share.get(i).copied().unwrap_or(false)
+                (over_share.get(i).copied().unwrap_or(false), false)
             }
         })
         .collect();
-    for (c, m) in costs.iter_mut().zip(marks) {
-        c.over_bound = m;
+    for (c, (over, by_wait)) in costs.iter_mut().zip(marks) {
+        c.over_bound = over;
+        c.over_wait = over && by_wait;
     }
 }
 
@@ -853,6 +859,10 @@ mod tests {
         assert_ne!(d.region, 0);
         assert!(d.costs[0].over_bound);
         assert_eq!(d.passed_over.map(|p| (p.region, p.wait_ms)), Some((0, 0.0)));
+        // near holds a shared prefix of it, less than half (320 of 1000
+        // tokens): it does not hold the prompt, which is placed as new.
+        let d = decide(&inputs(&c, &s, &[20, 0, 0], None, None));
+        assert_eq!(d.reason, Reason::Spread);
         // A prompt near holds stays: it has free slots.
         let d = decide(&inputs(&c, &s, &[62, 0, 0], None, None));
         assert_eq!((d.region, d.reason), (0, Reason::Cache));
