@@ -516,6 +516,83 @@ pub fn region_load(title: &str, fleet: &Fleet, runs: &[&Run]) -> String {
     out
 }
 
+/// Requests at each region's engine (running + waiting) over its slots,
+/// sampled every `sim::SAMPLE_MS` over the middle half of the trace, one
+/// panel per run on the same scales; above 1, requests wait for a slot.
+pub fn region_occupancy(title: &str, fleet: &Fleet, runs: &[&Run]) -> String {
+    let series: Vec<Vec<Vec<(f64, f64)>>> = runs
+        .iter()
+        .map(|run| {
+            fleet
+                .regions
+                .iter()
+                .enumerate()
+                .map(|(r, region)| {
+                    let slots = f64::from(region.max_concurrency.max(1));
+                    run.occupancy.get(r).map_or_else(Vec::new, |v| {
+                        v.iter()
+                            .enumerate()
+                            .map(|(k, (n, _))| {
+                                let t = run.window_ms.0 + k as f64 * crate::sim::SAMPLE_MS;
+                                (t / 1000.0, f64::from(*n) / slots)
+                            })
+                            .collect()
+                    })
+                })
+                .collect()
+        })
+        .collect();
+    let ymax = series
+        .iter()
+        .flatten()
+        .flatten()
+        .fold(1.0f64, |a, (_, y)| a.max(*y));
+    let (lo, hi) = series
+        .iter()
+        .flatten()
+        .flatten()
+        .fold((f64::INFINITY, 0.0f64), |(lo, hi), (t, _)| (lo.min(*t), hi.max(*t)));
+    let lo = if lo.is_finite() { lo } else { 0.0 };
+    let mut out = String::new();
+    let panel_h = H;
+    let _ = writeln!(
+        out,
+        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{}" viewBox="0 0 {W} {}">"##,
+        panel_h * runs.len().max(1) as f64,
+        panel_h * runs.len().max(1) as f64
+    );
+    for (k, (run, lines)) in runs.iter().zip(&series).enumerate() {
+        let x = Axis::linear(lo.floor(), hi.max(lo + 1.0), 8, "");
+        let y = Axis::linear(0.0, ymax, 5, "");
+        let mut c = Chart::new(
+            &format!("{title}: {}", run.label()),
+            x,
+            y,
+            "time (s)",
+            "requests at the engine / slots",
+        );
+        for (r, region) in fleet.regions.iter().enumerate() {
+            c.line(
+                lines.get(r).map_or(&[][..], Vec::as_slice),
+                colour(r),
+                SOLID,
+            );
+            c.key(&region.name, colour(r), SOLID);
+        }
+        c.note("(middle half of the trace;");
+        c.note(" above 1: requests wait)");
+        let panel = c.finish();
+        let _ = writeln!(
+            out,
+            r##"<g transform="translate(0 {})">{}</g>"##,
+            panel_h * k as f64,
+            panel
+        );
+    }
+    out.push_str("</svg>\n");
+    out
+}
+
 /// The geo-router's ladder level over time, one line per client region's
 /// Envoy.
 pub fn ladder(title: &str, fleet: &Fleet, run: &Run) -> String {
@@ -562,7 +639,8 @@ pub fn ladder(title: &str, fleet: &Fleet, run: &Run) -> String {
 }
 
 /// Every plot of a set of runs, as (file name, SVG): the TTFT CDF of all
-/// runs; requests started per region for the geo-router and, for each
+/// runs; requests started per region and occupancy per region for the
+/// geo-router and, for each
 /// deployment of the baselines, the baseline with the lowest p95 TTFT (or,
 /// without a geo-router and with one deployment, the two best); the
 /// geo-router's ladder level.
@@ -601,6 +679,10 @@ pub fn all(label: &str, fleet: &Fleet, runs: &[Run]) -> Vec<(&'static str, Strin
                 fleet,
                 &panels,
             ),
+        ));
+        out.push((
+            "region_occupancy.svg",
+            region_occupancy(&format!("Occupancy per region: {label}"), fleet, &panels),
         ));
     }
     if let Some(g) = geo {
