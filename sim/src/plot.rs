@@ -551,7 +551,9 @@ pub fn region_occupancy(title: &str, fleet: &Fleet, runs: &[&Run]) -> String {
         .iter()
         .flatten()
         .flatten()
-        .fold((f64::INFINITY, 0.0f64), |(lo, hi), (t, _)| (lo.min(*t), hi.max(*t)));
+        .fold((f64::INFINITY, 0.0f64), |(lo, hi), (t, _)| {
+            (lo.min(*t), hi.max(*t))
+        });
     let lo = if lo.is_finite() { lo } else { 0.0 };
     let mut out = String::new();
     let panel_h = H;
