@@ -508,24 +508,18 @@ fn proxies_and_rate_scale() {
         "--requests",
         s(&requests),
     ]);
-    let original: Vec<f64> = std::fs::read_to_string(&trace)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<Value>(l).unwrap()["t_ms"]
-                .as_f64()
-                .unwrap()
-        })
-        .collect();
-    let scaled: Vec<f64> = std::fs::read_to_string(&requests)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<Value>(l).unwrap()["t_ms"]
-                .as_f64()
-                .unwrap()
-        })
-        .collect();
+    let t_ms = |path: &std::path::Path| -> Vec<f64> {
+        std::fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<Value>(l).unwrap()["t_ms"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let (original, scaled) = (t_ms(&trace), t_ms(&requests));
     assert_eq!(scaled, original.iter().map(|t| t / 2.0).collect::<Vec<_>>());
     let help = ok(&["simulate", "--help"]);
     assert!(

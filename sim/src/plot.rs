@@ -437,6 +437,26 @@ fn span_s(runs: &[&Run], fleet: &Fleet) -> f64 {
     end / 1000.0
 }
 
+/// Charts stacked vertically in one SVG, one panel each.
+fn stack(panels: &[String]) -> String {
+    let height = H * panels.len().max(1) as f64;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" viewBox="0 0 {W} {height}">"##
+    );
+    for (k, panel) in panels.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            r##"<g transform="translate(0 {})">{}</g>"##,
+            H * k as f64,
+            panel
+        );
+    }
+    out.push_str("</svg>\n");
+    out
+}
+
 /// Requests started per region per second over time, one panel (SVG) per
 /// run, on the same scales so they can be compared side by side.
 pub fn region_load(title: &str, fleet: &Fleet, runs: &[&Run]) -> String {
@@ -465,16 +485,8 @@ pub fn region_load(title: &str, fleet: &Fleet, runs: &[&Run]) -> String {
         .flatten()
         .flatten()
         .fold(0.0f64, |a, b| a.max(*b));
-    // Panels stacked vertically in one SVG: one chart per run.
-    let mut out = String::new();
-    let panel_h = H;
-    let _ = writeln!(
-        out,
-        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{}" viewBox="0 0 {W} {}">"##,
-        panel_h * runs.len().max(1) as f64,
-        panel_h * runs.len().max(1) as f64
-    );
-    for (k, (run, counts)) in runs.iter().zip(&series).enumerate() {
+    let mut panels = Vec::with_capacity(runs.len());
+    for (run, counts) in runs.iter().zip(&series) {
         let x = Axis::linear(0.0, span, 8, "");
         let y = Axis::linear(0.0, ymax.max(1.0), 5, "");
         let mut c = Chart::new(
@@ -504,16 +516,9 @@ pub fn region_load(title: &str, fleet: &Fleet, runs: &[&Run]) -> String {
             c.line(&pts, colour(r), SOLID);
             c.key(&region.name, colour(r), SOLID);
         }
-        let panel = c.finish();
-        let _ = writeln!(
-            out,
-            r##"<g transform="translate(0 {})">{}</g>"##,
-            panel_h * k as f64,
-            panel
-        );
+        panels.push(c.finish());
     }
-    out.push_str("</svg>\n");
-    out
+    stack(&panels)
 }
 
 /// Requests at each region's engine (running + waiting) over its slots,
@@ -555,15 +560,8 @@ pub fn region_occupancy(title: &str, fleet: &Fleet, runs: &[&Run]) -> String {
             (lo.min(*t), hi.max(*t))
         });
     let lo = if lo.is_finite() { lo } else { 0.0 };
-    let mut out = String::new();
-    let panel_h = H;
-    let _ = writeln!(
-        out,
-        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{}" viewBox="0 0 {W} {}">"##,
-        panel_h * runs.len().max(1) as f64,
-        panel_h * runs.len().max(1) as f64
-    );
-    for (k, (run, lines)) in runs.iter().zip(&series).enumerate() {
+    let mut panels = Vec::with_capacity(runs.len());
+    for (run, lines) in runs.iter().zip(&series) {
         let x = Axis::linear(lo.floor(), hi.max(lo + 1.0), 8, "");
         let y = Axis::linear(0.0, ymax, 5, "");
         let mut c = Chart::new(
@@ -583,16 +581,9 @@ pub fn region_occupancy(title: &str, fleet: &Fleet, runs: &[&Run]) -> String {
         }
         c.note("(middle half of the trace;");
         c.note(" above 1: requests wait)");
-        let panel = c.finish();
-        let _ = writeln!(
-            out,
-            r##"<g transform="translate(0 {})">{}</g>"##,
-            panel_h * k as f64,
-            panel
-        );
+        panels.push(c.finish());
     }
-    out.push_str("</svg>\n");
-    out
+    stack(&panels)
 }
 
 /// The geo-router's ladder level over time, one line per client region's
