@@ -1019,6 +1019,18 @@ impl Config {
         }
         for (value, regions) in &r.allowed {
             let at = format!("residency.allowed.{value}");
+            // The header value is trimmed before lookup: a key that cannot
+            // equal a trimmed header value could never be matched.
+            if value.is_empty()
+                || value.trim() != value
+                || !value.chars().all(|c| (' '..='~').contains(&c))
+            {
+                return Err(ConfigError::new(
+                    format!("residency.allowed.{value:?}"),
+                    "a residency value must be non-empty printable ASCII without \
+                     surrounding whitespace (header values are matched after trimming)",
+                ));
+            }
             if regions.is_empty() {
                 return Err(ConfigError::new(at, "must name at least one region"));
             }
@@ -1249,6 +1261,25 @@ mod tests {
         let e = err(r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}],
             "ladder":{"levels":[{},{},{},{},{},{"gold":{"shed":true}}]}}"#);
         assert_eq!(e.field, "ladder.levels[5].gold");
+    }
+
+    #[test]
+    fn residency_values_that_no_header_can_match_are_refused() {
+        // Found by the `config` fuzz target: a key with surrounding
+        // whitespace was accepted, and then had no mask.
+        for key in [" eu", "eu ", "", "e\\u0001u", "\\u00e9u"] {
+            let e = err(&format!(
+                r#"{{"regions":[{{"name":"a","cluster":"c","capacity_rps":1}}],
+                "residency":{{"header":"x-r","allowed":{{"{key}":["a"]}}}}}}"#
+            ));
+            assert!(e.field.starts_with("residency.allowed."), "{key:?}: {e}");
+        }
+        let ok = Config::parse(
+            br#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}],
+            "residency":{"header":"x-r","allowed":{"eu west":["a"]}}}"#,
+        )
+        .unwrap();
+        assert_eq!(ok.residency_mask(" eu west "), Some(vec![true]));
     }
 
     #[test]
