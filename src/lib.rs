@@ -30,6 +30,7 @@ pub mod snapshot;
 pub mod store;
 pub mod stream;
 pub mod tuning;
+pub mod usage;
 pub mod view;
 
 #[cfg(target_arch = "wasm32")]
