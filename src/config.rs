@@ -220,8 +220,15 @@ pub struct DirectoryConfig {
     /// Fixed number of shared-data slots; the directory never holds more.
     pub slots: u32,
     /// How long a region is believed to hold a prefix after it last served
-    /// it: match the engines' prefix-cache lifetime under load.
+    /// it: an upper bound; with `learn_from_usage` each region's engine
+    /// teaches how long it really keeps prefixes.
     pub ttl_s: u32,
+    /// Read `usage` at the end of each answer (the JSON body, or a stream's
+    /// final usage chunk) and learn from it: engine tokens per byte of
+    /// prompt, and, where the engines report `cached_tokens`, each
+    /// region's cache horizon and the reliability of the directory there.
+    /// What the client receives is never changed.
+    pub learn_from_usage: bool,
 }
 
 impl Default for DirectoryConfig {
@@ -229,6 +236,7 @@ impl Default for DirectoryConfig {
         DirectoryConfig {
             slots: 16384,
             ttl_s: 600,
+            learn_from_usage: true,
         }
     }
 }

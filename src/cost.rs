@@ -18,7 +18,7 @@
 //! that independent proxies agree on where a new conversation goes.
 
 use crate::config::Config;
-use crate::snapshot::Snapshot;
+use crate::snapshot::{RegionState, Snapshot};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Why a region was chosen, for counters and the decision header.
@@ -85,6 +85,11 @@ pub struct Cost {
     /// what the tuner compares with observed TTFT.
     pub wait_ms: f64,
     pub total_ms: f64,
+    /// The prompt's tokens as this region's engine counts them (estimated
+    /// with its measured tokens per byte).
+    pub prompt_tokens: u64,
+    /// Of them, believed cached there (the directory's belief within the
+    /// region's cache horizon, discounted by its reliability).
     pub cached_tokens: u64,
     /// Requests at the engine counting this Envoy's since the scrape.
     pub occupancy: f64,
@@ -135,7 +140,13 @@ pub struct Inputs<'a> {
     pub cached_blocks: &'a [u32],
     /// Per configured region: this Envoy's in-flight requests now.
     pub inflight: &'a [f64],
+    /// The prompt's tokens, estimated fleet-wide (see [`tokens_per_byte`]).
     pub prompt_tokens: u64,
+    /// Bytes of canonical prompt text (each region's estimate is made
+    /// from them with its own tokens per byte).
+    pub prompt_bytes: u64,
+    /// The request's `model`, for per-model tokens per byte.
+    pub model: Option<&'a str>,
     /// Rendezvous key for ties (the first block's hash, else the session's).
     pub first_block: Option<u64>,
     /// Residency pin: per configured region, whether it is allowed.
@@ -301,9 +312,35 @@ fn state_healthy(inp: &Inputs, snap: &Snapshot, i: usize) -> bool {
         .is_none_or(|s| s.healthy)
 }
 
+/// Engine tokens per byte of canonical prompt text for a region: measured
+/// for `model`, else measured for the region, else the configured
+/// `prefix.bytes_per_token`. Values outside any tokenizer's range are
+/// not believed.
+pub fn tokens_per_byte(cfg: &Config, state: Option<&RegionState>, model: Option<&str>) -> f64 {
+    let sane = |v: &f64| v.is_finite() && (0.01..=4.0).contains(v);
+    state
+        .and_then(|s| {
+            model
+                .and_then(|m| {
+                    s.model_tokens_per_byte
+                        .iter()
+                        .find(|(n, _)| n == m)
+                        .map(|(_, v)| *v)
+                        .filter(sane)
+                })
+                .or(s.tokens_per_byte.filter(sane))
+        })
+        .unwrap_or(1.0 / cfg.prefix.bytes_per_token)
+}
+
+/// Tokens in `bytes` at `tpb` tokens per byte.
+pub fn tokens_of(bytes: u64, tpb: f64) -> u64 {
+    (bytes as f64 * tpb).ceil() as u64
+}
+
 fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
     let cfg = inp.config;
-    let block_tokens = f64::from(cfg.prefix.block_bytes) / cfg.prefix.bytes_per_token;
+    let block_bytes = f64::from(cfg.prefix.block_bytes);
     let w = inp.weights;
     cfg.regions
         .iter()
@@ -330,10 +367,21 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
             let occupancy = state.map_or(inflight_now, |s| {
                 (s.waiting + s.running + inflight_now - s.inflight_at_scrape).max(inflight_now)
             });
+            let tpb = tokens_per_byte(cfg, state, inp.model);
+            let prompt_tokens = if state.is_some_and(|s| s.tokens_per_byte.is_some()) {
+                tokens_of(inp.prompt_bytes, tpb)
+            } else {
+                inp.prompt_tokens
+            };
+            let reliability = state
+                .and_then(|s| s.cache_reliability)
+                .filter(|r| r.is_finite())
+                .map_or(1.0, |r| r.clamp(0.0, 1.0));
             let cached_blocks = inp.cached_blocks.get(i).copied().unwrap_or(0);
-            let cached_tokens =
-                ((f64::from(cached_blocks) * block_tokens).floor() as u64).min(inp.prompt_tokens);
-            let uncached = inp.prompt_tokens - cached_tokens;
+            let cached_tokens = ((f64::from(cached_blocks) * block_bytes * tpb * reliability)
+                .floor() as u64)
+                .min(prompt_tokens);
+            let uncached = prompt_tokens - cached_tokens;
             let rtt_ms = w.w_rtt * rtt;
             let prefill_ms = prefill_rate * uncached as f64;
             let wait = queue_ms(occupancy, region.max_concurrency, region.service_ms);
@@ -349,6 +397,7 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
                 queue_ms: queue,
                 wait_ms: wait,
                 total_ms: rtt_ms + prefill_ms + queue,
+                prompt_tokens,
                 cached_tokens,
                 occupancy,
                 healthy,
@@ -621,6 +670,8 @@ mod tests {
             cached_blocks: &cached,
             inflight: &inflight,
             prompt_tokens: tokens,
+            prompt_bytes: tokens * 4,
+            model: None,
             first_block: Some(42),
             allowed: None,
             session_region: None,
@@ -711,6 +762,8 @@ mod tests {
                 cached_blocks: &[0, 0, 0],
                 inflight: &[0.0; 3],
                 prompt_tokens: 10,
+                prompt_bytes: 40,
+                model: None,
                 first_block: Some(key),
                 allowed: None,
                 session_region: None,
@@ -754,6 +807,8 @@ mod tests {
             cached_blocks: cached,
             inflight: &[0.0; 3],
             prompt_tokens: 1000,
+            prompt_bytes: 4000,
+            model: None,
             first_block: Some(7),
             allowed,
             session_region: session,

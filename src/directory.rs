@@ -49,10 +49,25 @@ pub struct Lookup {
     held: Vec<usize>,
     /// Per region: oldest timestamp among its probed hits.
     oldest_hit_ms: Vec<Option<u64>>,
+    /// Per region: the newest stamp of an entry set aside by its horizon.
+    cut_ms: Vec<Option<u64>>,
     /// Entries read, by checkpoint index: (value, cas).
     read: Vec<Option<(Vec<u8>, u32)>>,
     /// Shared-data calls made (reads and writes).
     pub calls: u32,
+}
+
+impl Lookup {
+    /// The oldest stamp among `region`'s entries read as held (about the
+    /// stamp of the longest prefix it holds).
+    pub fn oldest_hit_ms(&self, region: usize) -> Option<u64> {
+        self.oldest_hit_ms.get(region).copied().flatten()
+    }
+
+    /// The newest stamp among `region`'s entries its horizon set aside.
+    pub fn cut_ms(&self, region: usize) -> Option<u64> {
+        self.cut_ms.get(region).copied().flatten()
+    }
 }
 
 impl Directory {
@@ -93,8 +108,18 @@ impl Directory {
         Some(u64::from_le_bytes(value.get(4..12)?.try_into().ok()?))
     }
 
-    /// Regions holding checkpoint `cp` per `value`, as a bit set.
-    fn holders(&self, value: Option<&(Vec<u8>, u32)>, cp: &Checkpoint, now_ms: u64) -> u64 {
+    /// Regions holding checkpoint `cp` per `value`, as a bit set: stamped
+    /// within the TTL and within the region's horizon (`horizons[r]`, when
+    /// given). An entry within the TTL but past the horizon is set aside:
+    /// its stamp is noted in `cut` (the newest per region).
+    fn holders(
+        &self,
+        value: Option<&(Vec<u8>, u32)>,
+        cp: &Checkpoint,
+        now_ms: u64,
+        horizons: &[u64],
+        cut: &mut [Option<u64>],
+    ) -> u64 {
         let Some((v, _)) = value else {
             return 0;
         };
@@ -104,9 +129,17 @@ impl Directory {
         let mut mask = 0u64;
         for r in 0..self.regions.min(64) {
             let ts = Self::stamp(v, r);
-            if ts > 0 && now_ms.saturating_sub(ts) < self.ttl_ms {
-                mask |= 1 << r;
+            let age = now_ms.saturating_sub(ts);
+            if ts == 0 || age >= self.ttl_ms {
+                continue;
             }
+            if horizons.get(r).is_some_and(|h| age >= *h) {
+                if let Some(c) = cut.get_mut(r) {
+                    *c = Some(c.map_or(ts, |old: u64| old.max(ts)));
+                }
+                continue;
+            }
+            mask |= 1 << r;
         }
         mask
     }
@@ -131,10 +164,25 @@ impl Directory {
         checkpoints: &[Checkpoint],
         now_ms: u64,
     ) -> Lookup {
+        self.lookup_within(store, checkpoints, now_ms, &[])
+    }
+
+    /// The same, believing a region's entries only within its cache
+    /// horizon (`horizons[r]` ms; a region without one: the TTL). Entries
+    /// are prefix-closed in age too (a prefix's stamp is at least as recent
+    /// as any longer prefix's), so the search is unchanged.
+    pub fn lookup_within(
+        &self,
+        store: &mut dyn SharedStore,
+        checkpoints: &[Checkpoint],
+        now_ms: u64,
+        horizons: &[u64],
+    ) -> Lookup {
         let mut out = Lookup {
             cached_blocks: vec![0; self.regions],
             held: vec![0; self.regions],
             oldest_hit_ms: vec![None; self.regions],
+            cut_ms: vec![None; self.regions],
             read: vec![None; checkpoints.len()],
             calls: 0,
         };
@@ -146,7 +194,7 @@ impl Directory {
         if let Some(cp) = checkpoints.first() {
             out.calls += 1;
             let value = store.get(self.slot_key(cp.hash).as_str()).ok().flatten();
-            first_holders = self.holders(value.as_ref(), cp, now_ms);
+            first_holders = self.holders(value.as_ref(), cp, now_ms, horizons, &mut out.cut_ms);
             Self::note_hits(&mut out.oldest_hit_ms, value.as_ref(), first_holders);
             if let Some(slot) = out.read.get_mut(0) {
                 *slot = value;
@@ -195,7 +243,7 @@ impl Directory {
                 match entry.and_then(|(v, _)| self.entry_hash(v)) {
                     Some(h) if h != cp.hash => probe += 1,
                     _ => {
-                        holders = self.holders(entry, cp, now_ms);
+                        holders = self.holders(entry, cp, now_ms, horizons, &mut out.cut_ms);
                         Self::note_hits(&mut out.oldest_hit_ms, entry, holders & regions);
                         break;
                     }

@@ -50,6 +50,8 @@ pub trait StreamHost: Effects {
     fn property(&mut self, path: &[&str]) -> Option<Vec<u8>>;
     /// The response's `:status`, once response headers are there.
     fn response_status(&mut self) -> Option<u32>;
+    /// `len` bytes of the response body chunk being passed, from `start`.
+    fn response_body(&mut self, start: usize, len: usize) -> Option<Vec<u8>>;
 }
 
 /// A callout's answer, read lazily (each read is a host call).
@@ -100,6 +102,8 @@ pub struct Recorder {
     pub properties: HashMap<String, Vec<u8>>,
     /// The `:status` of the current stream's response.
     pub status: Option<u32>,
+    /// The response body chunk being passed.
+    pub response_chunk: Vec<u8>,
     /// Callouts dispatched: (token, cluster, path).
     pub callouts: Vec<(u32, String, String)>,
     pub next_token: u32,
@@ -130,6 +134,7 @@ impl Recorder {
         self.filter_state.clear();
         self.properties.clear();
         self.status = None;
+        self.response_chunk.clear();
     }
 
     /// The last value written to a request header in this stream (`None`
@@ -227,6 +232,11 @@ impl StreamHost for Recorder {
     }
     fn response_status(&mut self) -> Option<u32> {
         self.status
+    }
+    fn response_body(&mut self, start: usize, len: usize) -> Option<Vec<u8>> {
+        self.response_chunk
+            .get(start..start.checked_add(len)?)
+            .map(<[u8]>::to_vec)
     }
 }
 

@@ -6,11 +6,13 @@
 //! [`Snapshot`].
 
 use crate::assess::{assess, Assessment, Signals};
+use crate::calibration::{RegionCalibration, Verdict};
 use crate::config::Config;
 use crate::ladder::Ladder;
 use crate::metrics::EngineSample;
 use crate::snapshot::{RegionState, Snapshot, TunedWeights};
 use crate::tuning::{Fit, Observation, Tuner};
+use crate::usage::UsageReport;
 
 #[derive(Debug, Clone)]
 struct Region {
@@ -44,6 +46,8 @@ struct Region {
     ejections: u32,
     /// Since when at least two independent signals say the region is down.
     down_since_ms: Option<u64>,
+    /// What the engine's answers taught (tokens per byte, cache horizon).
+    calibration: RegionCalibration,
 }
 
 impl Region {
@@ -105,6 +109,7 @@ impl Fleet {
                     ejected_until_ms: None,
                     ejections: 0,
                     down_since_ms: None,
+                    calibration: RegionCalibration::default(),
                 })
                 .collect(),
             ladder: Ladder::new(now_ms),
@@ -278,6 +283,18 @@ impl Fleet {
             self.tuner.push(o);
             self.observations += 1;
         }
+    }
+
+    /// An engine's usage of one answered request, reported by a router.
+    pub fn on_usage(&mut self, cfg: &Config, r: &UsageReport) -> Option<Verdict> {
+        let _ = cfg;
+        let region = self.regions.get_mut(usize::from(r.region))?;
+        Some(region.calibration.on_report(r))
+    }
+
+    /// A region's calibration.
+    pub fn calibration(&self, region: usize) -> Option<&RegionCalibration> {
+        self.regions.get(region).map(|r| &r.calibration)
     }
 
     /// Observations received since start.
@@ -469,6 +486,14 @@ impl Fleet {
                 } else {
                     1.0
                 },
+                tokens_per_byte: r.calibration.tokens_per_byte(),
+                model_tokens_per_byte: r
+                    .calibration
+                    .model_tokens_per_byte()
+                    .map(|(m, v)| (m.to_owned(), v))
+                    .collect(),
+                cache_horizon_ms: r.calibration.horizon_ms(now_ms),
+                cache_reliability: r.calibration.reliability(),
             })
             .collect();
         Snapshot {

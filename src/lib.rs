@@ -8,6 +8,7 @@
 //! talks to `proxy_wasm`.
 
 pub mod assess;
+pub mod calibration;
 pub mod config;
 pub mod cost;
 pub mod directory;

@@ -14,6 +14,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use crate::assess::Assessment;
+use crate::calibration::Verdict;
 use crate::config::{Config, ReleaseSource};
 use crate::effects::{CalloutResponse, Level, ProbeHost};
 use crate::fleet::{Fleet, HealthChange};
@@ -24,6 +25,7 @@ use crate::protocol::{
 use crate::snapshot::Snapshot;
 use crate::store::SetOutcome;
 use crate::tuning::Observation;
+use crate::usage::UsageReport;
 
 /// `ladder.capacity_ratio_pct` is capped at 100x (10000 %).
 const RATIO_PCT_CAP: u64 = 10_000;
@@ -79,7 +81,7 @@ impl Probe {
 
     /// Whether the routers' observation queue is needed (tuning on).
     pub fn wants_observations(&self) -> bool {
-        self.cfg.tuning.enabled
+        self.cfg.tuning.enabled || self.cfg.directory.learn_from_usage
     }
 
     /// Arm the first tick; false (configuration refused) when the host
@@ -328,7 +330,7 @@ impl Probe {
     }
 
     fn drain_observations(&mut self, host: &mut dyn ProbeHost) {
-        if !self.cfg.tuning.enabled {
+        if !self.wants_observations() {
             return;
         }
         for _ in 0..MAX_OBSERVATIONS_PER_TICK {
@@ -338,6 +340,15 @@ impl Probe {
             if let Some(o) = Observation::decode(&bytes) {
                 self.fleet.on_observation(&self.cfg, o);
                 host.count(Stat::Global(Global::TuningObservations), 1);
+            } else if let Some(r) = UsageReport::decode(&bytes) {
+                if !self.cfg.directory.learn_from_usage {
+                    continue;
+                }
+                host.count(Stat::Global(Global::UsageReports), 1);
+                let region = usize::from(r.region);
+                if let Some(Verdict::Refuted) = self.fleet.on_usage(&self.cfg, &r) {
+                    host.count(Stat::Region(region, RegionStat::CacheBeliefRefuted), 1);
+                }
             }
         }
     }
@@ -506,6 +517,25 @@ impl Probe {
                 host,
                 RegionStat::PrefillUsPerToken,
                 (rate * 1000.0).round() as u64,
+            );
+            let tpb = r
+                .tokens_per_byte
+                .unwrap_or(1.0 / self.cfg.prefix.bytes_per_token);
+            rg(
+                host,
+                RegionStat::TokensPerKib,
+                (tpb * 1024.0).round() as u64,
+            );
+            rg(
+                host,
+                RegionStat::CacheHorizonMs,
+                r.cache_horizon_ms
+                    .unwrap_or(u64::from(self.cfg.directory.ttl_s) * 1000),
+            );
+            rg(
+                host,
+                RegionStat::CacheReliabilityPct,
+                (r.cache_reliability.unwrap_or(1.0) * 100.0).round() as u64,
             );
         }
         // Last: the filters copy the snapshot in when this changes.

@@ -79,10 +79,12 @@ pub enum Global {
     TuningObservations,
     TuningWRttMilli,
     TuningWQueueMilli,
+    UsageReports,
+    RouterUsageMissing,
 }
 
 impl Global {
-    pub const ALL: [Global; 20] = [
+    pub const ALL: [Global; 22] = [
         Global::Arrivals,
         Global::GuardLevel,
         Global::GuardInvalidRequest,
@@ -103,6 +105,8 @@ impl Global {
         Global::TuningObservations,
         Global::TuningWRttMilli,
         Global::TuningWQueueMilli,
+        Global::UsageReports,
+        Global::RouterUsageMissing,
     ];
 
     fn spec(self) -> (&'static str, StatKind) {
@@ -128,6 +132,8 @@ impl Global {
             Global::TuningObservations => ("tuning.observations", Counter),
             Global::TuningWRttMilli => ("tuning.w_rtt_milli", Gauge),
             Global::TuningWQueueMilli => ("tuning.w_queue_milli", Gauge),
+            Global::UsageReports => ("usage.reports", Counter),
+            Global::RouterUsageMissing => ("router.usage_missing", Counter),
         }
     }
 }
@@ -151,10 +157,14 @@ pub enum RegionStat {
     HealthProbeFailure,
     MetricsScrapeFailure,
     PrefillUsPerToken,
+    TokensPerKib,
+    CacheHorizonMs,
+    CacheReliabilityPct,
+    CacheBeliefRefuted,
 }
 
 impl RegionStat {
-    pub const ALL: [RegionStat; 14] = [
+    pub const ALL: [RegionStat; 18] = [
         RegionStat::RqTotal,
         RegionStat::RqActive,
         RegionStat::FallbackRqTotal,
@@ -169,6 +179,10 @@ impl RegionStat {
         RegionStat::HealthProbeFailure,
         RegionStat::MetricsScrapeFailure,
         RegionStat::PrefillUsPerToken,
+        RegionStat::TokensPerKib,
+        RegionStat::CacheHorizonMs,
+        RegionStat::CacheReliabilityPct,
+        RegionStat::CacheBeliefRefuted,
     ];
 
     fn spec(self) -> (&'static str, StatKind) {
@@ -188,6 +202,10 @@ impl RegionStat {
             RegionStat::HealthProbeFailure => ("health_probe_failure", Counter),
             RegionStat::MetricsScrapeFailure => ("metrics_scrape_failure", Counter),
             RegionStat::PrefillUsPerToken => ("prefill_us_per_token", Gauge),
+            RegionStat::TokensPerKib => ("tokens_per_kib", Gauge),
+            RegionStat::CacheHorizonMs => ("prefix_horizon_ms", Gauge),
+            RegionStat::CacheReliabilityPct => ("prefix_reliability_pct", Gauge),
+            RegionStat::CacheBeliefRefuted => ("prefix_belief_refuted", Counter),
         }
     }
 }

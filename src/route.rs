@@ -52,6 +52,63 @@ pub struct Routed {
     pub weights: Weights,
     /// Shared-data calls this decision made (reads and writes).
     pub shared_data_calls: u32,
+    /// What the router believed about the chosen region, to be checked
+    /// against the engine's `usage`.
+    pub belief: Belief,
+}
+
+/// What the directory believed the chosen region held, in the router's
+/// unit (canonical bytes), and how old that belief was.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Belief {
+    pub routed_ms: u64,
+    pub prompt_bytes: u64,
+    /// Bytes of the prompt believed held there (within its cache horizon).
+    pub believed_bytes: u64,
+    /// When that was last served there: the oldest stamp of its directory
+    /// entries read as held (or the session record that credited it).
+    pub held_ms: Option<u64>,
+    /// The newest stamp of an entry there that its horizon set aside.
+    pub cut_ms: Option<u64>,
+    pub model: Option<String>,
+}
+
+impl Routed {
+    /// The report for the probe once the engine's `usage` is known.
+    pub fn usage_report(&self, usage: crate::usage::Usage) -> Option<crate::usage::UsageReport> {
+        let b = &self.belief;
+        let clamp = |v: u64| u32::try_from(v).unwrap_or(u32::MAX - 1);
+        Some(crate::usage::UsageReport {
+            region: u16::try_from(self.decision.region).ok()?,
+            routed_ms: b.routed_ms,
+            prompt_bytes: clamp(b.prompt_bytes),
+            believed_bytes: clamp(b.believed_bytes),
+            held_ms: b.held_ms.unwrap_or(0),
+            cut_ms: b.cut_ms.unwrap_or(0),
+            prompt_tokens: clamp(usage.prompt_tokens),
+            cached_tokens: usage.cached_tokens.map(clamp),
+            model: b.model.clone(),
+        })
+    }
+}
+
+/// Engine tokens per byte for the fleet-wide prompt estimate: the mean of
+/// the regions' measured figures (for the model, where measured), else the
+/// configured `prefix.bytes_per_token`.
+fn fleet_tokens_per_byte(cfg: &Config, inp: &RouteInputs, model: Option<&str>) -> f64 {
+    let Some(snap) = inp.snapshot else {
+        return 1.0 / cfg.prefix.bytes_per_token;
+    };
+    let (mut sum, mut n) = (0.0, 0u32);
+    for r in snap.regions.iter().filter(|r| r.tokens_per_byte.is_some()) {
+        sum += cost::tokens_per_byte(cfg, Some(r), model);
+        n += 1;
+    }
+    if n == 0 {
+        1.0 / cfg.prefix.bytes_per_token
+    } else {
+        sum / f64::from(n)
+    }
 }
 
 /// Why a request is not routed.
@@ -108,7 +165,27 @@ impl Router {
         let req = request::parse(inp.endpoint, inp.body, hasher).map_err(Refusal::Invalid)?;
         let now = inp.now_ms;
         let mut calls = 0;
-        let mut lookup = self.dir.lookup(store, &req.prompt.checkpoints, now);
+        // Each region's entries are believed within its learnt cache
+        // horizon (none learnt: the TTL, and no per-request vector).
+        let horizons: Vec<u64> = match inp.snapshot {
+            Some(snap) if snap.regions.iter().any(|r| r.cache_horizon_ms.is_some()) => {
+                (0..cfg.regions.len())
+                    .map(|i| {
+                        inp.snapshot_index
+                            .get(i)
+                            .copied()
+                            .flatten()
+                            .and_then(|j| snap.regions.get(j))
+                            .and_then(|r| r.cache_horizon_ms)
+                            .unwrap_or(u64::MAX)
+                    })
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
+        let mut lookup = self
+            .dir
+            .lookup_within(store, &req.prompt.checkpoints, now, &horizons);
         let session_key = inp.session_header.or(req.user.as_deref());
         let session = session_key.map(|k| {
             calls += 1;
@@ -117,14 +194,24 @@ impl Router {
         // The region that served the session's previous prompt holds all of
         // it (and its output): credit it exactly when this prompt extends it,
         // not only to the directory's last checkpoint.
+        // Within the region's cache horizon, as the directory's entries.
+        let mut session_credit: Option<(usize, u64)> = None;
         if let Some(s) = session {
-            if let (Some((region, _)), Some((blocks, hash))) = (s.last, s.prefix) {
+            if let (Some((region, at_ms)), Some((blocks, hash))) = (s.last, s.prefix) {
                 let extends = blocks
                     .checked_sub(1)
                     .and_then(|i| req.prompt.hashes.get(i as usize))
                     .is_some_and(|h| *h == hash);
-                if let Some(b) = lookup.cached_blocks.get_mut(region).filter(|_| extends) {
-                    *b = (*b).max(blocks);
+                let within = horizons
+                    .get(region)
+                    .is_none_or(|h| now.saturating_sub(at_ms) < *h);
+                if let Some(b) = lookup
+                    .cached_blocks
+                    .get_mut(region)
+                    .filter(|b| extends && within && **b < blocks)
+                {
+                    *b = blocks;
+                    session_credit = Some((region, at_ms));
                 }
             }
         }
@@ -138,7 +225,9 @@ impl Router {
                 w_queue: w.w_queue,
             },
         );
-        let prompt_tokens = req.prompt_tokens(cfg.prefix.bytes_per_token);
+        let model = req.model.as_deref();
+        let prompt_tokens =
+            cost::tokens_of(req.prompt.bytes, fleet_tokens_per_byte(cfg, inp, model));
         let decision = cost::decide(&cost::Inputs {
             config: cfg,
             snapshot: inp.snapshot,
@@ -146,6 +235,8 @@ impl Router {
             cached_blocks: &lookup.cached_blocks,
             inflight: inp.inflight,
             prompt_tokens,
+            prompt_bytes: req.prompt.bytes,
+            model,
             first_block,
             allowed: allowed.as_deref(),
             session_region: session.and_then(|s| s.last).map(|(r, _)| r),
@@ -165,6 +256,20 @@ impl Router {
             }
         }
         let kv = migration_for(cfg, &decision, inp);
+        let r = decision.region;
+        let held_ms = match session_credit {
+            Some((region, at_ms)) if region == r => Some(at_ms),
+            _ => lookup.oldest_hit_ms(r),
+        };
+        let belief = Belief {
+            routed_ms: now,
+            prompt_bytes: req.prompt.bytes,
+            believed_bytes: u64::from(lookup.cached_blocks.get(r).copied().unwrap_or(0))
+                * u64::from(cfg.prefix.block_bytes),
+            held_ms,
+            cut_ms: lookup.cut_ms(r),
+            model: req.model,
+        };
         Ok(Routed {
             decision,
             kv,
@@ -172,6 +277,7 @@ impl Router {
             prompt_tokens,
             weights,
             shared_data_calls: lookup.calls + calls,
+            belief,
         })
     }
 }
@@ -335,7 +441,7 @@ impl Routed {
             region: u16::try_from(d.region).ok()?,
             rtt_ms: unweight(c.rtt_ms, w.w_rtt) as f32,
             queue_ms: c.wait_ms as f32,
-            uncached_tokens: u32::try_from(self.prompt_tokens.saturating_sub(c.cached_tokens))
+            uncached_tokens: u32::try_from(c.prompt_tokens.saturating_sub(c.cached_tokens))
                 .unwrap_or(u32::MAX),
             prefill_ms: c.prefill_ms as f32,
             observed_ms: 0.0,

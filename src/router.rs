@@ -21,6 +21,7 @@ use crate::request::{self, BodyKind, Endpoint, RequestError};
 use crate::route::{Refusal, RouteInputs, Routed, Router};
 use crate::stream::{Flow, Reply};
 use crate::tuning::Observation;
+use crate::usage::Tail;
 use crate::view::View;
 
 /// The router filter's per-configuration state (one per root context).
@@ -64,6 +65,8 @@ pub struct RouterStream {
     pending: Option<Pending>,
     /// The decision made for this request, with every cost term.
     decided: Option<Routed>,
+    /// The end of the answer, kept to read the engine's `usage` from.
+    tail: Option<Tail>,
 }
 
 impl RouterStream {
@@ -206,6 +209,11 @@ impl RouterStream {
             host.set_request_header(&cfg.headers.stream, None);
         }
         self.set_region(shared, host, d.region, true);
+        // The fallback pool is other engines: their caches say nothing
+        // about the region's.
+        if cfg.directory.learn_from_usage && !self.fallback {
+            self.tail = Some(Tail::default());
+        }
         self.decided = Some(routed);
         Flow::Continue
     }
@@ -281,9 +289,11 @@ impl RouterStream {
         }
         if self.routed.is_some() {
             self.status = host.response_status();
-            // Only a successful stream's first byte is a time to first token.
+            // Only a successful stream's first byte is a time to first
+            // token, and only a successful answer reports usage.
             if !self.status.is_some_and(|s| (200..300).contains(&s)) {
                 self.pending = None;
+                self.tail = None;
             }
         }
         Flow::Continue
@@ -293,6 +303,57 @@ impl RouterStream {
     /// TTFT is measured. Every other chunk costs nothing.
     pub fn awaiting_first_byte(&self) -> bool {
         self.pending.is_some()
+    }
+
+    /// Whether response body chunks are wanted at all: the first byte of a
+    /// measured stream, or the end of an answer whose `usage` is read.
+    /// Otherwise a chunk costs nothing.
+    pub fn wants_response_body(&self) -> bool {
+        self.pending.is_some() || self.tail.is_some()
+    }
+
+    /// A response body chunk of `size` bytes passes (`end_of_stream`: the
+    /// last). Only the chunk's last bytes that can hold `usage` are read;
+    /// nothing is parsed before the end.
+    pub fn on_response_body(
+        &mut self,
+        shared: &RouterShared,
+        host: &mut dyn StreamHost,
+        size: usize,
+        end_of_stream: bool,
+    ) {
+        if size > 0 && self.pending.is_some() {
+            self.on_first_byte(shared, host);
+        }
+        let Some(tail) = &mut self.tail else {
+            return;
+        };
+        if size > 0 {
+            let n = Tail::wanted(size);
+            if let Some(end) = host.response_body(size - n, n) {
+                tail.push(size, &end);
+            }
+        }
+        if end_of_stream {
+            self.report_usage(host, true);
+        }
+    }
+
+    /// The answer ended: the engine's `usage`, if it gave one, goes to the
+    /// probe with what the router believed; `missing` counts an answer
+    /// that ended without one.
+    fn report_usage(&mut self, host: &mut dyn StreamHost, count_missing: bool) {
+        let Some(tail) = self.tail.take() else {
+            return;
+        };
+        let report = tail
+            .usage()
+            .and_then(|u| self.decided.as_ref()?.usage_report(u));
+        match report {
+            Some(r) => host.enqueue(OBSERVATIONS_QUEUE, &r.encode()),
+            None if count_missing => host.count(Stat::Global(Global::RouterUsageMissing), 1),
+            None => {}
+        }
     }
 
     /// The first response body byte arrived: the observed TTFT goes to the
@@ -314,6 +375,11 @@ impl RouterStream {
 
     /// The stream ended: outcome accounting and the TTFT report.
     pub fn on_log(&mut self, shared: &RouterShared, host: &mut dyn StreamHost) {
+        // An answer that ended with trailers never saw `end_of_stream` in
+        // its body; a cancelled one has no usage (not counted missing).
+        if self.status.is_some_and(|s| (200..300).contains(&s)) {
+            self.report_usage(host, false);
+        }
         let Some(region) = self.routed.take() else {
             return;
         };

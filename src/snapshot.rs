@@ -71,6 +71,22 @@ pub struct RegionState {
     /// in after becoming routable again; 1 when not ramping.
     #[serde(default = "one")]
     pub ramp: f64,
+    /// Engine tokens per byte of the router's canonical prompt text,
+    /// measured from the engine's `usage.prompt_tokens`; absent: not yet
+    /// measured (the configured `prefix.bytes_per_token` is used).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_byte: Option<f64>,
+    /// The same per model the requests named (a few at most).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub model_tokens_per_byte: Vec<(String, f64)>,
+    /// Age beyond which the region's engine is not believed to still hold
+    /// a prefix (learnt from its `cached_tokens`); absent: the directory TTL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_horizon_ms: Option<u64>,
+    /// Share 0..1 of the believed cached tokens the engine confirms lately;
+    /// absent: not measured (taken as 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_reliability: Option<f64>,
 }
 
 impl Default for RegionState {
@@ -89,6 +105,10 @@ impl Default for RegionState {
             release: None,
             release_ok: true,
             ramp: 1.0,
+            tokens_per_byte: None,
+            model_tokens_per_byte: Vec::new(),
+            cache_horizon_ms: None,
+            cache_reliability: None,
         }
     }
 }

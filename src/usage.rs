@@ -58,8 +58,11 @@ impl Tail {
                 .extend_from_slice(end.get(end.len() - Self::CAP..).unwrap_or(end));
             return;
         }
-        let keep = Self::CAP - end.len();
-        if self.buf.len() > keep {
+        // Amortised: the buffer grows to twice the capacity before its
+        // front is dropped, so a stream of small chunks moves each byte a
+        // bounded number of times.
+        if self.buf.len() + end.len() > 2 * Self::CAP {
+            let keep = Self::CAP - end.len();
             self.buf.drain(..self.buf.len() - keep);
         }
         self.buf.extend_from_slice(end);
@@ -119,6 +122,99 @@ fn rfind(hay: &[u8], needle: &[u8]) -> Option<usize> {
         .find(|&i| hay.get(i..i + needle.len()) == Some(needle))
 }
 
+/// What the router tells the probe about one answered request: what it
+/// believed the region held and since when, what the region's engine
+/// reported, and the prompt's size in the router's unit (canonical bytes).
+/// On the observations queue (tagged, so it cannot be mistaken for a TTFT
+/// observation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UsageReport {
+    pub region: u16,
+    /// When the request was routed (ms since the Unix epoch).
+    pub routed_ms: u64,
+    /// Bytes of canonical prompt text (what the router's token estimates
+    /// are made from).
+    pub prompt_bytes: u32,
+    /// Bytes of the prompt the directory believed the region held (its
+    /// checkpoint's blocks, within the region's cache horizon).
+    pub believed_bytes: u32,
+    /// Stamp of the oldest directory entry read as held there (about when
+    /// the believed prefix was last served there); 0: none.
+    pub held_ms: u64,
+    /// Stamp of the newest entry the cache horizon set aside there (within
+    /// the TTL but past the horizon); 0: none.
+    pub cut_ms: u64,
+    /// The engine's figures.
+    pub prompt_tokens: u32,
+    /// `None`: the answer did not say.
+    pub cached_tokens: Option<u32>,
+    /// The request's `model`, if it named one (at most [`MODEL_MAX`] bytes;
+    /// longer names are not calibrated per model).
+    pub model: Option<String>,
+}
+
+/// Longest model name reported.
+pub const MODEL_MAX: usize = 128;
+
+const REPORT_TAG: u8 = b'U';
+const REPORT_FIXED: usize = 1 + 2 + 8 * 3 + 4 * 4;
+
+impl UsageReport {
+    pub fn encode(&self) -> Vec<u8> {
+        let model = self.model.as_deref().filter(|m| m.len() <= MODEL_MAX);
+        let mut b = Vec::with_capacity(REPORT_FIXED + model.map_or(0, str::len));
+        b.push(REPORT_TAG);
+        b.extend_from_slice(&self.region.to_le_bytes());
+        for v in [self.routed_ms, self.held_ms, self.cut_ms] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        for v in [
+            self.prompt_bytes,
+            self.believed_bytes,
+            self.prompt_tokens,
+            self.cached_tokens.unwrap_or(u32::MAX),
+        ] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        if let Some(m) = model {
+            b.extend_from_slice(m.as_bytes());
+        }
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Option<UsageReport> {
+        if b.first() != Some(&REPORT_TAG) || b.len() < REPORT_FIXED {
+            return None;
+        }
+        let u64_at = |at: usize| -> Option<u64> {
+            Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
+        };
+        let u32_at = |at: usize| -> Option<u32> {
+            Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
+        };
+        let model = b.get(REPORT_FIXED..)?;
+        if model.len() > MODEL_MAX {
+            return None;
+        }
+        let cached = u32_at(39)?;
+        Some(UsageReport {
+            region: u16::from_le_bytes(b.get(1..3)?.try_into().ok()?),
+            routed_ms: u64_at(3)?,
+            held_ms: u64_at(11)?,
+            cut_ms: u64_at(19)?,
+            prompt_bytes: u32_at(27)?,
+            believed_bytes: u32_at(31)?,
+            prompt_tokens: u32_at(35)?,
+            cached_tokens: (cached != u32::MAX).then_some(cached),
+            model: if model.is_empty() {
+                None
+            } else {
+                Some(std::str::from_utf8(model).ok()?.to_owned())
+            },
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -158,7 +254,7 @@ mod tests {
         chunks.push(b"data: [DONE]\n\n".to_vec());
         let refs: Vec<&[u8]> = chunks.iter().map(|c| c.as_slice()).collect();
         let t = feed(&refs);
-        assert!(t.buf.len() <= Tail::CAP);
+        assert!(t.buf.len() <= 2 * Tail::CAP);
         assert_eq!(
             t.usage(),
             Some(Usage {
@@ -214,8 +310,41 @@ mod tests {
         for step in [1, 7, 100, 4096, 5000, 20_000] {
             let chunks: Vec<&[u8]> = body.chunks(step).collect();
             let t = feed(&chunks);
-            assert_eq!(t.buf.as_slice(), &body[body.len() - Tail::CAP..], "{step}");
+            assert!(t.buf.len() >= Tail::CAP.min(body.len()) && t.buf.len() <= 2 * Tail::CAP);
+            assert!(body.ends_with(&t.buf), "{step}");
             assert_eq!(t.seen(), body.len() as u64);
         }
+    }
+
+    #[test]
+    fn a_report_round_trips_and_garbage_is_refused() {
+        let r = UsageReport {
+            region: 2,
+            routed_ms: 1_700_000_000_000,
+            prompt_bytes: 9000,
+            believed_bytes: 4096,
+            held_ms: 1_699_999_999_000,
+            cut_ms: 0,
+            prompt_tokens: 4100,
+            cached_tokens: Some(2048),
+            model: Some("meta-llama/Llama-3.1-8B".into()),
+        };
+        assert_eq!(UsageReport::decode(&r.encode()), Some(r.clone()));
+        let r = UsageReport {
+            cached_tokens: None,
+            model: None,
+            ..r
+        };
+        assert_eq!(UsageReport::decode(&r.encode()), Some(r.clone()));
+        // A TTFT observation (22 bytes, no tag) and truncations are not reports.
+        assert_eq!(UsageReport::decode(&[0u8; 22]), None);
+        let bytes = r.encode();
+        assert_eq!(UsageReport::decode(&bytes[..bytes.len() - 1]), None);
+        let mut long = bytes.clone();
+        long.extend(std::iter::repeat_n(b'm', MODEL_MAX + 1));
+        assert_eq!(UsageReport::decode(&long), None);
+        let mut bad = bytes;
+        bad.extend_from_slice(&[0xff, 0xfe]);
+        assert_eq!(UsageReport::decode(&bad), None);
     }
 }

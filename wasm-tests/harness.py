@@ -121,8 +121,9 @@ REPEATABLE_ENGINE_FLAGS = {"--echo-header", "--client-delay-ms"}
 
 def merge_engine_flags(base: list, extra: list) -> list:
     """Emulator flags `base` with `extra` applied: a flag in `extra` replaces
-    the same flag in `base`, a repeatable one is added. Every emulator flag
-    takes one value (`--flag value` or `--flag=value`)."""
+    the same flag in `base`, a repeatable one is added. A flag takes one
+    value (`--flag value` or `--flag=value`) unless the next argument is
+    another flag (a switch such as `--enable-cache-report`)."""
     def pairs(args: list) -> list[tuple[str, str | None]]:
         out, i = [], 0
         while i < len(args):
@@ -131,9 +132,12 @@ def merge_engine_flags(base: list, extra: list) -> list:
                 flag, value = arg.split("=", 1)
                 out.append((flag, value))
                 i += 1
-            else:
-                out.append((arg, str(args[i + 1]) if i + 1 < len(args) else None))
+            elif i + 1 < len(args) and not str(args[i + 1]).startswith("--"):
+                out.append((arg, str(args[i + 1])))
                 i += 2
+            else:
+                out.append((arg, None))
+                i += 1
         return out
 
     extra_pairs = pairs(extra)
@@ -150,6 +154,9 @@ def start_engine(name: str, run_dir: Path, delay_ms: float, mode: str = "vllm", 
         "--network-delay-ms", str(delay_ms), "--max-concurrency", "8", "--prefill-ms-per-token", "0.2",
         "--decode-ms-per-token", "1", "--echo-header", "x-llm-tier", "--echo-header", "x-llm-cluster",
         "--echo-header", "x-llm-kv-action",
+        # Engines as the docs tell operators to run them: each answer
+        # reports its cached tokens (docs/INSTALL.md).
+        "--enable-cache-report" if mode == "sglang" else "--enable-prompt-tokens-details",
     ], extra or [])]
     out = open(log_path, "w")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=out, text=True)

@@ -264,12 +264,23 @@ impl Envoy {
 
     /// Request `id` ended: answered completely (`ok`), or its region was
     /// lost under it (a connection failure, as Envoy would report it).
-    pub fn done(&mut self, id: usize, ok: bool, now_ms: u64) {
+    /// `usage`: the engine's prompt and cached tokens, which the answer's
+    /// last chunk carries as vLLM's does.
+    pub fn done(&mut self, id: usize, ok: bool, usage: Option<(u64, u64)>, now_ms: u64) {
         let host = &mut self.host;
         host.now_ms = now_ms;
         let Some(mut s) = self.streams.remove(&id) else {
             return;
         };
+        if let (true, Some((prompt, cached))) = (ok, usage) {
+            host.response_chunk = format!(
+                "data: {{\"id\":\"sim\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{{\"prompt_tokens\":{prompt},\"completion_tokens\":1,\"total_tokens\":{},\"prompt_tokens_details\":{{\"cached_tokens\":{cached}}}}}}}\n\ndata: [DONE]\n\n",
+                prompt + 1
+            )
+            .into_bytes();
+            let len = host.response_chunk.len();
+            s.on_response_body(&self.router, host, len, true);
+        }
         host.next_stream();
         if !ok {
             let upstream_failure = outcome::flags::UPSTREAM_CONNECTION_FAILURE

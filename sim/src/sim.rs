@@ -1019,8 +1019,15 @@ impl Sim<'_> {
         }
         let client = self.work.prepared.get(i).map_or(0, |p| p.client);
         let proxy = self.live.get(i).map_or(0, |l| l.router);
+        // The engine's usage, as vLLM with `--enable-prompt-tokens-details`
+        // reports it at the end of the answer.
+        let usage = self
+            .records
+            .get(i)
+            .filter(|_| ok)
+            .map(|r| (r.prompt_tokens, r.cached_tokens));
         if let Some(e) = self.envoy(client, proxy) {
-            e.done(i, ok, core_ms(now));
+            e.done(i, ok, usage, core_ms(now));
         }
         self.set_stage(i, Stage::Resolved);
         self.unresolved = self.unresolved.saturating_sub(1);

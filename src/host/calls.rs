@@ -62,6 +62,13 @@ pub fn request_body(size: usize) -> Option<Vec<u8>> {
         .flatten()
 }
 
+/// `len` bytes of the current response body chunk from `start`.
+pub fn response_body(start: usize, len: usize) -> Option<Vec<u8>> {
+    hostcalls::get_buffer(BufferType::HttpResponseBody, start, len)
+        .ok()
+        .flatten()
+}
+
 pub fn replace_request_body(old_size: usize, body: &[u8]) -> bool {
     hostcalls::set_buffer(BufferType::HttpRequestBody, 0, old_size, body).is_ok()
 }

@@ -129,6 +129,9 @@ impl StreamHost for Host<'_> {
     fn response_status(&mut self) -> Option<u32> {
         calls::response_header(":status").and_then(|s| s.parse().ok())
     }
+    fn response_body(&mut self, start: usize, len: usize) -> Option<Vec<u8>> {
+        calls::response_body(start, len)
+    }
 }
 
 impl ProbeHost for Host<'_> {

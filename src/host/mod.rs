@@ -334,13 +334,14 @@ impl HttpContext for RouterFilter {
         act(self.stream.on_response_headers(&root.shared, &mut host))
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
-        // O(1) for every chunk but the first byte of a measured stream.
-        if body_size > 0 && self.stream.awaiting_first_byte() {
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        // O(1) unless the stream measures its first byte or reads usage.
+        if self.stream.wants_response_body() {
             let root = self.root.clone();
             let mut host = Host::new(&root.stats);
             host.queue = Some(&root.queue);
-            self.stream.on_first_byte(&root.shared, &mut host);
+            self.stream
+                .on_response_body(&root.shared, &mut host, body_size, end_of_stream);
         }
         Action::Continue
     }
