@@ -44,6 +44,8 @@ struct Region {
     ejections: u32,
     /// Since when at least two independent signals say the region is down.
     down_since_ms: Option<u64>,
+    /// The engine's context limit, from its model list.
+    max_model_len: Option<u32>,
 }
 
 impl Region {
@@ -105,6 +107,7 @@ impl Fleet {
                     ejected_until_ms: None,
                     ejections: 0,
                     down_since_ms: None,
+                    max_model_len: None,
                 })
                 .collect(),
             ladder: Ladder::new(now_ms),
@@ -135,6 +138,25 @@ impl Fleet {
         if let Some(r) = self.regions.get_mut(region) {
             r.release = digest;
         }
+    }
+
+    /// The release digest the region last reported, if any.
+    pub fn release(&self, region: usize) -> Option<&str> {
+        self.regions.get(region)?.release.as_deref()
+    }
+
+    /// The context limit the region's model list states; true when it
+    /// changed. A failed read does not come here: the last limit read
+    /// stands (unknown until one is read).
+    pub fn on_model_limit(&mut self, region: usize, limit: u32) -> bool {
+        self.regions
+            .get_mut(region)
+            .is_some_and(|r| r.max_model_len.replace(limit) != Some(limit))
+    }
+
+    /// The context limit last read for the region.
+    pub fn model_limit(&self, region: usize) -> Option<u32> {
+        self.regions.get(region)?.max_model_len
     }
 
     /// Live results of the region's engines since the last tick (from the
@@ -469,6 +491,7 @@ impl Fleet {
                 } else {
                     1.0
                 },
+                max_model_len: r.max_model_len,
             })
             .collect();
         Snapshot {

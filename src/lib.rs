@@ -9,6 +9,7 @@
 
 pub mod assess;
 pub mod config;
+pub mod context;
 pub mod cost;
 pub mod directory;
 pub mod effects;

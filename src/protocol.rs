@@ -151,10 +151,12 @@ pub enum RegionStat {
     HealthProbeFailure,
     MetricsScrapeFailure,
     PrefillUsPerToken,
+    MaxModelLen,
+    ModelsReadFailure,
 }
 
 impl RegionStat {
-    pub const ALL: [RegionStat; 14] = [
+    pub const ALL: [RegionStat; 16] = [
         RegionStat::RqTotal,
         RegionStat::RqActive,
         RegionStat::FallbackRqTotal,
@@ -169,6 +171,8 @@ impl RegionStat {
         RegionStat::HealthProbeFailure,
         RegionStat::MetricsScrapeFailure,
         RegionStat::PrefillUsPerToken,
+        RegionStat::MaxModelLen,
+        RegionStat::ModelsReadFailure,
     ];
 
     fn spec(self) -> (&'static str, StatKind) {
@@ -188,6 +192,8 @@ impl RegionStat {
             RegionStat::HealthProbeFailure => ("health_probe_failure", Counter),
             RegionStat::MetricsScrapeFailure => ("metrics_scrape_failure", Counter),
             RegionStat::PrefillUsPerToken => ("prefill_us_per_token", Gauge),
+            RegionStat::MaxModelLen => ("max_model_len", Gauge),
+            RegionStat::ModelsReadFailure => ("models_read_failure", Counter),
         }
     }
 }
