@@ -65,6 +65,7 @@ pub enum Global {
     RouterInvalidRequest,
     RouterPassthrough,
     RouterResidencyRejected,
+    RouterContextRejected,
     RouterOutcomeUnattributed,
     LadderLevel,
     LadderLevelChangedUnixS,
@@ -82,13 +83,14 @@ pub enum Global {
 }
 
 impl Global {
-    pub const ALL: [Global; 20] = [
+    pub const ALL: [Global; 21] = [
         Global::Arrivals,
         Global::GuardLevel,
         Global::GuardInvalidRequest,
         Global::RouterInvalidRequest,
         Global::RouterPassthrough,
         Global::RouterResidencyRejected,
+        Global::RouterContextRejected,
         Global::RouterOutcomeUnattributed,
         Global::LadderLevel,
         Global::LadderLevelChangedUnixS,
@@ -114,6 +116,7 @@ impl Global {
             Global::RouterInvalidRequest => ("router.invalid_request", Counter),
             Global::RouterPassthrough => ("router.passthrough", Counter),
             Global::RouterResidencyRejected => ("router.residency_rejected", Counter),
+            Global::RouterContextRejected => ("router.context_rejected", Counter),
             Global::RouterOutcomeUnattributed => ("router.outcome_unattributed", Counter),
             Global::LadderLevel => ("ladder.level", Gauge),
             Global::LadderLevelChangedUnixS => ("ladder.level_changed_unix_s", Gauge),
