@@ -76,6 +76,8 @@ pub struct Config {
     pub release: ReleaseConfig,
     #[serde(default)]
     pub assessment: AssessmentConfig,
+    #[serde(default)]
+    pub context: ContextConfig,
     /// What to do with a request to an inference path whose body is not a
     /// valid request: `reject` (400, OpenAI error JSON) or `pass_through`
     /// (send it untouched to the default region and let the engine answer).
@@ -105,6 +107,10 @@ pub struct Region {
     pub health_path: String,
     #[serde(default = "default_metrics_path")]
     pub metrics_path: String,
+    /// The engine's model list, read for its context limit
+    /// (`max_model_len`): `/v1/models` on vLLM and SGLang alike.
+    #[serde(default = "default_models_path")]
+    pub models_path: String,
     #[serde(default = "default_engine")]
     pub engine: EngineKind,
     /// Requests per second the region sustains; the ladder's capacity is the
@@ -136,6 +142,9 @@ fn default_health_path() -> String {
 }
 fn default_metrics_path() -> String {
     "/metrics".to_string()
+}
+fn default_models_path() -> String {
+    "/v1/models".to_string()
 }
 fn default_engine() -> EngineKind {
     EngineKind::Vllm
@@ -348,6 +357,32 @@ impl Default for AssessmentConfig {
         AssessmentConfig {
             region_down_minutes: 5.0,
             capacity_fraction_min: 0.7,
+        }
+    }
+}
+
+/// Context limits at the edge: the probe reads each region's
+/// `max_model_len`, and the router sends no prompt to a region whose limit it
+/// exceeds, answering 400 `context_length_exceeded` itself when no allowed
+/// region can take it (docs/ROUTING.md, "Context limits").
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ContextConfig {
+    /// How far the router's prompt-token estimate may be too high: a region
+    /// is passed over only when the estimate lowered by this fraction, plus
+    /// the requested output tokens, exceeds its limit. 0..1.
+    pub margin: f64,
+    /// Probe ticks between two reads of a region's model list (one callout
+    /// per region); it is also read at start, when a region becomes healthy
+    /// again and when its release digest changes.
+    pub refresh_ticks: u32,
+}
+
+impl Default for ContextConfig {
+    fn default() -> Self {
+        ContextConfig {
+            margin: 0.1,
+            refresh_ticks: 60,
         }
     }
 }
@@ -661,6 +696,7 @@ impl Config {
             for (f, p) in [
                 ("health_path", &r.health_path),
                 ("metrics_path", &r.metrics_path),
+                ("models_path", &r.models_path),
             ] {
                 if !p.starts_with('/') {
                     return Err(ConfigError::new(
@@ -750,6 +786,19 @@ impl Config {
             return Err(ConfigError::new(
                 "cost.congestion_cap",
                 format!("{cap} must be within 0..=0.95"),
+            ));
+        }
+        let m = self.context.margin;
+        if !(m.is_finite() && (0.0..1.0).contains(&m)) {
+            return Err(ConfigError::new(
+                "context.margin",
+                format!("{m} must be within [0, 1)"),
+            ));
+        }
+        if !(1..=86_400).contains(&self.context.refresh_ticks) {
+            return Err(ConfigError::new(
+                "context.refresh_ticks",
+                format!("{} must be within 1..=86400", self.context.refresh_ticks),
             ));
         }
         self.validate_residency()?;
@@ -1251,6 +1300,22 @@ mod tests {
             r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}],"tiers":{"default":"gold"}}"#,
         );
         assert_eq!(e.field, "tiers.default");
+        for (ctx, field) in [
+            (r#"{"margin":1}"#, "context.margin"),
+            (r#"{"margin":-0.1}"#, "context.margin"),
+            (r#"{"refresh_ticks":0}"#, "context.refresh_ticks"),
+        ] {
+            let e = err(&format!(
+                r#"{{"regions":[{{"name":"a","cluster":"c","capacity_rps":1}}],"context":{ctx}}}"#
+            ));
+            assert_eq!(e.field, field, "{ctx}");
+        }
+        let e =
+            err(r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1,"models_path":"v1"}]}"#);
+        assert_eq!(e.field, "regions[0].models_path");
+        let c = Config::parse(MINIMAL.as_bytes()).unwrap();
+        assert_eq!((c.context.margin, c.context.refresh_ticks), (0.1, 60));
+        assert_eq!(c.regions[0].models_path, "/v1/models");
     }
 
     #[test]

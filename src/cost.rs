@@ -13,7 +13,8 @@
 //!   sent (or finished) since: the in-flight gauge now minus its value at the
 //!   scrape. A burst between two probe ticks therefore sees its own load.
 //!
-//! Unhealthy regions are not candidates. Regions within `tie_ms` of the best
+//! Unhealthy regions are not candidates, nor are regions whose context
+//! limit the request exceeds (`context`). Regions within `tie_ms` of the best
 //! are a tie, broken by rendezvous hashing of the prompt's first block so
 //! that independent proxies agree on where a new conversation goes.
 
@@ -41,6 +42,9 @@ pub enum Reason {
     Spread,
     /// The residency pin excluded the cheapest region.
     Pin,
+    /// The cheapest allowed region's context limit is below the request's
+    /// estimated length (`context`).
+    Context,
     /// No usable snapshot, or no healthy candidate: nearest region.
     Fallback,
 }
@@ -54,6 +58,7 @@ impl Reason {
             Reason::LoadOverride => "load-override",
             Reason::Spread => "spread",
             Reason::Pin => "pin",
+            Reason::Context => "context",
             Reason::Fallback => "fallback",
         }
     }
@@ -64,13 +69,14 @@ impl Reason {
             other => other.as_str(),
         }
     }
-    pub const ALL: [Reason; 7] = [
+    pub const ALL: [Reason; 8] = [
         Reason::Cache,
         Reason::Load,
         Reason::Rtt,
         Reason::LoadOverride,
         Reason::Spread,
         Reason::Pin,
+        Reason::Context,
         Reason::Fallback,
     ];
 }
@@ -95,8 +101,11 @@ pub struct Cost {
     pub occupancy: f64,
     /// Judged healthy by the probe (or not reported on).
     pub healthy: bool,
-    /// Healthy and allowed by the residency pin, if any.
+    /// Healthy, allowed by the residency pin, if any, and able to take the
+    /// request (its context limit).
     pub candidate: bool,
+    /// The request exceeds the region's context limit (`context::fits`).
+    pub over_context: bool,
     /// A candidate left out by the load guard (see `apply_load_guard`).
     pub over_bound: bool,
     /// Left out as a full holder whose wait exceeded what the move costs
@@ -145,12 +154,18 @@ pub struct Inputs<'a> {
     /// Bytes of canonical prompt text (each region's estimate is made
     /// from them with its own tokens per byte).
     pub prompt_bytes: u64,
+    /// Fleet-wide tokens per byte (`prompt_tokens` was made with it): for
+    /// the regions not yet measured.
+    pub tokens_per_byte: f64,
     /// The request's `model`, for per-model tokens per byte.
     pub model: Option<&'a str>,
     /// Rendezvous key for ties (the first block's hash, else the session's).
     pub first_block: Option<u64>,
     /// Residency pin: per configured region, whether it is allowed.
     pub allowed: Option<&'a [bool]>,
+    /// Per configured region (bit i): whether the request fits its context
+    /// limit (`context::check`); `u64::MAX` when none is known.
+    pub fits: u64,
     /// The region that served this session's previous request.
     pub session_region: Option<usize>,
     /// Cost weights in force (configured, or tuned by the probe).
@@ -210,7 +225,7 @@ pub fn decide(inp: &Inputs) -> Decision {
     // must not hold it back while every fully ramped region is full.
     let others_full = costs.iter().enumerate().all(|(i, c)| {
         let ramping = state(i).is_some_and(|s| s.ramp < 1.0);
-        ramping || !c.healthy || !allowed(i) || c.occupancy + 1.0 > slots(i)
+        ramping || !c.healthy || !allowed(i) || c.over_context || c.occupancy + 1.0 > slots(i)
     });
     for (i, c) in costs.iter_mut().enumerate() {
         let st = state(i);
@@ -221,7 +236,7 @@ pub fn decide(inp: &Inputs) -> Decision {
             s.ramp >= 1.0 || (rendezvous(ramp_key, &s.name) as f64 / u64::MAX as f64) < s.ramp
         }) || others_full;
         c.healthy = c.healthy && release_ok;
-        c.candidate = c.healthy && allowed(i) && ramp_ok;
+        c.candidate = c.healthy && allowed(i) && ramp_ok && !c.over_context;
     }
     if !costs.iter().any(|c| c.candidate) {
         return fallback(inp, costs);
@@ -254,14 +269,27 @@ pub fn decide(inp: &Inputs) -> Decision {
         .filter(|(_, c)| c.healthy && c.total_ms.is_finite())
         .min_by(|a, b| a.1.total_ms.total_cmp(&b.1.total_ms))
         .map(|(i, _)| i);
-    let unbounded = pick(inp, &costs, |c| c.candidate);
-    let reason = if unpinned.is_some_and(|u| !allowed(u) && u != region)
-        && costs
+    // ... and what would have won among the allowed without the context
+    // limits.
+    let unlimited = costs
+        .iter()
+        .enumerate()
+        .filter(|(i, c)| c.healthy && allowed(*i) && c.total_ms.is_finite())
+        .min_by(|a, b| a.1.total_ms.total_cmp(&b.1.total_ms))
+        .map(|(i, _)| i);
+    let cheaper = |other: Option<usize>| {
+        costs
             .get(region)
-            .zip(unpinned.and_then(|u| costs.get(u)))
+            .zip(other.and_then(|u| costs.get(u)))
             .is_some_and(|(c, u)| u.total_ms < c.total_ms)
-    {
+    };
+    let unbounded = pick(inp, &costs, |c| c.candidate);
+    let reason = if unpinned.is_some_and(|u| !allowed(u) && u != region) && cheaper(unpinned) {
         Reason::Pin
+    } else if unlimited.is_some_and(|u| u != region && costs.get(u).is_some_and(|c| c.over_context))
+        && cheaper(unlimited)
+    {
+        Reason::Context
     } else if let Some(u) = unbounded.filter(|&u| u != region) {
         if costs.get(u).is_some_and(|c| c.over_wait) {
             Reason::LoadOverride
@@ -367,11 +395,13 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
             let occupancy = state.map_or(inflight_now, |s| {
                 (s.waiting + s.running + inflight_now - s.inflight_at_scrape).max(inflight_now)
             });
-            let tpb = tokens_per_byte(cfg, state, inp.model);
-            let prompt_tokens = if state.is_some_and(|s| s.tokens_per_byte.is_some()) {
-                tokens_of(inp.prompt_bytes, tpb)
+            // A region not yet measured counts in the fleet's unit, for its
+            // prompt and its cache alike.
+            let (tpb, prompt_tokens) = if state.is_some_and(|s| s.tokens_per_byte.is_some()) {
+                let tpb = tokens_per_byte(cfg, state, inp.model);
+                (tpb, tokens_of(inp.prompt_bytes, tpb))
             } else {
-                inp.prompt_tokens
+                (inp.tokens_per_byte, inp.prompt_tokens)
             };
             let reliability = state
                 .and_then(|s| s.cache_reliability)
@@ -402,6 +432,7 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
                 occupancy,
                 healthy,
                 candidate: healthy,
+                over_context: i < 64 && inp.fits & (1 << i) == 0,
                 over_bound: false,
                 over_wait: false,
             }
@@ -599,8 +630,9 @@ fn holder(costs: &[Cost], eligible: impl Fn(&Cost) -> bool) -> Option<usize> {
 }
 
 /// No usable snapshot, or no healthy candidate: the nearest configured
-/// region among those allowed and last known healthy; else the nearest
-/// allowed; else the nearest.
+/// region among those allowed, able to take the request (context limit)
+/// and last known healthy; else the nearest allowed that can take it;
+/// else the nearest allowed; else the nearest.
 fn fallback(inp: &Inputs, costs: Vec<Cost>) -> Decision {
     let cfg = inp.config;
     let allowed = |i: usize| {
@@ -621,7 +653,9 @@ fn fallback(inp: &Inputs, costs: Vec<Cost>) -> Decision {
         }
         best
     };
-    let region = nearest(&|i| allowed(i) && known_healthy(i))
+    let fits = |i: usize| i < 64 && inp.fits & (1 << i) != 0;
+    let region = nearest(&|i| allowed(i) && fits(i) && known_healthy(i))
+        .or_else(|| nearest(&|i| allowed(i) && fits(i)))
         .or_else(|| nearest(&allowed))
         .unwrap_or_else(|| cfg.nearest_configured_region());
     Decision {
@@ -671,9 +705,11 @@ mod tests {
             inflight: &inflight,
             prompt_tokens: tokens,
             prompt_bytes: tokens * 4,
+            tokens_per_byte: 0.25,
             model: None,
             first_block: Some(42),
             allowed: None,
+            fits: u64::MAX,
             session_region: None,
             weights: Weights::configured(c),
         })
@@ -763,9 +799,11 @@ mod tests {
                 inflight: &[0.0; 3],
                 prompt_tokens: 10,
                 prompt_bytes: 40,
+                tokens_per_byte: 0.25,
                 model: None,
                 first_block: Some(key),
                 allowed: None,
+                fits: u64::MAX,
                 session_region: None,
                 weights: Weights::configured(&c),
             };
@@ -808,9 +846,11 @@ mod tests {
             inflight: &[0.0; 3],
             prompt_tokens: 1000,
             prompt_bytes: 4000,
+            tokens_per_byte: 0.25,
             model: None,
             first_block: Some(7),
             allowed,
+            fits: u64::MAX,
             session_region: session,
             weights: Weights::configured(c),
         }
@@ -982,6 +1022,36 @@ mod tests {
         let near_mid = [true, true, false];
         let d = decide(&inputs(&c, &s, &[0, 62, 0], Some(&near_mid), None));
         assert_eq!((d.region, d.reason), (1, Reason::Cache));
+    }
+
+    #[test]
+    fn regions_that_cannot_take_the_request_are_not_candidates() {
+        let c = cfg();
+        let s = snap(&c);
+        // near is cheapest but cannot take it: mid, for its context.
+        let mut inp = inputs(&c, &s, &[0, 0, 0], None, None);
+        inp.fits = !0b001;
+        let d = decide(&inp);
+        assert_eq!((d.region, d.reason), (1, Reason::Context));
+        assert!(d.costs[0].over_context && !d.costs[0].candidate);
+        assert_eq!(d.runner_up, Some(2));
+        // Excluding a region that would not have won changes nothing.
+        inp.fits = !0b100;
+        assert_eq!(decide(&inp).reason, Reason::Rtt);
+        // With a pin to near and far: far, for near's context.
+        let near_far = [true, false, true];
+        let mut inp = inputs(&c, &s, &[0, 0, 0], Some(&near_far), None);
+        inp.fits = 0b110;
+        let d = decide(&inp);
+        assert_eq!((d.region, d.reason), (2, Reason::Context));
+        // No healthy region that can take it: the nearest that can.
+        let mut s2 = snap(&c);
+        s2.regions[1].healthy = false;
+        s2.regions[2].healthy = false;
+        let mut inp = inputs(&c, &s2, &[0, 0, 0], None, None);
+        inp.fits = 0b110;
+        let d = decide(&inp);
+        assert_eq!((d.region, d.reason), (1, Reason::Fallback));
     }
 
     #[test]

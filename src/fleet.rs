@@ -48,6 +48,8 @@ struct Region {
     down_since_ms: Option<u64>,
     /// What the engine's answers taught (tokens per byte, cache horizon).
     calibration: RegionCalibration,
+    /// The engine's context limit, from its model list.
+    max_model_len: Option<u32>,
 }
 
 impl Region {
@@ -110,6 +112,7 @@ impl Fleet {
                     ejections: 0,
                     down_since_ms: None,
                     calibration: RegionCalibration::default(),
+                    max_model_len: None,
                 })
                 .collect(),
             ladder: Ladder::new(now_ms),
@@ -140,6 +143,25 @@ impl Fleet {
         if let Some(r) = self.regions.get_mut(region) {
             r.release = digest;
         }
+    }
+
+    /// The release digest the region last reported, if any.
+    pub fn release(&self, region: usize) -> Option<&str> {
+        self.regions.get(region)?.release.as_deref()
+    }
+
+    /// The context limit the region's model list states; true when it
+    /// changed. A failed read does not come here: the last limit read
+    /// stands (unknown until one is read).
+    pub fn on_model_limit(&mut self, region: usize, limit: u32) -> bool {
+        self.regions
+            .get_mut(region)
+            .is_some_and(|r| r.max_model_len.replace(limit) != Some(limit))
+    }
+
+    /// The context limit last read for the region.
+    pub fn model_limit(&self, region: usize) -> Option<u32> {
+        self.regions.get(region)?.max_model_len
     }
 
     /// Live results of the region's engines since the last tick (from the
@@ -494,6 +516,7 @@ impl Fleet {
                     .collect(),
                 cache_horizon_ms: r.calibration.horizon_ms(now_ms),
                 cache_reliability: r.calibration.reliability(),
+                max_model_len: r.max_model_len,
             })
             .collect();
         Snapshot {

@@ -10,6 +10,7 @@
 pub mod assess;
 pub mod calibration;
 pub mod config;
+pub mod context;
 pub mod cost;
 pub mod directory;
 pub mod effects;

@@ -1,5 +1,8 @@
 //! The probe singleton: every tick, one health and one `/metrics` callout
-//! per region through its Envoy cluster; their answers, the routers'
+//! per region through its Envoy cluster, and now and then one for its model
+//! list (the engine's context limit: at start, every
+//! `context.refresh_ticks`, when the region becomes healthy again and when
+//! its release digest changes); their answers, the routers'
 //! per-region outcome counters, their TTFT observations (shared queue) and
 //! the operator's override feed the pure [`Fleet`], which decides health,
 //! ejection, the ladder and the assessment; the probe publishes the
@@ -16,6 +19,7 @@ use std::rc::Rc;
 use crate::assess::Assessment;
 use crate::calibration::Verdict;
 use crate::config::{Config, ReleaseSource};
+use crate::context::parse_model_limit;
 use crate::effects::{CalloutResponse, Level, ProbeHost};
 use crate::fleet::{Fleet, HealthChange};
 use crate::metrics::parse_engine_metrics;
@@ -41,10 +45,15 @@ pub const FIRST_TICK_MS: u64 = 50;
 /// Health bodies read at most (a release digest in JSON).
 const HEALTH_BODY_MAX: usize = 64 * 1024;
 
+/// Model-list bodies read at most: a card is a few hundred bytes, so this
+/// holds a model with hundreds of LoRA adapters; a longer list is refused.
+const MODELS_BODY_MAX: usize = 256 * 1024;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Health,
     Metrics,
+    Models,
 }
 
 #[derive(Debug)]
@@ -57,9 +66,14 @@ pub struct Probe {
     /// Per region: the outcome counters (answered, failures) at the last tick.
     last_upstream: Vec<Option<(u64, u64)>>,
     metrics_warned: Vec<bool>,
+    models_warned: Vec<bool>,
     dispatch_warned: Vec<bool>,
     last_assessment: Assessment,
     first_tick: bool,
+    /// Rounds this root context has run (holding the lease).
+    rounds: u64,
+    /// Per region: the round from which its model list is to be read.
+    models_due: Vec<u64>,
 }
 
 impl Probe {
@@ -72,9 +86,12 @@ impl Probe {
             pending: HashMap::new(),
             last_upstream: vec![None; n],
             metrics_warned: vec![false; n],
+            models_warned: vec![false; n],
             dispatch_warned: vec![false; n],
             last_assessment: Assessment::Ok,
             first_tick: true,
+            rounds: 0,
+            models_due: vec![0; n],
             cfg,
         }
     }
@@ -126,8 +143,9 @@ impl Probe {
     }
 
     /// One round: inputs since the last tick, a health and a metrics callout
-    /// per region (unless the last one is still out), the controller step,
-    /// a publication.
+    /// per region and a model-list callout where one is due (unless the
+    /// last one of its kind is still out), the controller step, a
+    /// publication.
     pub fn on_tick(&mut self, host: &mut dyn ProbeHost) {
         if std::mem::take(&mut self.first_tick) {
             // From now on, the configured period (accepted at start).
@@ -138,6 +156,7 @@ impl Probe {
             return;
         }
         host.count(Stat::Global(Global::ProbeTicks), 1);
+        self.rounds += 1;
         let timeout_ms = u64::from(self.cfg.probe.timeout_ms);
         // A callout the host never answered is forgotten after two timeouts.
         self.pending
@@ -150,16 +169,24 @@ impl Probe {
         let cfg = self.cfg.clone();
         for (i, r) in cfg.regions.iter().enumerate() {
             let authority = cfg.region_authority(i).unwrap_or(&r.cluster);
+            let models_due = self.models_due.get(i).is_some_and(|d| *d <= self.rounds);
             for (kind, path) in [
                 (Kind::Health, &r.health_path),
                 (Kind::Metrics, &r.metrics_path),
+                (Kind::Models, &r.models_path),
             ] {
-                if self
-                    .pending
-                    .values()
-                    .any(|(ri, k, _)| *ri == i && *k == kind)
+                if (kind == Kind::Models && !models_due)
+                    || self
+                        .pending
+                        .values()
+                        .any(|(ri, k, _)| *ri == i && *k == kind)
                 {
                     continue;
+                }
+                if kind == Kind::Models {
+                    if let Some(d) = self.models_due.get_mut(i) {
+                        *d = self.rounds + u64::from(cfg.context.refresh_ticks);
+                    }
                 }
                 let headers = [
                     (":method", "GET"),
@@ -216,13 +243,89 @@ impl Probe {
                 let rtt = ok.then(|| now.saturating_sub(sent) as f64);
                 if ok && self.cfg.release.source != ReleaseSource::MetricsLabel {
                     let digest = self.health_release(response);
-                    self.fleet.on_release(region, digest);
+                    self.release(region, digest);
                 }
                 if self.health(host, region, rtt) {
                     self.publish(host, now);
                 }
             }
             Kind::Metrics => self.metrics(host, region, status, response, now),
+            Kind::Models => self.models(host, region, status, response, now),
+        }
+    }
+
+    /// A release digest read; a region that changed release is redeployed,
+    /// perhaps with another context limit: its model list is read again
+    /// in the next round.
+    fn release(&mut self, region: usize, digest: Option<String>) {
+        let old = self.fleet.release(region);
+        if old.is_some() && old != digest.as_deref() {
+            self.models_due_now(region);
+        }
+        self.fleet.on_release(region, digest);
+    }
+
+    fn models_due_now(&mut self, region: usize) {
+        if let Some(d) = self.models_due.get_mut(region) {
+            *d = self.rounds;
+        }
+    }
+
+    /// A model list came back: the region's context limit, or, for anything
+    /// else (an error status, no answer, a body too large or not a model
+    /// list), one warning until a read succeeds again and a counter; the
+    /// last limit read stands.
+    fn models(
+        &mut self,
+        host: &mut dyn ProbeHost,
+        region: usize,
+        status: Option<u32>,
+        response: &mut dyn CalloutResponse,
+        now: u64,
+    ) {
+        let Some(r) = self.cfg.regions.get(region) else {
+            return;
+        };
+        let (name, path) = (r.name.clone(), r.models_path.clone());
+        let read = match status {
+            Some(s) if (200..300).contains(&s) => match response.body(MODELS_BODY_MAX + 1) {
+                Some(b) if b.len() > MODELS_BODY_MAX => Err(format!(
+                    "the body is larger than {} KiB",
+                    MODELS_BODY_MAX / 1024
+                )),
+                Some(b) => parse_model_limit(&b),
+                None => Err("the answer has no body".to_string()),
+            },
+            Some(s) => Err(format!("status {s}")),
+            None => Err("no response".to_string()),
+        };
+        match read {
+            Ok(limit) => {
+                if let Some(w) = self.models_warned.get_mut(region) {
+                    *w = false;
+                }
+                if self.fleet.on_model_limit(region, limit) {
+                    host.log(
+                        Level::Info,
+                        &format!("llm-geo-router probe: region {name}: context limit {limit} tokens (max_model_len in {path})"),
+                    );
+                    self.publish(host, now);
+                }
+            }
+            Err(e) => {
+                host.count(Stat::Region(region, RegionStat::ModelsReadFailure), 1);
+                if let Some(w) = self.models_warned.get_mut(region).filter(|w| !**w) {
+                    *w = true;
+                    let stays = self
+                        .fleet
+                        .model_limit(region)
+                        .map_or("unknown".to_string(), |l| format!("{l} tokens"));
+                    host.log(
+                        Level::Warn,
+                        &format!("llm-geo-router probe: region {name}: model list {path} not read: {e}; its context limit stays {stays}"),
+                    );
+                }
+            }
         }
     }
 
@@ -261,7 +364,7 @@ impl Probe {
                     *w = false;
                 }
                 if self.cfg.release.source == ReleaseSource::MetricsLabel {
-                    self.fleet.on_release(region, sample.release.clone());
+                    self.release(region, sample.release.clone());
                 }
                 self.fleet.on_metrics(region, Some(sample), inflight);
                 self.publish(host, now);
@@ -359,6 +462,10 @@ impl Probe {
             host.count(Stat::Region(region, RegionStat::HealthProbeFailure), 1);
         }
         let change = self.fleet.on_health(&self.cfg, region, rtt);
+        if change == HealthChange::BecameHealthy {
+            // Back from an outage, perhaps redeployed: read its limit again.
+            self.models_due_now(region);
+        }
         let name = self
             .cfg
             .regions
@@ -537,6 +644,11 @@ impl Probe {
                 RegionStat::CacheReliabilityPct,
                 (r.cache_reliability.unwrap_or(1.0) * 100.0).round() as u64,
             );
+            rg(
+                host,
+                RegionStat::MaxModelLen,
+                r.max_model_len.map_or(0, u64::from),
+            );
         }
         // Last: the filters copy the snapshot in when this changes.
         g(host, Global::ProbeSnapshotVersion, snap.version);
@@ -557,6 +669,7 @@ mod tests {
 
     const T0: u64 = 1_700_000_000_000;
     const VLLM: &str = "vllm:num_requests_waiting{model_name=\"m\"} 3.0\nvllm:num_requests_running{model_name=\"m\"} 5.0\n";
+    const MODELS: &str = r#"{"object":"list","data":[{"id":"m","object":"model","max_model_len":32768},{"id":"lora","object":"model","max_model_len":null}]}"#;
 
     fn cfg(extra: &str) -> Rc<Config> {
         Rc::new(
@@ -592,6 +705,8 @@ mod tests {
             };
             if path == "/metrics" {
                 a.body = metrics.as_bytes().to_vec();
+            } else if path == "/v1/models" {
+                a.body = MODELS.as_bytes().to_vec();
             }
             p.on_callout_response(host, token, &mut a);
         }
@@ -612,7 +727,8 @@ mod tests {
         tick(&mut p, &mut host, T0 + 50);
         assert_eq!(host.tick_ms, Some(1000));
         assert_eq!(host.value(Stat::Global(Global::ProbeTicks)), 1);
-        // One health and one metrics callout per region, with its authority.
+        // One health and one metrics callout per region, with its authority,
+        // and at first its model list.
         let paths: Vec<_> = host
             .callouts
             .iter()
@@ -623,8 +739,10 @@ mod tests {
             [
                 ("cn", "/health"),
                 ("cn", "/metrics"),
+                ("cn", "/v1/models"),
                 ("cm", "/health"),
-                ("cm", "/metrics")
+                ("cm", "/metrics"),
+                ("cm", "/v1/models")
             ]
             .map(|(a, b)| (a.to_string(), b.to_string()))
         );
@@ -639,7 +757,9 @@ mod tests {
         assert_eq!(snap.regions[0].waiting, 3.0);
         assert_eq!(snap.regions[1].running, 5.0);
         assert_eq!(snap.regions[0].rtt_ms, Some(12.0));
+        assert_eq!(snap.regions[1].max_model_len, Some(32768));
         assert_eq!(host.value(Stat::Region(1, RegionStat::EngineWaiting)), 3);
+        assert_eq!(host.value(Stat::Region(0, RegionStat::MaxModelLen)), 32768);
         // A callout still out is not sent again.
         tick(&mut p, &mut host, T0 + 1050);
         tick(&mut p, &mut host, T0 + 1100);
@@ -663,7 +783,7 @@ mod tests {
             1,
             "b stays idle"
         );
-        assert_eq!(host.callouts.len(), 4);
+        assert_eq!(host.callouts.len(), 6);
         // a stops renewing: after three ticks' time b takes over.
         tick(&mut b, &mut host, T0 + 50 + 3000);
         assert_eq!(host.value(Stat::Global(Global::ProbeTicks)), 1);
@@ -760,6 +880,190 @@ mod tests {
         let snap = p.fleet.snapshot(&c, T0 + 4000);
         assert!(snap.regions[0].healthy && snap.regions[0].release_ok);
         assert!(!snap.regions[1].healthy);
+    }
+
+    /// The model-list callouts of the last round, answered `ms` later with
+    /// `status` and `body` (the other callouts are answered 200, empty).
+    fn answer_models(
+        p: &mut Probe,
+        host: &mut Recorder,
+        status: Option<u32>,
+        body: &[u8],
+    ) -> usize {
+        let mut n = 0;
+        for (token, _, path) in std::mem::take(&mut host.callouts) {
+            let mut a = Answer {
+                status: Some(200),
+                ..Answer::default()
+            };
+            if path == "/v1/models" {
+                n += 1;
+                a.status = status;
+                a.body = body.to_vec();
+            }
+            p.on_callout_response(host, token, &mut a);
+        }
+        n
+    }
+
+    #[test]
+    fn the_context_limit_is_read_at_start_then_every_refresh_and_on_recovery() {
+        let c =
+            cfg(r#","context":{"refresh_ticks":3},"release":{"source":"health_json","name":"d"}"#);
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        let limit = |p: &mut Probe| {
+            p.fleet
+                .snapshot(&c, T0)
+                .regions
+                .iter()
+                .map(|r| r.max_model_len)
+                .collect::<Vec<_>>()
+        };
+        tick(&mut p, &mut host, T0 + 50);
+        assert_eq!(
+            answer_models(&mut p, &mut host, Some(200), MODELS.as_bytes()),
+            2
+        );
+        assert_eq!(limit(&mut p), [Some(32768), Some(32768)]);
+        assert!(host.logs.iter().any(|(_, m)| m == "llm-geo-router probe: region near: context limit 32768 tokens (max_model_len in /v1/models)"));
+        // Not again in rounds 2 and 3; again in round 4.
+        let mut reads = Vec::new();
+        for round in 2..=7u64 {
+            tick(&mut p, &mut host, T0 + 1000 * round);
+            reads.push(answer_models(
+                &mut p,
+                &mut host,
+                Some(200),
+                br#"{"data":[{"max_model_len":8192}]}"#,
+            ));
+        }
+        assert_eq!(reads, [0, 0, 2, 0, 0, 2]);
+        assert_eq!(limit(&mut p), [Some(8192), Some(8192)]);
+    }
+
+    #[test]
+    fn a_region_back_from_an_outage_or_on_another_release_is_read_again() {
+        let c = cfg(
+            r#","context":{"refresh_ticks":1000},"release":{"source":"health_json","name":"d"}"#,
+        );
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        // Each round: health as `health(cluster)` says, with that release;
+        // the model lists read (by cluster).
+        let round = |p: &mut Probe,
+                     host: &mut Recorder,
+                     at: u64,
+                     health: &dyn Fn(&str) -> (u32, &'static str)| {
+            tick(p, host, T0 + 1000 * at);
+            let mut read = Vec::new();
+            for (token, cluster, path) in std::mem::take(&mut host.callouts) {
+                let (status, release) = health(&cluster);
+                let mut a = Answer {
+                    status: Some(200),
+                    ..Answer::default()
+                };
+                match path.as_str() {
+                    "/health" => {
+                        a.status = Some(status);
+                        a.body = format!(r#"{{"d":"{release}"}}"#).into_bytes();
+                    }
+                    "/v1/models" => {
+                        a.body = MODELS.as_bytes().to_vec();
+                        read.push(cluster);
+                    }
+                    _ => {}
+                }
+                p.on_callout_response(host, token, &mut a);
+            }
+            read
+        };
+        let up = |_: &str| (200, "one");
+        assert_eq!(round(&mut p, &mut host, 1, &up), ["cn", "cm"]);
+        assert!(round(&mut p, &mut host, 2, &up).is_empty());
+        // near down for two rounds (unhealthy), up for two (healthy again):
+        // read in the round after.
+        let near_down = |c: &str| {
+            if c == "cn" {
+                (503, "one")
+            } else {
+                (200, "one")
+            }
+        };
+        for at in 3..=4 {
+            assert!(round(&mut p, &mut host, at, &near_down).is_empty());
+        }
+        for at in 5..=6 {
+            assert!(round(&mut p, &mut host, at, &up).is_empty());
+        }
+        assert_eq!(round(&mut p, &mut host, 7, &up), ["cn"]);
+        // mid redeployed on another release: read in the round after.
+        let mid_two = |c: &str| {
+            if c == "cm" {
+                (200, "two")
+            } else {
+                (200, "one")
+            }
+        };
+        assert!(round(&mut p, &mut host, 8, &mid_two).is_empty());
+        assert_eq!(round(&mut p, &mut host, 9, &mid_two), ["cm"]);
+        assert!(round(&mut p, &mut host, 10, &mid_two).is_empty());
+    }
+
+    #[test]
+    fn a_model_list_that_cannot_be_read_leaves_the_limit_and_warns_once() {
+        let c = cfg(r#","context":{"refresh_ticks":1}"#);
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        let huge = format!(
+            r#"{{"data":[{{"max_model_len":4096,"pad":"{}"}}]}}"#,
+            "x".repeat(MODELS_BODY_MAX)
+        );
+        let bad: [(Option<u32>, &[u8]); 7] = [
+            (Some(200), b"\x00garbage{"),
+            (Some(200), br#"{"data":[{"max_model_len":"4096"}]}"#),
+            (
+                Some(200),
+                br#"{"data":[{"id":"lora","max_model_len":null}]}"#,
+            ),
+            (Some(200), huge.as_bytes()),
+            (Some(404), MODELS.as_bytes()),
+            (None, b""),
+            (Some(200), b""),
+        ];
+        for (i, (status, body)) in bad.iter().enumerate() {
+            tick(&mut p, &mut host, T0 + 1000 * (i as u64 + 1));
+            answer_models(&mut p, &mut host, *status, body);
+        }
+        assert_eq!(
+            host.value(Stat::Region(0, RegionStat::ModelsReadFailure)),
+            7
+        );
+        let warnings: Vec<&str> = host
+            .logs
+            .iter()
+            .map(|(_, m)| m.as_str())
+            .filter(|m| m.contains("region near: model list"))
+            .collect();
+        assert_eq!(
+            warnings,
+            ["llm-geo-router probe: region near: model list /v1/models not read: model list is not JSON: expected value at line 1 column 1; its context limit stays unknown"]
+        );
+        assert_eq!(p.fleet.model_limit(0), None);
+        // Read once, the limit stands through failures; a success re-arms
+        // the warning.
+        tick(&mut p, &mut host, T0 + 10_000);
+        answer_models(
+            &mut p,
+            &mut host,
+            Some(200),
+            br#"{"data":[{"max_model_len":4096}]}"#,
+        );
+        tick(&mut p, &mut host, T0 + 11_000);
+        answer_models(&mut p, &mut host, Some(200), huge.as_bytes());
+        assert_eq!(p.fleet.model_limit(0), Some(4096));
+        assert!(host.logs.iter().any(|(_, m)| m == "llm-geo-router probe: region near: model list /v1/models not read: the body is larger than 256 KiB; its context limit stays 4096 tokens"));
+        assert_eq!(host.value(Stat::Region(0, RegionStat::MaxModelLen)), 4096);
     }
 
     #[test]

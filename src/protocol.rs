@@ -65,6 +65,7 @@ pub enum Global {
     RouterInvalidRequest,
     RouterPassthrough,
     RouterResidencyRejected,
+    RouterContextRejected,
     RouterOutcomeUnattributed,
     LadderLevel,
     LadderLevelChangedUnixS,
@@ -84,13 +85,14 @@ pub enum Global {
 }
 
 impl Global {
-    pub const ALL: [Global; 22] = [
+    pub const ALL: [Global; 23] = [
         Global::Arrivals,
         Global::GuardLevel,
         Global::GuardInvalidRequest,
         Global::RouterInvalidRequest,
         Global::RouterPassthrough,
         Global::RouterResidencyRejected,
+        Global::RouterContextRejected,
         Global::RouterOutcomeUnattributed,
         Global::LadderLevel,
         Global::LadderLevelChangedUnixS,
@@ -118,6 +120,7 @@ impl Global {
             Global::RouterInvalidRequest => ("router.invalid_request", Counter),
             Global::RouterPassthrough => ("router.passthrough", Counter),
             Global::RouterResidencyRejected => ("router.residency_rejected", Counter),
+            Global::RouterContextRejected => ("router.context_rejected", Counter),
             Global::RouterOutcomeUnattributed => ("router.outcome_unattributed", Counter),
             Global::LadderLevel => ("ladder.level", Gauge),
             Global::LadderLevelChangedUnixS => ("ladder.level_changed_unix_s", Gauge),
@@ -161,10 +164,12 @@ pub enum RegionStat {
     CacheHorizonMs,
     CacheReliabilityPct,
     CacheBeliefRefuted,
+    MaxModelLen,
+    ModelsReadFailure,
 }
 
 impl RegionStat {
-    pub const ALL: [RegionStat; 18] = [
+    pub const ALL: [RegionStat; 20] = [
         RegionStat::RqTotal,
         RegionStat::RqActive,
         RegionStat::FallbackRqTotal,
@@ -183,6 +188,8 @@ impl RegionStat {
         RegionStat::CacheHorizonMs,
         RegionStat::CacheReliabilityPct,
         RegionStat::CacheBeliefRefuted,
+        RegionStat::MaxModelLen,
+        RegionStat::ModelsReadFailure,
     ];
 
     fn spec(self) -> (&'static str, StatKind) {
@@ -206,6 +213,8 @@ impl RegionStat {
             RegionStat::CacheHorizonMs => ("prefix_horizon_ms", Gauge),
             RegionStat::CacheReliabilityPct => ("prefix_reliability_pct", Gauge),
             RegionStat::CacheBeliefRefuted => ("prefix_belief_refuted", Counter),
+            RegionStat::MaxModelLen => ("max_model_len", Gauge),
+            RegionStat::ModelsReadFailure => ("models_read_failure", Counter),
         }
     }
 }

@@ -5,6 +5,7 @@
 //! function; only the host layer gathers its inputs from Envoy.
 
 use crate::config::Config;
+use crate::context::{self, Exceeded};
 use crate::cost::{self, Decision, Weights};
 use crate::directory::{layout_of, Directory};
 use crate::migration::{self, KvAction};
@@ -118,6 +119,14 @@ pub enum Refusal {
     Invalid(RequestError),
     /// The residency value is not allow-listed: always 400.
     UnknownResidency(String),
+    /// No allowed region can take the request by its context limit: 400
+    /// `context_length_exceeded`, `message` in the words of the engine of
+    /// the region that came closest; `param` the prompt's field.
+    ContextLength {
+        message: String,
+        param: &'static str,
+        exceeded: Exceeded,
+    },
 }
 
 impl Router {
@@ -163,6 +172,24 @@ impl Router {
         let hasher = PromptHasher::new(cfg.prefix.block_bytes, cfg.prefix.hash_seed)
             .reserve_for(inp.body.len());
         let req = request::parse(inp.endpoint, inp.body, hasher).map_err(Refusal::Invalid)?;
+        // The regions' context limits, before any shared-data call. The
+        // fallback pool is other engines, whose limits the probe does not
+        // read: unchecked, as a region whose limit is unknown.
+        let limits = match inp.snapshot.filter(|_| !inp.fallback) {
+            Some(s) => context::check(cfg, &req, s, inp.snapshot_index, allowed.as_deref()),
+            None => context::Check::ALL_FIT,
+        };
+        if let Some(exceeded) = limits.exceeded {
+            let engine = cfg
+                .regions
+                .get(exceeded.region)
+                .map_or(crate::metrics::EngineKind::Vllm, |r| r.engine);
+            return Err(Refusal::ContextLength {
+                message: context::refusal_message(engine, &exceeded, cfg.context.margin),
+                param: context::param(inp.endpoint),
+                exceeded,
+            });
+        }
         let now = inp.now_ms;
         let mut calls = 0;
         // Each region's entries are believed within its learnt cache
@@ -226,8 +253,8 @@ impl Router {
             },
         );
         let model = req.model.as_deref();
-        let prompt_tokens =
-            cost::tokens_of(req.prompt.bytes, fleet_tokens_per_byte(cfg, inp, model));
+        let fleet_tpb = fleet_tokens_per_byte(cfg, inp, model);
+        let prompt_tokens = cost::tokens_of(req.prompt.bytes, fleet_tpb);
         let decision = cost::decide(&cost::Inputs {
             config: cfg,
             snapshot: inp.snapshot,
@@ -236,9 +263,11 @@ impl Router {
             inflight: inp.inflight,
             prompt_tokens,
             prompt_bytes: req.prompt.bytes,
+            tokens_per_byte: fleet_tpb,
             model,
             first_block,
             allowed: allowed.as_deref(),
+            fits: limits.fits,
             session_region: session.and_then(|s| s.last).map(|(r, _)| r),
             weights,
         });
@@ -533,6 +562,59 @@ mod tests {
             router.route(&c, &mut store, &inp),
             Err(Refusal::Invalid(_))
         ));
+    }
+
+    #[test]
+    fn a_prompt_no_region_can_take_is_refused_before_any_shared_data_call() {
+        let c = cfg();
+        let mut s = snap(&c);
+        s.regions[0].max_model_len = Some(4096);
+        s.regions[1].max_model_len = Some(8192);
+        let router = Router::new(&c);
+        let mut store = MemoryStore::default();
+        let b = body(&"long ".repeat(10_000), 0);
+        let mut inp = RouteInputs {
+            endpoint: Endpoint::ChatCompletions,
+            body: &b,
+            session_header: Some("s1"),
+            residency: None,
+            snapshot: Some(&s),
+            snapshot_index: &[Some(0), Some(1)],
+            inflight: &[0.0, 0.0],
+            now_ms: 1000,
+            fallback: false,
+        };
+        match router.route(&c, &mut store, &inp) {
+            Err(Refusal::ContextLength {
+                message,
+                param,
+                exceeded,
+            }) => {
+                assert_eq!(
+                    (param, exceeded.region, exceeded.limit),
+                    ("messages", 1, 8192)
+                );
+                assert!(
+                    message.starts_with("This model's maximum context length is 8192 tokens. However, your request has about 12"),
+                    "{message}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            store.map.is_empty(),
+            "nothing recorded for a refused request"
+        );
+        // mid can take it: routed there, for its context.
+        let mut roomy = s.clone();
+        roomy.regions[1].max_model_len = Some(32768);
+        inp.snapshot = Some(&roomy);
+        let r = router.route(&c, &mut store, &inp).unwrap();
+        assert_eq!((r.decision.region, r.decision.reason), (1, Reason::Context));
+        // The fallback pool's engines are not the regions': not checked.
+        inp.snapshot = Some(&s);
+        inp.fallback = true;
+        assert!(router.route(&c, &mut store, &inp).is_ok());
     }
 }
 

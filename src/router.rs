@@ -177,6 +177,12 @@ impl RouterStream {
                 host.count(Stat::Global(Global::RouterResidencyRejected), 1);
                 return reject("invalid_residency", &msg, None);
             }
+            Err(Refusal::ContextLength { message, param, .. }) => {
+                // Refused here rather than shipped across the WAN to be
+                // refused by the engine, in the engine's own words.
+                host.count(Stat::Global(Global::RouterContextRejected), 1);
+                return reject("context_length_exceeded", &message, Some(param));
+            }
         };
         drop(inflight);
         let d = &routed.decision;
@@ -638,6 +644,44 @@ mod tests {
         );
         assert_eq!(f, Flow::Continue);
         assert_eq!(host.value(Stat::Global(Global::RouterInvalidRequest)), 1);
+    }
+
+    #[test]
+    fn a_prompt_beyond_every_regions_context_gets_the_engines_400() {
+        let sh = shared("");
+        let mut host = new_host(&sh);
+        let mut snap = Snapshot::all_healthy(&sh.cfg);
+        snap.version = 2;
+        snap.generated_ms = NOW;
+        snap.regions[0].max_model_len = Some(4096);
+        snap.regions[1].max_model_len = Some(4096);
+        host.publish(&snap);
+        let long = format!(r#"{{"prompt":"{}","max_tokens":16}}"#, "word ".repeat(8000));
+        let (s, f) = request(&sh, &mut host, headers("/v1/completions", &[]), &long);
+        let Flow::Reply(r) = f else { panic!("{f:?}") };
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(r.status, 400);
+        assert_eq!(v["error"]["code"], "context_length_exceeded");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["param"], "prompt");
+        assert_eq!(
+            v["error"]["message"],
+            "This model's maximum context length is 4096 tokens. However, your request has about 10000 input tokens (estimated at the edge). Please reduce the length of the input messages."
+        );
+        assert_eq!(host.value(Stat::Global(Global::RouterContextRejected)), 1);
+        assert!(s.decision().is_none());
+        assert_eq!(host.request_header("x-llm-cluster"), None, "sent nowhere");
+        assert_eq!(host.value(Stat::Region(0, RegionStat::RqTotal)), 0);
+        // A short prompt is routed as before.
+        host.next_stream();
+        let (_, f) = request(
+            &sh,
+            &mut host,
+            headers("/v1/completions", &[]),
+            r#"{"prompt":"hi"}"#,
+        );
+        assert_eq!(f, Flow::Continue);
+        assert_eq!(host.request_header("x-llm-cluster"), Some(Some("cn")));
     }
 
     #[test]

@@ -87,6 +87,10 @@ pub struct RegionState {
     /// absent: not measured (taken as 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_reliability: Option<f64>,
+    /// The engine's context limit in tokens (`max_model_len` in its model
+    /// list); absent until read, or when it does not say.
+    #[serde(default)]
+    pub max_model_len: Option<u32>,
 }
 
 impl Default for RegionState {
@@ -109,6 +113,7 @@ impl Default for RegionState {
             model_tokens_per_byte: Vec::new(),
             cache_horizon_ms: None,
             cache_reliability: None,
+            max_model_len: None,
         }
     }
 }
@@ -188,5 +193,25 @@ mod tests {
         bad.level = 9;
         assert!(Snapshot::decode(&bad.encode()).is_err());
         assert!(s.is_fresh(1010, 1000) && !s.is_fresh(1011, 1000));
+    }
+
+    #[test]
+    fn the_context_limit_round_trips_and_older_snapshots_still_decode() {
+        let mut s = Snapshot::default();
+        s.regions.push(RegionState {
+            name: "a".into(),
+            max_model_len: Some(32768),
+            ..RegionState::default()
+        });
+        assert_eq!(Snapshot::decode(&s.encode()).unwrap(), s);
+        // Published before the limit existed: no field, limit unknown.
+        let old = br#"{"version":1,"generated_ms":1,"level":0,"ratio":null,"demand_rps":0,
+            "capacity_rps":0,"level_changed_ms":0,"regions":[{"name":"a","healthy":true,
+            "rtt_ms":null,"waiting":0,"running":0,"kv_usage":null,"prefix_hit_rate":null,
+            "inflight_at_scrape":0,"metrics_ok":false}]}"#;
+        assert_eq!(
+            Snapshot::decode(old).unwrap().regions[0].max_model_len,
+            None
+        );
     }
 }

@@ -1,0 +1,372 @@
+//! Context limits at the edge: what a region's engine says its context
+//! limit is (`max_model_len` in its `/v1/models`), the router's estimate of
+//! a request's prompt tokens, whether a region can take the request, and
+//! the 400 the router answers in the engine's own words when no allowed
+//! region can.
+//!
+//! The estimate can be wrong both ways (the router counts bytes of its
+//! canonical prompt text, not the engine's tokens under its chat template),
+//! so a region is passed over only when the estimate lowered by
+//! `context.margin`, plus the output tokens the request asks for, still
+//! exceeds its limit. A region whose limit is unknown takes everything.
+
+use serde_json::Value;
+
+use crate::config::Config;
+use crate::metrics::EngineKind;
+use crate::request::{Endpoint, InferenceRequest};
+use crate::snapshot::{RegionState, Snapshot};
+
+/// The context limit a `/v1/models` body states: the smallest non-null
+/// `max_model_len` among its cards. vLLM and SGLang list the served model
+/// with its limit; LoRA adapters are listed with `max_model_len: null` and
+/// share the base model's limit. The smallest is taken so that a request
+/// the router lets through is one every listed model can take.
+pub fn parse_model_limit(body: &[u8]) -> Result<u32, String> {
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| format!("model list is not JSON: {e}"))?;
+    let data = v
+        .get("data")
+        .ok_or("model list has no `data`")?
+        .as_array()
+        .ok_or("model list `data` is not an array")?;
+    let mut least: Option<u32> = None;
+    for (i, card) in data.iter().enumerate() {
+        let limit = match card.get("max_model_len") {
+            None | Some(Value::Null) => continue,
+            Some(Value::Number(n)) => n
+                .as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("data[{i}].max_model_len {n} is not a token count"))?,
+            Some(other) => {
+                return Err(format!(
+                    "data[{i}].max_model_len is {}, not a number",
+                    kind_of(other)
+                ))
+            }
+        };
+        least = Some(least.map_or(limit, |l| l.min(limit)));
+    }
+    least.ok_or_else(|| format!("none of the {} model cards has a max_model_len", data.len()))
+}
+
+fn kind_of(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// The router's estimate of the request's prompt tokens at a region. The
+/// one place the edge turns prompt bytes into tokens for a context limit.
+///
+/// With the region's tokens per byte as the cost uses them: measured from
+/// its engine's `usage.prompt_tokens` (for the request's model, where
+/// measured), else the configured `prefix.bytes_per_token`.
+pub fn prompt_tokens(cfg: &Config, req: &InferenceRequest, state: Option<&RegionState>) -> u64 {
+    match state.filter(|s| s.tokens_per_byte.is_some()) {
+        Some(s) => crate::cost::tokens_of(
+            req.prompt.bytes,
+            crate::cost::tokens_per_byte(cfg, Some(s), req.model.as_deref()),
+        ),
+        None => req.prompt_tokens(cfg.prefix.bytes_per_token),
+    }
+}
+
+/// The output tokens the request asks for, as the engines read them
+/// (`max_completion_tokens` before `max_tokens`).
+pub fn requested_output(req: &InferenceRequest) -> Option<u64> {
+    req.max_completion_tokens.or(req.max_tokens)
+}
+
+/// Whether a region with context limit `limit` can take a prompt estimated
+/// at `estimate` tokens asking for `output` tokens. As the engines judge it
+/// (a prompt must leave room for one output token; with an explicit output
+/// length, prompt and output must fit), on the estimate lowered by
+/// `margin`.
+pub fn fits(margin: f64, limit: Option<u32>, estimate: u64, output: Option<u64>) -> bool {
+    let Some(limit) = limit else {
+        return true;
+    };
+    let lowered = (estimate as f64 * (1.0 - margin)).floor() as u64;
+    lowered.saturating_add(output.unwrap_or(1).max(1)) <= u64::from(limit)
+}
+
+/// A request no allowed region can take: the region with the largest
+/// limit (the one that came closest), that limit, the estimate there and
+/// the output asked for.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Exceeded {
+    pub region: usize,
+    pub limit: u32,
+    pub estimate: u64,
+    pub output: Option<u64>,
+}
+
+/// The context check of one request: per configured region (bit i) whether
+/// it can take the request, and the refusal when no allowed region can.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Check {
+    pub fits: u64,
+    pub exceeded: Option<Exceeded>,
+}
+
+impl Check {
+    /// Every region can take it (no snapshot, no known limits).
+    pub const ALL_FIT: Check = Check {
+        fits: u64::MAX,
+        exceeded: None,
+    };
+}
+
+/// Check a request against the regions' limits in the snapshot. `allowed`
+/// is the residency pin (per configured region). No allocation: a few
+/// multiplications per region.
+pub fn check(
+    cfg: &Config,
+    req: &InferenceRequest,
+    snapshot: &Snapshot,
+    snapshot_index: &[Option<usize>],
+    allowed: Option<&[bool]>,
+) -> Check {
+    let output = requested_output(req);
+    let mut fits_mask = 0u64;
+    let mut any_allowed_fits = false;
+    let mut closest: Option<Exceeded> = None;
+    for i in 0..cfg.regions.len().min(64) {
+        let state = snapshot_index
+            .get(i)
+            .copied()
+            .flatten()
+            .and_then(|j| snapshot.regions.get(j));
+        let limit = state.and_then(|s| s.max_model_len);
+        let estimate = prompt_tokens(cfg, req, state);
+        let ok = fits(cfg.context.margin, limit, estimate, output);
+        let is_allowed = allowed.is_none_or(|a| a.get(i).copied().unwrap_or(false));
+        if ok {
+            fits_mask |= 1 << i;
+            any_allowed_fits |= is_allowed;
+        } else if let Some(limit) = limit.filter(|_| is_allowed) {
+            if closest.is_none_or(|c| limit > c.limit) {
+                closest = Some(Exceeded {
+                    region: i,
+                    limit,
+                    estimate,
+                    output,
+                });
+            }
+        }
+    }
+    Check {
+        fits: fits_mask,
+        exceeded: closest.filter(|_| !any_allowed_fits),
+    }
+}
+
+/// The refusal's message, in the words of the region's engine, saying that
+/// the count is the router's estimate. vLLM and SGLang each have two: the
+/// prompt alone is too long, or prompt plus requested output is.
+pub fn refusal_message(engine: EngineKind, e: &Exceeded, margin: f64) -> String {
+    let (limit, n) = (e.limit, e.estimate);
+    let prompt_alone = !fits(margin, Some(limit), n, None);
+    match (engine, e.output.filter(|_| !prompt_alone)) {
+        (EngineKind::Vllm, None) => format!(
+            "This model's maximum context length is {limit} tokens. However, your request has about {n} input tokens (estimated at the edge). Please reduce the length of the input messages."
+        ),
+        (EngineKind::Vllm, Some(m)) => format!(
+            "'max_tokens' or 'max_completion_tokens' is too large: {m}. This model's maximum context length is {limit} tokens and your request has about {n} input tokens (estimated at the edge) ({m} > {limit} - {n})."
+        ),
+        (EngineKind::Sglang, None) => format!(
+            "The input (about {n} tokens, estimated at the edge) is longer than the model's context length ({limit} tokens)."
+        ),
+        (EngineKind::Sglang, Some(m)) => format!(
+            "Requested token count exceeds the model's maximum context length of {limit} tokens. You requested a total of about {} tokens: about {n} tokens from the input messages (estimated at the edge) and {m} tokens for the completion. Please reduce the number of tokens in the input messages or the completion to fit within the limit.",
+            n.saturating_add(m)
+        ),
+    }
+}
+
+/// The OpenAI `param` a refusal names: the prompt's field.
+pub fn param(endpoint: Endpoint) -> &'static str {
+    match endpoint {
+        Endpoint::ChatCompletions => "messages",
+        Endpoint::Completions => "prompt",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prefix::PromptHasher;
+    use crate::request;
+
+    #[test]
+    fn the_limit_is_the_smallest_card_and_garbage_is_an_error() {
+        let vllm = br#"{"object":"list","data":[{"id":"m","object":"model","max_model_len":32768},
+            {"id":"lora","object":"model","max_model_len":null,"parent":"m"}]}"#;
+        assert_eq!(parse_model_limit(vllm), Ok(32768));
+        let two = br#"{"data":[{"max_model_len":8192},{"max_model_len":4096}]}"#;
+        assert_eq!(parse_model_limit(two), Ok(4096));
+        for (body, says) in [
+            (&b"\x00garbage{"[..], "not JSON"),
+            (b"[]", "no `data`"),
+            (br#"{"data":{"max_model_len":5}}"#, "not an array"),
+            (br#"{"data":[]}"#, "none of the 0 model cards"),
+            (
+                br#"{"data":[{"id":"lora","max_model_len":null}]}"#,
+                "none of the 1",
+            ),
+            (
+                br#"{"data":[{"max_model_len":"32768"}]}"#,
+                "data[0].max_model_len is a string",
+            ),
+            (br#"{"data":[{"max_model_len":-1}]}"#, "not a token count"),
+            (br#"{"data":[{"max_model_len":0}]}"#, "not a token count"),
+            (br#"{"data":[{"max_model_len":1.5}]}"#, "not a token count"),
+            (
+                br#"{"data":[{"max_model_len":99999999999}]}"#,
+                "not a token count",
+            ),
+            (
+                br#"{"data":[{"max_model_len":4096},{"max_model_len":true}]}"#,
+                "data[1]",
+            ),
+        ] {
+            let e = parse_model_limit(body).unwrap_err();
+            assert!(e.contains(says), "{e}");
+        }
+        // Deeply nested: serde's recursion limit, an error and no overflow.
+        let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+        assert!(parse_model_limit(deep.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn a_region_is_passed_over_only_beyond_the_margin() {
+        // 1000 estimated tokens, 10 % margin: 900 must fit with the output.
+        assert!(fits(0.1, None, u64::MAX, Some(u64::MAX)));
+        assert!(fits(0.1, Some(901), 1000, None));
+        assert!(
+            !fits(0.1, Some(900), 1000, None),
+            "no room for one output token"
+        );
+        assert!(fits(0.1, Some(1000), 1000, Some(100)));
+        assert!(!fits(0.1, Some(999), 1000, Some(100)));
+        assert!(fits(0.0, Some(1001), 1000, Some(0)));
+        assert!(!fits(0.0, Some(1000), 1000, None));
+    }
+
+    fn cfg() -> Config {
+        Config::parse(
+            br#"{"regions":[
+              {"name":"near","cluster":"cn","capacity_rps":5,"rtt_ms":5},
+              {"name":"mid","cluster":"cm","capacity_rps":5,"rtt_ms":40},
+              {"name":"far","cluster":"cf","capacity_rps":5,"rtt_ms":120,"engine":"sglang"}]}"#,
+        )
+        .unwrap()
+    }
+
+    fn chat(bytes: usize, extra: &str) -> InferenceRequest {
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":"{}"}}]{extra}}}"#,
+            "x".repeat(bytes)
+        );
+        request::parse(
+            Endpoint::ChatCompletions,
+            body.as_bytes(),
+            PromptHasher::counting_only(),
+        )
+        .unwrap()
+    }
+
+    fn snap(c: &Config, limits: [Option<u32>; 3]) -> Snapshot {
+        let mut s = Snapshot::all_healthy(c);
+        for (r, l) in s.regions.iter_mut().zip(limits) {
+            r.max_model_len = l;
+        }
+        s
+    }
+
+    #[test]
+    fn the_check_excludes_regions_and_refuses_only_when_none_allowed_fits() {
+        let c = cfg();
+        let idx = [Some(0), Some(1), Some(2)];
+        // 40,000 bytes of canonical text ("user\n" + content + "\n"): 10,000
+        // tokens at 4 bytes per token, 9,000 after the 10 % margin.
+        let req = chat(39_994, "");
+        assert_eq!(prompt_tokens(&c, &req, None), 10_000);
+        let s = snap(&c, [Some(4096), Some(32768), None]);
+        let k = check(&c, &req, &s, &idx, None);
+        assert_eq!(k.fits, 0b110, "near cannot take it; far's limit is unknown");
+        assert_eq!(k.exceeded, None);
+        // Every limit known and too small: refused; the closest region is named.
+        let s = snap(&c, [Some(4096), Some(8192), Some(2048)]);
+        let k = check(&c, &req, &s, &idx, None);
+        assert_eq!(k.fits, 0);
+        assert_eq!(
+            k.exceeded,
+            Some(Exceeded {
+                region: 1,
+                limit: 8192,
+                estimate: 10_000,
+                output: None
+            })
+        );
+        // A pin whose only region cannot take it: refused, though another could.
+        let s = snap(&c, [Some(4096), Some(32768), Some(32768)]);
+        let k = check(&c, &req, &s, &idx, Some(&[true, false, false]));
+        assert_eq!(k.exceeded.map(|e| (e.region, e.limit)), Some((0, 4096)));
+        assert!(check(&c, &req, &s, &idx, Some(&[true, true, false]))
+            .exceeded
+            .is_none());
+        // The requested output counts: 9,000 + 24,000 > 32,768.
+        let long_answer = chat(39_994, r#","max_tokens":100,"max_completion_tokens":24000"#);
+        let k = check(&c, &long_answer, &s, &idx, None);
+        assert_eq!(
+            k.exceeded.map(|e| (e.limit, e.output)),
+            Some((32768, Some(24000)))
+        );
+        // A short prompt fits everywhere.
+        let k = check(&c, &chat(100, ""), &s, &idx, None);
+        assert_eq!((k.fits, k.exceeded), (0b111, None));
+    }
+
+    #[test]
+    fn the_refusal_is_in_the_engines_words_with_an_estimate() {
+        let e = Exceeded {
+            region: 0,
+            limit: 4096,
+            estimate: 10_002,
+            output: None,
+        };
+        assert_eq!(
+            refusal_message(EngineKind::Vllm, &e, 0.1),
+            "This model's maximum context length is 4096 tokens. However, your request has about 10002 input tokens (estimated at the edge). Please reduce the length of the input messages."
+        );
+        assert_eq!(
+            refusal_message(EngineKind::Sglang, &e, 0.1),
+            "The input (about 10002 tokens, estimated at the edge) is longer than the model's context length (4096 tokens)."
+        );
+        // The prompt fits, the output does not: the max_tokens wording.
+        let e = Exceeded {
+            limit: 32768,
+            output: Some(24000),
+            ..e
+        };
+        assert_eq!(
+            refusal_message(EngineKind::Vllm, &e, 0.1),
+            "'max_tokens' or 'max_completion_tokens' is too large: 24000. This model's maximum context length is 32768 tokens and your request has about 10002 input tokens (estimated at the edge) (24000 > 32768 - 10002)."
+        );
+        assert!(refusal_message(EngineKind::Sglang, &e, 0.1).starts_with(
+            "Requested token count exceeds the model's maximum context length of 32768 tokens. You requested a total of about 34002 tokens"
+        ));
+        // A prompt too long on its own is said so, whatever max_tokens says.
+        let e = Exceeded { limit: 4096, ..e };
+        assert!(refusal_message(EngineKind::Vllm, &e, 0.1).starts_with("This model's maximum"));
+        assert_eq!(param(Endpoint::Completions), "prompt");
+    }
+}

@@ -1,0 +1,106 @@
+"""Context limits at the edge, in a real Envoy: the probe reads each
+region's `max_model_len` from its engine's /v1/models; the router passes
+over a region a prompt is too long for, and answers 400
+`context_length_exceeded` itself, in the engine's words, when no region can
+take it. Regions: near (vLLM, 4096 tokens), mid (vLLM, 12288), far (SGLang,
+16384). The plugin estimates 4 bytes per token with a 10 % margin; the
+emulators' real tokenizer counts about 2.4 bytes per token of this filler,
+so a prompt the plugin passes over a region for is one that region's engine
+would refuse too. Probe tick 300 ms."""
+
+import pytest
+
+from harness import chat, filler, request, wait_ticks
+from test_routing import wait_stat
+
+LIMITS = {"near": 4096, "mid": 12288, "far": 16384}
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    import harness
+
+    f = harness.Fleet(harness.fresh_run_dir("test_context"))
+    try:
+        f.start({"probe": {"tick_ms": 300, "timeout_ms": 300, "snapshot_max_age_ms": 3000}},
+                engine_extra={n: ["--max-model-len", str(v)] for n, v in LIMITS.items()})
+        for name, limit in LIMITS.items():
+            wait_stat(f.envoy, f"region.{name}.max_model_len", lambda v, limit=limit: v == limit)
+        yield f
+    except Exception:
+        f.stop()
+        raise
+    f.stop()
+
+
+def inference_counts(fleet) -> dict[str, int]:
+    return {n: e.stats()["requests"].get("/v1/chat/completions", 0) + e.stats()["requests"].get("/v1/completions", 0)
+            for n, e in fleet.engines.items()}
+
+
+def test_the_limits_are_read_at_start_not_every_tick(fleet):
+    wait_ticks(fleet.envoy, 6)
+    for name, engine in fleet.engines.items():
+        # Read once at start; the next read is due after context.refresh_ticks (60).
+        assert engine.stats()["requests"]["/v1/models"] == 1, name
+        assert fleet.envoy.stat(f"wasmcustom.llm_geo_router.region.{name}.models_read_failure") == 0
+    assert any("region near: context limit 4096 tokens (max_model_len in /v1/models)" in l
+               for l in fleet.envoy.log().splitlines())
+
+
+def test_a_prompt_too_long_for_the_nearest_region_goes_where_it_fits(fleet):
+    # ~20 KB: the plugin estimates 5,002 tokens (4,501 after the margin), over
+    # near's 4,096; the engines count about 8,300, within mid's 12,288.
+    r = chat(fleet.port, [{"role": "user", "content": filler("ctx-long", 20_000)}])
+    assert r.status == 200, r.body
+    assert r.replica == "mid", r.headers
+    assert r.route["reason"] == "context", r.route
+    assert int(r.json()["usage"]["prompt_tokens"]) > LIMITS["near"]
+
+
+def test_a_normal_prompt_is_unaffected(fleet):
+    r = chat(fleet.port, [{"role": "user", "content": filler("ctx-short", 2_000)}])
+    assert r.status == 200, r.body
+    assert r.replica == "near" and r.route["reason"] == "rtt", r.route
+
+
+def test_a_prompt_beyond_every_region_is_refused_at_the_edge(fleet):
+    before = inference_counts(fleet)
+    rejected = fleet.envoy.stat("wasmcustom.llm_geo_router.router.context_rejected")
+    # ~80 KB: 20,002 estimated tokens, 18,001 after the margin, over far's
+    # 16,384 (the largest limit): refused in SGLang's words, far's engine.
+    r = chat(fleet.port, [{"role": "user", "content": filler("ctx-huge", 80_000)}])
+    assert r.status == 400, r.body
+    err = r.json()["error"]
+    assert (err["code"], err["type"], err["param"]) == ("context_length_exceeded", "invalid_request_error", "messages")
+    assert err["message"] == ("The input (about 20002 tokens, estimated at the edge) is longer than the model's "
+                              "context length (16384 tokens).")
+    # The prompt fits mid and far, the requested output does not.
+    r = chat(fleet.port, [{"role": "user", "content": filler("ctx-out", 20_000)}], max_tokens=12_000)
+    assert r.status == 400, r.body
+    assert r.json()["error"]["message"].startswith(
+        "Requested token count exceeds the model's maximum context length of 16384 tokens. You requested a total "
+        "of about 17002 tokens: about 5002 tokens from the input messages (estimated at the edge) and 12000 tokens")
+    # Completions: the prompt's field is named.
+    r = request(fleet.port, "POST", "/v1/completions", {"model": "emulated-model", "prompt": filler("ctx-c", 80_000)})
+    assert r.status == 400 and r.json()["error"]["param"] == "prompt", r.body
+    # No engine saw any of them.
+    assert inference_counts(fleet) == before
+    assert fleet.envoy.stat("wasmcustom.llm_geo_router.router.context_rejected") == rejected + 3
+
+
+def test_a_residency_pin_to_regions_that_cannot_take_it_is_refused(fleet_factory):
+    fleet = fleet_factory({"probe": {"tick_ms": 300, "timeout_ms": 300, "snapshot_max_age_ms": 3000},
+                           "residency": {"header": "x-llm-residency", "allowed": {"here": ["near"]}}},
+                          engine_extra={"near": ["--max-model-len", "4096"]})
+    wait_stat(fleet.envoy, "region.near.max_model_len", lambda v: v == 4096)
+    before = inference_counts(fleet)
+    long = [{"role": "user", "content": filler("ctx-pin", 20_000)}]
+    r = chat(fleet.port, long, headers={"x-llm-residency": "here"})
+    assert r.status == 400, r.body
+    assert r.json()["error"]["message"].startswith("This model's maximum context length is 4096 tokens. "
+                                                   "However, your request has about 5002 input tokens")
+    assert inference_counts(fleet) == before
+    # Unpinned, it goes where it fits.
+    r = chat(fleet.port, long)
+    assert r.status == 200 and r.replica == "mid", r.headers
