@@ -10,13 +10,13 @@
 
 use llm_geo_router::config::Config;
 use llm_geo_router::directory::{layout_of, Directory};
-use llm_geo_router::store::{SetOutcome, SharedStore};
 use llm_geo_router::metrics::{self, EngineKind, EngineSample, MetricsError, Sample};
 use llm_geo_router::prefix::PromptHasher;
 use llm_geo_router::request::{self, Endpoint, InferenceRequest};
 use llm_geo_router::route::{RouteInputs, Router};
 use llm_geo_router::session::Sessions;
 use llm_geo_router::snapshot::Snapshot;
+use llm_geo_router::store::{SetOutcome, SharedStore};
 use llm_geo_router::{guard, ladder};
 
 /// The plugin configuration of `envoy/envoy.yaml` (the demo).
@@ -492,6 +492,44 @@ pub fn shared_records(data: &[u8]) {
     }
     assert!(entry.prefix.is_none_or(|(blocks, _)| blocks > 0));
     let _ = sessions.record(&mut store, entry, 0, now, (prompt.blocks, 0));
+
+    // The same lookup within per-region horizons never believes more.
+    let horizons: Vec<u64> = (0..n)
+        .map(|i| now.rotate_left(i as u32 * 7) % 100_000)
+        .collect();
+    let within = dir.lookup_within(
+        &mut ScriptedStore::new(rest),
+        &prompt.checkpoints,
+        now,
+        &horizons,
+    );
+    let plain = dir.lookup(&mut ScriptedStore::new(rest), &prompt.checkpoints, now);
+    assert!(within
+        .cached_blocks
+        .iter()
+        .zip(&plain.cached_blocks)
+        .all(|(w, p)| w <= p));
+
+    // The same bytes as a queue message: a usage report, if one, round
+    // trips, and whatever it says the calibration stays in its ranges.
+    if let Some(r) = llm_geo_router::usage::UsageReport::decode(rest) {
+        assert_eq!(
+            llm_geo_router::usage::UsageReport::decode(&r.encode()),
+            Some(r.clone())
+        );
+        let mut c = llm_geo_router::calibration::RegionCalibration::default();
+        for _ in 0..3 {
+            let _ = c.on_report(&r);
+        }
+        assert!(c
+            .tokens_per_byte()
+            .is_none_or(|t| t.is_finite() && (0.01..=4.0).contains(&t)));
+        assert!(c.reliability().is_none_or(|v| (0.0..=1.0).contains(&v)));
+        assert!(c
+            .capacity_tokens()
+            .is_none_or(|v| v.is_finite() && v >= 1.0));
+        let _ = c.horizon_ms(now);
+    }
 
     // The whole decision over the same kind of values.
     let snapshot = Snapshot::all_healthy(&cfg);
