@@ -21,7 +21,8 @@
 //!   uncached part of each reported prompt, at its routing time) and learns
 //!   the capacity `C` in those tokens: an engine that reports less than
 //!   nine tenths of a belief made after `t` tokens evicted something that
-//!   old, so `C` comes down to `t`; a belief confirmed near `C` raises it by
+//!   old, so `C` comes down to `t` (the first time) or halfway to it
+//!   (geometrically: `√(C·t)`) after that; a belief confirmed near `C` raises it by
 //!   a quarter, and an engine that reports more than was believed while an
 //!   entry was set aside raises it past that entry's token age. Published
 //!   as a horizon in milliseconds, recomputed at every snapshot: the age at
@@ -30,8 +31,10 @@
 //!   stays right while this Envoy's share of the region's traffic does;
 //! - **reliability**: how much of what the directory (within the horizon)
 //!   believes the engine confirms, a decayed mean of `min(1, reported /
-//!   believed)`; the router discounts the cached tokens it believes there
-//!   by it, until beliefs and reports agree again.
+//!   believed)`, published for operators. The cost does not discount by it:
+//!   one region-wide factor discounts the beliefs that are right with the
+//!   ones that are not, and in the simulator it cost cache hits
+//!   (docs/ROUTING.md).
 //!
 //! vLLM before 0.24 and SGLang before 0.5.23 omit `cached_tokens` when it
 //! is 0; a region that has reported a count once is taken to report it, so
@@ -154,7 +157,16 @@ impl RegionCalibration {
             });
             let age = at - self.tokens_at(r.held_ms);
             if share < REFUTED_BELOW {
-                self.capacity = Some(self.capacity.map_or(age, |c| c.min(age)).max(1.0));
+                // Halfway down (geometrically) per refutation: one eviction
+                // by a burst of other traffic does not erase every belief.
+                self.capacity = Some(
+                    match self.capacity {
+                        Some(c) if age < c => (c * age.max(1.0)).sqrt(),
+                        Some(c) => c,
+                        None => age,
+                    }
+                    .max(1.0),
+                );
                 verdict = Verdict::Refuted;
             } else {
                 if let Some(c) = self.capacity.filter(|c| age > 0.8 * c) {
@@ -319,6 +331,11 @@ mod tests {
         assert_eq!(c.on_report(&r), Verdict::Underestimated);
         // clock at 9 s: 4000 x 5 + 4000 + 2000 + 2000 = 28000; at 1 s: 4000.
         assert_eq!(c.capacity_tokens(), Some(1.25 * 24_000.0));
+        // A later refutation brings it halfway (geometrically) down: the
+        // 9 s answer prefilled 1000, so a belief from 8 s is 1000 old at 10 s.
+        let r = report(10_000, 4000, 8000, Some(0));
+        assert_eq!(c.on_report(&r), Verdict::Refuted);
+        assert_eq!(c.capacity_tokens(), Some((30_000.0f64 * 1000.0).sqrt()));
     }
 
     #[test]

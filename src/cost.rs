@@ -95,7 +95,7 @@ pub struct Cost {
     /// with its measured tokens per byte).
     pub prompt_tokens: u64,
     /// Of them, believed cached there (the directory's belief within the
-    /// region's cache horizon, discounted by its reliability).
+    /// region's cache horizon).
     pub cached_tokens: u64,
     /// Requests at the engine counting this Envoy's since the scrape.
     pub occupancy: f64,
@@ -403,14 +403,9 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
             } else {
                 (inp.tokens_per_byte, inp.prompt_tokens)
             };
-            let reliability = state
-                .and_then(|s| s.cache_reliability)
-                .filter(|r| r.is_finite())
-                .map_or(1.0, |r| r.clamp(0.0, 1.0));
             let cached_blocks = inp.cached_blocks.get(i).copied().unwrap_or(0);
-            let cached_tokens = ((f64::from(cached_blocks) * block_bytes * tpb * reliability)
-                .floor() as u64)
-                .min(prompt_tokens);
+            let cached_tokens =
+                ((f64::from(cached_blocks) * block_bytes * tpb).floor() as u64).min(prompt_tokens);
             let uncached = prompt_tokens - cached_tokens;
             let rtt_ms = w.w_rtt * rtt;
             let prefill_ms = prefill_rate * uncached as f64;
