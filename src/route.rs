@@ -40,6 +40,8 @@ pub struct RouteInputs<'a> {
     /// The guard sent the request to the fallback pool: another engine, so
     /// neither the prefix directory nor the session record learn from it.
     pub fallback: bool,
+    /// This request's random input for the near-tie draw (`cost::Inputs::draw`).
+    pub draw: u64,
 }
 
 /// A routed request.
@@ -150,6 +152,7 @@ impl Router {
             allowed: allowed.as_deref(),
             session_region: session.and_then(|s| s.last).map(|(r, _)| r),
             weights,
+            draw: inp.draw,
         });
         if !inp.fallback {
             self.dir.record(
@@ -389,6 +392,7 @@ mod tests {
             inflight: &[0.0, 0.0],
             now_ms: 1000,
             fallback: false,
+            draw: u64::MAX,
         };
         let first = router.route(&c, &mut store, &inp).unwrap();
         assert_eq!(
