@@ -21,14 +21,16 @@
 //!   uncached part of each reported prompt, at its routing time) and learns
 //!   the capacity `C` in those tokens: an engine that reports less than
 //!   nine tenths of a belief made after `t` tokens evicted something that
-//!   old, so `C` comes down to `t` (the first time) or halfway to it
-//!   (geometrically: `√(C·t)`) after that; a belief confirmed near `C` raises it by
+//!   old, so `C` comes down to `t`; a belief confirmed near `C` raises it by
 //!   a quarter, and an engine that reports more than was believed while an
-//!   entry was set aside raises it past that entry's token age. Published
+//!   entry was set aside raises it past that entry's token age. The clock
+//!   is the engine's own (prefix-cache lookups less hits in its `/metrics`,
+//!   at each scrape, read between scrapes by interpolation), which counts
+//!   every proxy's traffic; an engine that does not report them is timed by
+//!   this Envoy's reported answers. Published
 //!   as a horizon in milliseconds, recomputed at every snapshot: the age at
-//!   which `C` tokens have gone in since. The clock counts this Envoy's
-//!   traffic; with several proxies `C` is learnt in the same unit, so it
-//!   stays right while this Envoy's share of the region's traffic does;
+//!   which `C` tokens have gone in since; the router applies it only with
+//!   `directory.cache_horizon` (off by default: docs/ROUTING.md);
 //! - **reliability**: how much of what the directory (within the horizon)
 //!   believes the engine confirms, a decayed mean of `min(1, reported /
 //!   believed)`, published for operators. The cost does not discount by it:
@@ -89,9 +91,14 @@ pub struct RegionCalibration {
     models: Vec<(String, Ratio)>,
     /// The region's engine has reported `cached_tokens` at least once.
     pub reports_cached: bool,
-    /// (routing time, tokens prefilled there up to and including it), in
-    /// time order.
+    /// (time, tokens prefilled there up to and including it), in time
+    /// order: the engine's own counters at each scrape when it reports
+    /// them, else this Envoy's reported answers at their routing times.
     clock: std::collections::VecDeque<(u64, f64)>,
+    /// The clock reads the engine's counters (all proxies' traffic).
+    engine_clock: bool,
+    /// The engine's last raw counter reading.
+    engine_raw: f64,
     /// Learnt cache capacity in clock tokens; `None`: not yet refuted.
     capacity: Option<f64>,
     reliability: Option<f64>,
@@ -157,16 +164,7 @@ impl RegionCalibration {
             });
             let age = at - self.tokens_at(r.held_ms);
             if share < REFUTED_BELOW {
-                // Halfway down (geometrically) per refutation: one eviction
-                // by a burst of other traffic does not erase every belief.
-                self.capacity = Some(
-                    match self.capacity {
-                        Some(c) if age < c => (c * age.max(1.0)).sqrt(),
-                        Some(c) => c,
-                        None => age,
-                    }
-                    .max(1.0),
-                );
+                self.capacity = Some(self.capacity.map_or(age, |c| c.min(age)).max(1.0));
                 verdict = Verdict::Refuted;
             } else {
                 if let Some(c) = self.capacity.filter(|c| age > 0.8 * c) {
@@ -185,23 +183,61 @@ impl RegionCalibration {
                 verdict = Verdict::Underestimated;
             }
         }
-        // The clock: this request's prefill, at its routing time.
-        let inserted = (tokens - reported).max(0.0);
-        let last = self.clock.back().copied().unwrap_or((0, 0.0));
-        self.clock
-            .push_back((r.routed_ms.max(last.0), last.1 + inserted));
-        if self.clock.len() > CLOCK_POINTS {
-            self.clock.pop_front();
+        // Without the engine's counters, the clock is this request's
+        // prefill, at its routing time.
+        if !self.engine_clock {
+            let inserted = (tokens - reported).max(0.0);
+            self.tick_clock(r.routed_ms, inserted);
         }
         verdict
     }
 
-    /// Tokens on the clock at `ms` (those prefilled at or before it).
+    /// The engine's cumulative prefilled tokens (prefix-cache lookups less
+    /// hits, from its `/metrics`) at a scrape: from then on the clock is
+    /// the engine's, which counts every proxy's traffic. A counter that
+    /// went back (a restarted engine) counts from zero again.
+    pub fn on_engine_tokens(&mut self, ms: u64, raw: f64) {
+        if !raw.is_finite() || raw < 0.0 {
+            return;
+        }
+        if !self.engine_clock {
+            self.engine_clock = true;
+            self.clock.clear();
+            self.engine_raw = raw;
+            self.tick_clock(ms, 0.0);
+            return;
+        }
+        let delta = if raw >= self.engine_raw {
+            raw - self.engine_raw
+        } else {
+            raw
+        };
+        self.engine_raw = raw;
+        self.tick_clock(ms, delta);
+    }
+
+    fn tick_clock(&mut self, ms: u64, tokens: f64) {
+        let last = self.clock.back().copied().unwrap_or((0, 0.0));
+        self.clock.push_back((ms.max(last.0), last.1 + tokens));
+        if self.clock.len() > CLOCK_POINTS {
+            self.clock.pop_front();
+        }
+    }
+
+    /// Tokens on the clock at `ms`: those prefilled at or before it (the
+    /// engine's clock is read between scrapes by interpolation).
     fn tokens_at(&self, ms: u64) -> f64 {
         let i = self.clock.partition_point(|(t, _)| *t <= ms);
-        i.checked_sub(1)
-            .and_then(|i| self.clock.get(i))
-            .map_or(0.0, |p| p.1)
+        let Some(before) = i.checked_sub(1).and_then(|i| self.clock.get(i)) else {
+            return 0.0;
+        };
+        match self.clock.get(i).filter(|_| self.engine_clock) {
+            Some(after) if after.0 > before.0 => {
+                let f = (ms - before.0) as f64 / (after.0 - before.0) as f64;
+                before.1 + f * (after.1 - before.1)
+            }
+            _ => before.1,
+        }
     }
 
     /// Engine tokens per byte of canonical prompt text, once measured.
@@ -233,7 +269,14 @@ impl RegionCalibration {
         if i == 0 {
             return None;
         }
-        let (t, _) = *self.clock.get(i)?;
+        let (t, cum) = *self.clock.get(i)?;
+        let (t0, cum0) = *self.clock.get(i - 1)?;
+        if self.engine_clock && cum > cum0 && t > t0 {
+            // Between the two scrapes, where `c` tokens before the last.
+            let f = ((total - c) - cum0) / (cum - cum0);
+            let cut = t0 as f64 + f.clamp(0.0, 1.0) * (t - t0) as f64;
+            return Some((now_ms as f64 - cut).max(1.0).round() as u64);
+        }
         Some(now_ms.saturating_sub(t).saturating_add(1).max(1))
     }
 
@@ -331,11 +374,35 @@ mod tests {
         assert_eq!(c.on_report(&r), Verdict::Underestimated);
         // clock at 9 s: 4000 x 5 + 4000 + 2000 + 2000 = 28000; at 1 s: 4000.
         assert_eq!(c.capacity_tokens(), Some(1.25 * 24_000.0));
-        // A later refutation brings it halfway (geometrically) down: the
-        // 9 s answer prefilled 1000, so a belief from 8 s is 1000 old at 10 s.
+        // A later refutation brings it down to its token age: the 9 s
+        // answer prefilled 1000, so a belief from 8 s is 1000 old at 10 s.
         let r = report(10_000, 4000, 8000, Some(0));
         assert_eq!(c.on_report(&r), Verdict::Refuted);
-        assert_eq!(c.capacity_tokens(), Some((30_000.0f64 * 1000.0).sqrt()));
+        assert_eq!(c.capacity_tokens(), Some(1000.0));
+    }
+
+    #[test]
+    fn the_engines_own_counters_time_the_cache_when_it_reports_them() {
+        let mut c = RegionCalibration::default();
+        // Scrapes every second: the engine (all proxies' traffic) prefills
+        // 10000 tokens a second; the counter starts at 50000.
+        for s in 0..=10u64 {
+            c.on_engine_tokens(T0 + s * 1000, 50_000.0 + 10_000.0 * s as f64);
+        }
+        // This Envoy's own answers no longer move the clock.
+        c.on_report(&report(10_100, 0, 0, Some(0)));
+        // A belief from 4.5 s refuted at 10 s: 55000 tokens went in since
+        // (interpolated between scrapes).
+        assert_eq!(
+            c.on_report(&report(10_000, 4000, 4500, None)),
+            Verdict::Refuted
+        );
+        assert_eq!(c.capacity_tokens(), Some(55_000.0));
+        // Entries older than 5.5 s at the last scrape are past it.
+        assert_eq!(c.horizon_ms(T0 + 10_000), Some(5500));
+        // A restarted engine (counter back to 0) keeps the clock going.
+        c.on_engine_tokens(T0 + 11_000, 5_000.0);
+        assert_eq!(c.horizon_ms(T0 + 11_000), Some(6000));
     }
 
     #[test]

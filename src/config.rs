@@ -238,6 +238,11 @@ pub struct DirectoryConfig {
     /// region's cache horizon and the reliability of the directory there.
     /// What the client receives is never changed.
     pub learn_from_usage: bool,
+    /// Also believe a region's entries only within the cache horizon its
+    /// engine's `cached_tokens` teach (needs `learn_from_usage`). Off by
+    /// default: measured to help where engine caches are far smaller than
+    /// the working set and to cost cache hits elsewhere (docs/ROUTING.md).
+    pub cache_horizon: bool,
 }
 
 impl Default for DirectoryConfig {
@@ -246,6 +251,7 @@ impl Default for DirectoryConfig {
             slots: 16384,
             ttl_s: 600,
             learn_from_usage: true,
+            cache_horizon: false,
         }
     }
 }
@@ -277,10 +283,25 @@ pub struct CostConfig {
     /// turn's output in its cache, which the directory does not know; it is
     /// kept when its cost is within this many milliseconds of the best.
     pub session_slack_ms: f64,
+    /// No herding: among the candidates within this many milliseconds of the
+    /// best, a new prompt is drawn at random (per request) instead of always
+    /// going to the cheapest, so that proxies sharing a stale view do not
+    /// all pick the same region. 0 turns the draw off.
+    pub spread_margin_ms: f64,
+    /// The share of new prompts the draw sends away from the region the
+    /// rule prefers (the cheapest, or the rendezvous winner of a tie) when
+    /// the others cost the same; a region `d` ms dearer takes its part
+    /// scaled by `1 − d / spread_margin_ms`. 0 turns the draw off.
+    pub spread_share: f64,
     /// Cap on the utilisation ρ in the queue term's congestion factor
     /// 1/(1 − ρ); 0 turns congestion pricing off.
     pub congestion_cap: f64,
 }
+
+/// Defaults of the near-tie draw, chosen on simulator seeds 1-2 (see
+/// docs/BENCHMARKS.md, "No herding").
+const SPREAD_MARGIN_MS: f64 = 50.0;
+const SPREAD_SHARE: f64 = 0.25;
 
 impl Default for CostConfig {
     fn default() -> Self {
@@ -293,6 +314,8 @@ impl Default for CostConfig {
             placement_epsilon: 0.1,
             placement_floor: 0.25,
             session_slack_ms: 25.0,
+            spread_margin_ms: SPREAD_MARGIN_MS,
+            spread_share: SPREAD_SHARE,
             congestion_cap: 0.8,
         }
     }
@@ -781,6 +804,14 @@ impl Config {
             }
         }
         non_negative("cost.session_slack_ms", self.cost.session_slack_ms)?;
+        non_negative("cost.spread_margin_ms", self.cost.spread_margin_ms)?;
+        let share = self.cost.spread_share;
+        if !(share.is_finite() && (0.0..1.0).contains(&share)) {
+            return Err(ConfigError::new(
+                "cost.spread_share",
+                format!("{share} must be within 0..1 (below 1: the preferred region keeps some)"),
+            ));
+        }
         let cap = self.cost.congestion_cap;
         if !(cap.is_finite() && (0.0..=0.95).contains(&cap)) {
             return Err(ConfigError::new(
@@ -1316,6 +1347,16 @@ mod tests {
         let c = Config::parse(MINIMAL.as_bytes()).unwrap();
         assert_eq!((c.context.margin, c.context.refresh_ticks), (0.1, 60));
         assert_eq!(c.regions[0].models_path, "/v1/models");
+        for (cost, field) in [
+            (r#"{"spread_margin_ms":-1}"#, "cost.spread_margin_ms"),
+            (r#"{"spread_share":1.0}"#, "cost.spread_share"),
+            (r#"{"spread_share":-0.1}"#, "cost.spread_share"),
+        ] {
+            let e = err(&format!(
+                r#"{{"regions":[{{"name":"a","cluster":"c","capacity_rps":1}}],"cost":{cost}}}"#
+            ));
+            assert_eq!(e.field, field);
+        }
     }
 
     #[test]

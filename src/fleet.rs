@@ -283,6 +283,17 @@ impl Fleet {
         }
     }
 
+    /// After a good scrape: the engine's prefilled tokens so far, from its
+    /// prefix-cache counters, time the region's cache (`calibration`).
+    pub fn on_engine_clock(&mut self, region: usize, now_ms: u64) {
+        let Some(r) = self.regions.get_mut(region) else {
+            return;
+        };
+        if let (Some(q), Some(h)) = (r.sample.prefix_queries, r.sample.prefix_hits) {
+            r.calibration.on_engine_tokens(now_ms, (q - h).max(0.0));
+        }
+    }
+
     /// Feed the process-wide arrivals counter; updates the demand EWMA.
     pub fn on_arrivals(&mut self, cfg: &Config, arrivals_total: u64, now_ms: u64) {
         if let Some((prev_total, prev_ms)) = self.last_arrivals {
@@ -514,7 +525,10 @@ impl Fleet {
                     .model_tokens_per_byte()
                     .map(|(m, v)| (m.to_owned(), v))
                     .collect(),
-                cache_horizon_ms: r.calibration.horizon_ms(now_ms),
+                cache_horizon_ms: r
+                    .calibration
+                    .horizon_ms(now_ms)
+                    .filter(|_| cfg.directory.cache_horizon),
                 cache_reliability: r.calibration.reliability(),
                 max_model_len: r.max_model_len,
             })

@@ -367,6 +367,7 @@ impl Probe {
                     self.release(region, sample.release.clone());
                 }
                 self.fleet.on_metrics(region, Some(sample), inflight);
+                self.fleet.on_engine_clock(region, now);
                 self.publish(host, now);
             }
             Err(e) => {

@@ -41,6 +41,8 @@ pub struct RouteInputs<'a> {
     /// The guard sent the request to the fallback pool: another engine, so
     /// neither the prefix directory nor the session record learn from it.
     pub fallback: bool,
+    /// This request's random input for the near-tie draw (`cost::Inputs::draw`).
+    pub draw: u64,
 }
 
 /// A routed request.
@@ -270,6 +272,7 @@ impl Router {
             fits: limits.fits,
             session_region: session.and_then(|s| s.last).map(|(r, _)| r),
             weights,
+            draw: inp.draw,
         });
         if !inp.fallback {
             self.dir.record(
@@ -524,6 +527,7 @@ mod tests {
             inflight: &[0.0, 0.0],
             now_ms: 1000,
             fallback: false,
+            draw: u64::MAX,
         };
         let first = router.route(&c, &mut store, &inp).unwrap();
         assert_eq!(
@@ -583,6 +587,7 @@ mod tests {
             inflight: &[0.0, 0.0],
             now_ms: 1000,
             fallback: false,
+            draw: 0,
         };
         match router.route(&c, &mut store, &inp) {
             Err(Refusal::ContextLength {

@@ -167,6 +167,7 @@ impl RouterStream {
             inflight: &inflight,
             now_ms: now,
             fallback: self.fallback,
+            draw: host.draw(),
         };
         let routed = match shared.router.route(cfg, host, &inputs) {
             Ok(r) => r,

@@ -162,10 +162,14 @@ pub struct Envoy {
 }
 
 impl Envoy {
-    pub fn new(cfg: Config, now_ms: u64) -> Envoy {
+    /// `draw_seed`: the start of this Envoy's random inputs to the router
+    /// (`StreamHost::draw`), distinct per Envoy so that Envoys draw
+    /// independently, fixed so that a run is reproducible.
+    pub fn new(cfg: Config, now_ms: u64, draw_seed: u64) -> Envoy {
         let cfg = Rc::new(cfg);
         let mut host = Recorder {
             now_ms,
+            draw_state: draw_seed,
             ..Recorder::default()
         };
         let mut probe = Probe::new(cfg.clone(), "sim".into(), now_ms);

@@ -376,10 +376,12 @@ pub fn run_with(
             let mut envoys = Vec::new();
             for c in 0..fleet.client_regions.len() {
                 let mut replicas = Vec::with_capacity(proxies);
-                for _ in 0..proxies {
+                for p in 0..proxies {
                     let cfg = geo::plugin_config(fleet, c, knowledge, mean_out, overrides)
                         .map_err(|e| format!("--config: {e}"))?;
-                    replicas.push(Envoy::new(cfg, core_ms(0.0)));
+                    // Envoy (c, p)'s draws: its own SplitMix64 sequence.
+                    let seed = ((c * proxies + p + 1) as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
+                    replicas.push(Envoy::new(cfg, core_ms(0.0), seed));
                 }
                 envoys.push(replicas);
             }

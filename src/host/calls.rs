@@ -44,6 +44,21 @@ fn header_value(map: MapType, name: &str) -> Option<String> {
         })
 }
 
+/// A request header's raw bytes (no UTF-8 conversion: for hashing).
+pub fn request_header_bytes(name: &str) -> Option<Vec<u8>> {
+    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+        .ok()
+        .flatten()
+}
+
+/// The host's clock in nanoseconds since the Unix epoch (0 if unavailable).
+pub fn now_ns() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
 pub fn request_header(name: &str) -> Option<String> {
     header_value(MapType::HttpRequestHeaders, name)
 }
