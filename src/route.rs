@@ -270,6 +270,7 @@ impl Router {
             fits: limits.fits,
             session_region: session.and_then(|s| s.last).map(|(r, _)| r),
             weights,
+            now_ms: inp.now_ms,
         });
         if !inp.fallback {
             self.dir.record(
