@@ -479,7 +479,20 @@ pub struct ResidencyConfig {
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ProbeConfig {
+    /// The period of a full round (health, metrics, the controller step),
+    /// and of the metrics scrape while the fleet is idle.
     pub tick_ms: u32,
+    /// The metrics-scrape period while the fleet is busy (see
+    /// [`ProbeConfig::busy_tick_ms`]); absent: [`DEFAULT_BUSY_TICK_MS`], or
+    /// `tick_ms` if that is shorter. Equal to `tick_ms`: no adaptation.
+    pub busy_tick_ms: Option<u32>,
+    /// Busy when a routable region's (waiting + running) / max_concurrency
+    /// reaches this, when any region has a request waiting, or when the
+    /// ladder is above 0.
+    pub busy_utilization: f64,
+    /// Back to the idle period after this many busy-period rounds in a row
+    /// without the fleet being busy.
+    pub idle_rounds: u32,
     /// Callout timeout; at most `tick_ms`.
     pub timeout_ms: u32,
     /// EWMA weight of a new RTT sample.
@@ -502,10 +515,25 @@ pub struct ProbeConfig {
     pub eject_s: u32,
 }
 
+/// `probe.busy_tick_ms` when not configured (capped at `probe.tick_ms`).
+pub const DEFAULT_BUSY_TICK_MS: u32 = 250;
+
+impl ProbeConfig {
+    /// The metrics-scrape period while the fleet is busy, in ms.
+    pub fn busy_tick_ms(&self) -> u32 {
+        self.busy_tick_ms
+            .unwrap_or(DEFAULT_BUSY_TICK_MS)
+            .min(self.tick_ms)
+    }
+}
+
 impl Default for ProbeConfig {
     fn default() -> Self {
         ProbeConfig {
             tick_ms: 1000,
+            busy_tick_ms: None,
+            busy_utilization: 0.5,
+            idle_rounds: 8,
             timeout_ms: 1000,
             rtt_alpha: 0.3,
             demand_alpha: 0.5,
@@ -849,6 +877,26 @@ impl Config {
                     "{} must be within 1..=probe.tick_ms ({})",
                     p.timeout_ms, p.tick_ms
                 ),
+            ));
+        }
+        if let Some(b) = p.busy_tick_ms {
+            if b < 50 || b > p.tick_ms {
+                return Err(ConfigError::new(
+                    "probe.busy_tick_ms",
+                    format!("{b} must be within 50..=probe.tick_ms ({})", p.tick_ms),
+                ));
+            }
+        }
+        if !(p.busy_utilization.is_finite() && p.busy_utilization > 0.0) {
+            return Err(ConfigError::new(
+                "probe.busy_utilization",
+                format!("{} must be a number above 0", p.busy_utilization),
+            ));
+        }
+        if p.idle_rounds == 0 || p.idle_rounds > 10_000 {
+            return Err(ConfigError::new(
+                "probe.idle_rounds",
+                format!("{} must be within 1..=10000", p.idle_rounds),
             ));
         }
         fraction("probe.rtt_alpha", p.rtt_alpha)?;
@@ -1323,6 +1371,35 @@ mod tests {
             r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}],"probe":{"tick_ms":100,"timeout_ms":500}}"#,
         );
         assert_eq!(e.field, "probe.timeout_ms");
+        for (probe, field) in [
+            (
+                r#"{"tick_ms":1000,"busy_tick_ms":1001}"#,
+                "probe.busy_tick_ms",
+            ),
+            (r#"{"busy_tick_ms":49}"#, "probe.busy_tick_ms"),
+            (r#"{"busy_utilization":0}"#, "probe.busy_utilization"),
+            (r#"{"busy_utilization":-1}"#, "probe.busy_utilization"),
+            (r#"{"idle_rounds":0}"#, "probe.idle_rounds"),
+        ] {
+            let e = err(&format!(
+                r#"{{"regions":[{{"name":"a","cluster":"c","capacity_rps":1}}],"probe":{probe}}}"#
+            ));
+            assert_eq!(e.field, field, "{probe}");
+        }
+        // The busy period defaults to 250 ms, capped at the idle period;
+        // equal to it, the probe does not adapt.
+        let busy = |probe: &str| {
+            Config::parse(
+                format!(r#"{{"regions":[{{"name":"a","cluster":"c","capacity_rps":1}}],"probe":{probe}}}"#)
+                    .as_bytes(),
+            )
+            .unwrap()
+            .probe
+            .busy_tick_ms()
+        };
+        assert_eq!(busy("{}"), 250);
+        assert_eq!(busy(r#"{"tick_ms":100,"timeout_ms":100}"#), 100);
+        assert_eq!(busy(r#"{"busy_tick_ms":1000}"#), 1000);
         let e = err(
             r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}],"headers":{"cluster":"X-Bad Header"}}"#,
         );

@@ -184,6 +184,9 @@ pub struct Inputs<'a> {
     /// hash of the request id; the simulator's: a seeded sequence). The
     /// same input gives the same decision.
     pub draw: u64,
+    /// Now (ms since the Unix epoch): how long the engines have drained
+    /// since their scrape.
+    pub now_ms: u64,
 }
 
 /// The tunable weights of the cost.
@@ -200,6 +203,26 @@ impl Weights {
             w_queue: cfg.cost.w_queue,
         }
     }
+}
+
+/// Requests at a region's engine now, as this Envoy can tell: the engine's
+/// counts at the scrape plus what this Envoy sent (or saw finish) since,
+/// less the queued requests the engine has drained into freed slots since
+/// the scrape at its measured rate (only the queue drains: a running
+/// request stays until it ends, and a request that ends frees the slot
+/// for one that waits). Never less than this Envoy's own in-flight
+/// requests, which are all somewhere between here and the engine (a
+/// request in transit at the scrape is in neither count). Without a
+/// measured drain rate, the queue as scraped.
+pub fn occupancy(state: &RegionState, inflight_now: f64, now_ms: u64) -> f64 {
+    let drained = match (state.drain_rps, state.scraped_ms) {
+        (Some(rate), Some(at)) if rate.is_finite() && rate > 0.0 => {
+            rate * now_ms.saturating_sub(at) as f64 / 1000.0
+        }
+        _ => 0.0,
+    };
+    let waiting = (state.waiting - drained).max(0.0);
+    (waiting + state.running + inflight_now - state.inflight_at_scrape).max(inflight_now)
 }
 
 /// Expected queueing wait for one more request at `occupancy` requests.
@@ -408,13 +431,7 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
                 .and_then(|s| s.prefill_ms_per_token)
                 .unwrap_or(region.prefill_ms_per_token);
             let inflight_now = inp.inflight.get(i).copied().unwrap_or(0.0);
-            // The engine's counts at the scrape plus what this Envoy sent (or
-            // saw finish) since; never less than this Envoy's own in-flight
-            // requests, which are all somewhere between here and the engine
-            // (a request in transit at the scrape is in neither count).
-            let occupancy = state.map_or(inflight_now, |s| {
-                (s.waiting + s.running + inflight_now - s.inflight_at_scrape).max(inflight_now)
-            });
+            let occupancy = state.map_or(inflight_now, |s| occupancy(s, inflight_now, inp.now_ms));
             // A region not yet measured counts in the fleet's unit, for its
             // prompt and its cache alike.
             let (tpb, prompt_tokens) = if state.is_some_and(|s| s.tokens_per_byte.is_some()) {
@@ -801,6 +818,7 @@ mod tests {
             session_region: None,
             weights: Weights::configured(c),
             draw: KEEP,
+            now_ms: 0,
         })
     }
 
@@ -856,6 +874,90 @@ mod tests {
     }
 
     #[test]
+    fn the_queue_drains_at_the_measured_rate_since_the_scrape() {
+        let scraped = RegionState {
+            waiting: 6.0,
+            running: 8.0,
+            inflight_at_scrape: 2.0,
+            scraped_ms: Some(10_000),
+            ..RegionState::default()
+        };
+        // No drain measured: the scrape as it was, plus what this Envoy
+        // sent since (3 in flight now, 2 then), at any age.
+        assert_eq!(occupancy(&scraped, 3.0, 10_000), 15.0);
+        assert_eq!(occupancy(&scraped, 3.0, 12_000), 15.0);
+        let draining = RegionState {
+            drain_rps: Some(8.0),
+            ..scraped.clone()
+        };
+        assert_eq!(occupancy(&draining, 3.0, 10_000), 15.0);
+        // 250 ms at 8 rps: 2 of the 6 waiting are in slots; the running
+        // ones stay.
+        assert_eq!(occupancy(&draining, 3.0, 10_250), 13.0);
+        // The queue empties, and no further: running 8 plus the one sent.
+        assert_eq!(occupancy(&draining, 3.0, 11_000), 9.0);
+        assert_eq!(occupancy(&draining, 3.0, 60_000), 9.0);
+        // Never below this Envoy's own in flight.
+        let idle = RegionState {
+            waiting: 1.0,
+            running: 0.0,
+            inflight_at_scrape: 5.0,
+            ..draining.clone()
+        };
+        assert_eq!(occupancy(&idle, 4.0, 20_000), 4.0);
+        // A clock behind the scrape, no time of scrape, a broken rate:
+        // nothing drained.
+        assert_eq!(occupancy(&draining, 3.0, 9_000), 15.0);
+        for r in [
+            RegionState {
+                scraped_ms: None,
+                ..draining.clone()
+            },
+            RegionState {
+                drain_rps: Some(f64::NAN),
+                ..draining.clone()
+            },
+            RegionState {
+                drain_rps: Some(-3.0),
+                ..draining.clone()
+            },
+        ] {
+            assert_eq!(occupancy(&r, 3.0, 11_000), 15.0);
+        }
+    }
+
+    #[test]
+    fn the_cost_prices_the_drained_queue() {
+        // near's scrape showed it full (4 slots) with 4 waiting; it
+        // drains 8 rps.
+        let c = cfg();
+        let mut s = snap(&c);
+        s.regions[0].running = 3.0;
+        s.regions[0].waiting = 4.0;
+        s.regions[0].scraped_ms = Some(5_000);
+        let near = |s: &Snapshot, now_ms: u64| {
+            let d = decide(&Inputs {
+                now_ms,
+                ..inputs(&c, s, &[0, 0, 0], None, None)
+            });
+            let n = d.costs[0];
+            (n.occupancy, n.wait_ms > 0.0)
+        };
+        assert_eq!(near(&s, 5_600), (7.0, true), "no drain measured");
+        s.regions[0].drain_rps = Some(8.0);
+        let (occupancy, waits) = near(&s, 5_100);
+        assert!(
+            (occupancy - 6.2).abs() < 1e-9 && waits,
+            "100 ms: not yet drained"
+        );
+        assert_eq!(
+            near(&s, 5_600),
+            (3.0, false),
+            "600 ms: queue gone, a slot free"
+        );
+    }
+
+    #[test]
     fn unhealthy_regions_are_skipped_and_fallback_is_nearest_healthy() {
         let c = cfg();
         let mut s = snap(&c);
@@ -896,6 +998,7 @@ mod tests {
                 session_region: None,
                 weights: Weights::configured(&c),
                 draw: KEEP,
+                now_ms: 0,
             };
             let a = decide(&inp).region;
             assert_eq!(a, decide(&inp).region);
@@ -944,6 +1047,7 @@ mod tests {
             session_region: session,
             weights: Weights::configured(c),
             draw: KEEP,
+            now_ms: 0,
         }
     }
 

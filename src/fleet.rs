@@ -22,6 +22,13 @@ struct Region {
     rtt_ms: Option<f64>,
     sample: EngineSample,
     inflight_at_scrape: f64,
+    /// When the last good scrape was answered (Unix ms).
+    scraped_ms: Option<u64>,
+    /// The engine's completions counter at a scrape, and when.
+    completed_at: Option<(f64, u64)>,
+    /// Requests the engine finishes per second (EWMA over time), measured
+    /// from its completions counter; absent when it reports none.
+    drain_rps: Option<f64>,
     metrics_ok: bool,
     /// Consecutive failed scrapes.
     scrape_failures: u32,
@@ -100,6 +107,9 @@ impl Fleet {
                     rtt_ms: None,
                     sample: EngineSample::default(),
                     inflight_at_scrape: 0.0,
+                    scraped_ms: None,
+                    completed_at: None,
+                    drain_rps: None,
                     metrics_ok: false,
                     scrape_failures: 0,
                     release: None,
@@ -263,15 +273,31 @@ impl Fleet {
         HealthChange::None
     }
 
-    /// A metrics scrape finished; `inflight` is this Envoy's in-flight count
-    /// to the region at the time the scrape was answered.
-    pub fn on_metrics(&mut self, region: usize, sample: Option<EngineSample>, inflight: f64) {
+    /// A metrics scrape finished at `now_ms`; `inflight` is this Envoy's
+    /// in-flight count to the region at the time the scrape was answered.
+    pub fn on_metrics(
+        &mut self,
+        cfg: &Config,
+        region: usize,
+        sample: Option<EngineSample>,
+        inflight: f64,
+        now_ms: u64,
+    ) {
         let Some(r) = self.regions.get_mut(region) else {
             return;
         };
         match sample {
             Some(s) => {
+                r.drain_rps = drain_rate(cfg, r.drain_rps, r.completed_at, s.completed, now_ms);
+                r.completed_at = match (s.completed, r.completed_at) {
+                    // Two answers in the same millisecond: keep the older
+                    // reading as the base of the next rate.
+                    (Some(_), Some((_, t))) if t >= now_ms => r.completed_at,
+                    (Some(c), _) => Some((c, now_ms)),
+                    (None, _) => None,
+                };
                 r.sample = s;
+                r.scraped_ms = Some(now_ms);
                 r.inflight_at_scrape = inflight.max(0.0);
                 r.metrics_ok = true;
                 r.scrape_failures = 0;
@@ -292,6 +318,22 @@ impl Fleet {
         if let (Some(q), Some(h)) = (r.sample.prefix_queries, r.sample.prefix_hits) {
             r.calibration.on_engine_tokens(now_ms, (q - h).max(0.0));
         }
+    }
+
+    /// Whether the fleet is busy enough for the probe's fast period: a
+    /// routable region whose engine reported a request waiting or
+    /// (waiting + running) / `max_concurrency` at `probe.busy_utilization`
+    /// or above, or the ladder above 0.
+    pub fn busy(&self, cfg: &Config) -> bool {
+        self.ladder.level > 0
+            || cfg.regions.iter().zip(&self.regions).any(|(c, r)| {
+                let waiting = r.sample.waiting.unwrap_or(0.0);
+                let load = waiting + r.sample.running.unwrap_or(0.0);
+                r.routable
+                    && r.metrics_ok
+                    && (waiting > 0.0
+                        || load / f64::from(c.max_concurrency.max(1)) >= cfg.probe.busy_utilization)
+            })
     }
 
     /// Feed the process-wide arrivals counter; updates the demand EWMA.
@@ -509,6 +551,8 @@ impl Fleet {
                     }
                 }),
                 inflight_at_scrape: r.inflight_at_scrape,
+                drain_rps: r.drain_rps.filter(|_| r.metrics_ok),
+                scraped_ms: r.scraped_ms,
                 metrics_ok: r.metrics_ok,
                 prefill_ms_per_token: fit
                     .and_then(|f| f.prefill_ms_per_token.get(i).copied().flatten()),
@@ -549,6 +593,33 @@ impl Fleet {
             regions,
         }
     }
+}
+
+/// The engine's drain rate after a scrape that read `completed` at
+/// `now_ms`, from the reading before (`last`): the rate over the interval,
+/// folded into the EWMA with the weight `probe.demand_alpha` has per
+/// `probe.tick_ms` (so the average spans the same time whatever the scrape
+/// period). No counter: no rate; a counter that went back (the engine
+/// restarted) or no time between the readings: the rate stands.
+fn drain_rate(
+    cfg: &Config,
+    rate: Option<f64>,
+    last: Option<(f64, u64)>,
+    completed: Option<f64>,
+    now_ms: u64,
+) -> Option<f64> {
+    let c = completed?;
+    let Some((c0, t0)) = last else {
+        return rate;
+    };
+    if c < c0 || now_ms <= t0 {
+        return rate;
+    }
+    let dt_ms = (now_ms - t0) as f64;
+    let sample = (c - c0) / (dt_ms / 1000.0);
+    let per_tick = f64::from(cfg.probe.tick_ms.max(1));
+    let a = 1.0 - (1.0 - cfg.probe.demand_alpha).powf(dt_ms / per_tick);
+    Some(rate.map_or(sample, |old| old + a * (sample - old)))
 }
 
 #[cfg(test)]
@@ -681,6 +752,7 @@ mod tests {
         let c = cfg();
         let mut f = Fleet::new(&c, 0);
         f.on_metrics(
+            &c,
             0,
             Some(EngineSample {
                 waiting: Some(4.0),
@@ -690,8 +762,9 @@ mod tests {
                 ..EngineSample::default()
             }),
             3.0,
+            0,
         );
-        f.on_metrics(1, None, 0.0);
+        f.on_metrics(&c, 1, None, 0.0, 0);
         let (s, _) = f.publish(&c, 0);
         assert_eq!((s.regions[0].waiting, s.regions[0].running), (4.0, 2.0));
         assert_eq!(s.regions[0].prefix_hit_rate, Some(0.25));
@@ -795,6 +868,64 @@ mod tests {
     }
 
     #[test]
+    fn the_drain_rate_comes_from_the_completions_counter_over_time() {
+        let c = cfg(); // tick_ms 1000, demand_alpha 0.5
+        let mut f = Fleet::new(&c, 0);
+        let done = |n: Option<f64>| EngineSample {
+            waiting: Some(3.0),
+            completed: n,
+            ..EngineSample::default()
+        };
+        let drain = |f: &mut Fleet, now| {
+            let s = f.snapshot(&c, now);
+            (s.regions[0].drain_rps, s.regions[0].scraped_ms)
+        };
+        f.on_metrics(&c, 0, Some(done(Some(100.0))), 0.0, 1_000);
+        assert_eq!(drain(&mut f, 1_000), (None, Some(1_000)), "one reading");
+        // 10 done in 1 s: 10 rps.
+        f.on_metrics(&c, 0, Some(done(Some(110.0))), 0.0, 2_000);
+        assert_eq!(drain(&mut f, 2_000), (Some(10.0), Some(2_000)));
+        // Then 0 rps for a tick's time, in four scrapes of 250 ms: the same
+        // weight as one scrape of 1 s (alpha 0.5 per tick_ms).
+        for t in [2_250, 2_500, 2_750, 3_000] {
+            f.on_metrics(&c, 0, Some(done(Some(110.0))), 0.0, t);
+        }
+        let (rate, _) = drain(&mut f, 3_000);
+        assert!((rate.unwrap() - 5.0).abs() < 1e-9, "{rate:?}");
+        // A restarted engine (counter back) leaves the rate; a failed
+        // scrape withholds it; a sample without the counter drops it.
+        f.on_metrics(&c, 0, Some(done(Some(3.0))), 0.0, 4_000);
+        assert!((drain(&mut f, 4_000).0.unwrap() - 5.0).abs() < 1e-9);
+        f.on_metrics(&c, 0, None, 0.0, 5_000);
+        assert_eq!(drain(&mut f, 5_000).0, None);
+        f.on_metrics(&c, 0, Some(done(None)), 0.0, 6_000);
+        assert_eq!(drain(&mut f, 6_000), (None, Some(6_000)));
+    }
+
+    #[test]
+    fn busy_is_a_queue_a_high_utilization_or_the_ladder() {
+        let c = Config::parse(
+            br#"{"regions":[{"name":"a","cluster":"a","capacity_rps":2,"max_concurrency":10}],
+                "probe":{"busy_utilization":0.5}}"#,
+        )
+        .unwrap();
+        let mut f = Fleet::new(&c, 0);
+        let load = |w: f64, r: f64| EngineSample {
+            waiting: Some(w),
+            running: Some(r),
+            ..EngineSample::default()
+        };
+        assert!(!f.busy(&c), "nothing scraped");
+        for ((w, r), busy) in [((0.0, 4.0), false), ((0.0, 5.0), true), ((1.0, 0.0), true)] {
+            f.on_metrics(&c, 0, Some(load(w, r)), 0.0, 0);
+            assert_eq!(f.busy(&c), busy, "waiting {w} running {r}");
+        }
+        // A failed scrape is no evidence of load.
+        f.on_metrics(&c, 0, None, 0.0, 0);
+        assert!(!f.busy(&c));
+    }
+
+    #[test]
     fn queue_growth_counts_as_demand() {
         let c = cfg();
         let mut f = Fleet::new(&c, 0);
@@ -802,9 +933,9 @@ mod tests {
             waiting: Some(w),
             ..EngineSample::default()
         };
-        f.on_metrics(0, Some(sample(0.0)), 0.0);
+        f.on_metrics(&c, 0, Some(sample(0.0)), 0.0, 0);
         f.publish(&c, 0);
-        f.on_metrics(0, Some(sample(10.0)), 0.0);
+        f.on_metrics(&c, 0, Some(sample(10.0)), 0.0, 1000);
         let (s, _) = f.publish(&c, 1000);
         // 10 more waiting in 1 s, EWMA alpha 0.5: 5 rps of unmet demand.
         assert!((s.demand_rps - 5.0).abs() < 1e-9, "{}", s.demand_rps);

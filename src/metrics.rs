@@ -60,6 +60,10 @@ pub struct EngineSample {
     /// Value of the configured release label, from the first series of its
     /// metric that carries that label.
     pub release: Option<String>,
+    /// Cumulative requests the engine finished, summed over all series
+    /// (vLLM `request_success_total`, SGLang `num_requests_total`): the
+    /// probe measures the engine's drain rate from it.
+    pub completed: Option<f64>,
 }
 
 /// Why a scrape gave no sample. Messages name the line so an operator can
@@ -339,6 +343,7 @@ enum Series {
     PrefixQueries(PrefixFamily),
     PrefixHits(PrefixFamily),
     HitRate,
+    Completed,
 }
 
 /// The spellings vLLM has used for its prefix-cache counters, most preferred
@@ -405,6 +410,7 @@ const VLLM_SERIES: &[(&str, Series)] = &[
     // The v0 engine (0.6 to 0.8) has no prefix counters, only this gauge.
     // With prefix caching off it prints -1, which clamps to a 0 hit rate.
     ("vllm:gpu_prefix_cache_hit_rate", Series::HitRate),
+    ("vllm:request_success_total", Series::Completed),
 ];
 
 const SGLANG_SERIES: &[(&str, Series)] = &[
@@ -412,6 +418,7 @@ const SGLANG_SERIES: &[(&str, Series)] = &[
     ("sglang:num_running_reqs", Series::Running),
     ("sglang:token_usage", Series::KvUsage),
     ("sglang:cache_hit_rate", Series::HitRate),
+    ("sglang:num_requests_total", Series::Completed),
 ];
 
 /// Running sum of the series of one name.
@@ -451,6 +458,7 @@ struct Totals {
     prefix_queries: [Accumulator; 4],
     prefix_hits: [Accumulator; 4],
     hit_rate: Accumulator,
+    completed: Accumulator,
 }
 
 impl Totals {
@@ -470,6 +478,7 @@ impl Totals {
             Series::KvUsage => (Some(&mut self.kv_usage), Some(ratio)),
             Series::KvUsageLegacy => (Some(&mut self.kv_usage_legacy), Some(ratio)),
             Series::HitRate => (Some(&mut self.hit_rate), Some(ratio)),
+            Series::Completed => (Some(&mut self.completed), count),
         };
         if let (Some(accumulator), Some(value)) = (accumulator, value) {
             accumulator.add(value);
@@ -493,6 +502,7 @@ impl Totals {
             prefix_hits,
             hit_rate: self.hit_rate.mean(),
             release,
+            completed: self.completed.total(),
         }
     }
 }
@@ -765,6 +775,7 @@ vllm:time_to_first_token_seconds_count{{engine=\"0\",model_name=\"{m}\"}} 42.0\n
                 prefix_hits: Some(8000.0),
                 hit_rate: None,
                 release: None,
+                completed: Some(42.0),
             }
         );
     }
@@ -801,6 +812,7 @@ vllm:gpu_prefix_cache_hits{model_name=\"qwen\"} 512\n";
                 prefix_hits: Some(512.0),
                 hit_rate: Some(0.25),
                 release: None,
+                completed: None,
             }
         );
     }
@@ -850,7 +862,11 @@ sglang:cache_hit_rate{{{labels0}}} 0.25\n\
 sglang:cache_hit_rate{{{labels1}}} 0.5\n\
 # HELP sglang:prompt_tokens_total Number of prefill tokens processed.\n\
 # TYPE sglang:prompt_tokens_total counter\n\
-sglang:prompt_tokens_total{{{labels0}}} 8.128902e+06\n"
+sglang:prompt_tokens_total{{{labels0}}} 8.128902e+06\n\
+# HELP sglang:num_requests_total Number of requests processed.\n\
+# TYPE sglang:num_requests_total counter\n\
+sglang:num_requests_total{{{labels0}}} 120.0\n\
+sglang:num_requests_total{{{labels1}}} 80.0\n"
         );
         let sample = parse_engine_metrics(EngineKind::Sglang, text.as_bytes(), None).unwrap();
         assert_eq!(
@@ -863,6 +879,7 @@ sglang:prompt_tokens_total{{{labels0}}} 8.128902e+06\n"
                 prefix_hits: None,
                 hit_rate: Some(0.375),
                 release: None,
+                completed: Some(200.0),
             }
         );
     }

@@ -18,7 +18,7 @@ use std::rc::Rc;
 
 use crate::assess::Assessment;
 use crate::calibration::Verdict;
-use crate::config::{Config, ReleaseSource};
+use crate::config::{Config, ProbeConfig, ReleaseSource};
 use crate::context::parse_model_limit;
 use crate::effects::{CalloutResponse, Level, ProbeHost};
 use crate::fleet::{Fleet, HealthChange};
@@ -69,11 +69,40 @@ pub struct Probe {
     models_warned: Vec<bool>,
     dispatch_warned: Vec<bool>,
     last_assessment: Assessment,
-    first_tick: bool,
     /// Rounds this root context has run (holding the lease).
     rounds: u64,
     /// Per region: the round from which its model list is to be read.
     models_due: Vec<u64>,
+    /// The tick period last set on the host (ms).
+    period_ms: u64,
+    /// When the last full round ran.
+    last_full_ms: Option<u64>,
+    /// Busy-period rounds in a row with the fleet not busy.
+    calm_rounds: u32,
+}
+
+/// The next tick period and count of calm rounds: `probe.busy_tick_ms` as
+/// soon as the fleet is busy, back to `probe.tick_ms` only after
+/// `probe.idle_rounds` busy-period rounds in a row without it being busy
+/// (so a queue that comes and goes does not make the period flap).
+pub fn next_period(cfg: &ProbeConfig, current_ms: u64, busy: bool, calm_rounds: u32) -> (u64, u32) {
+    let idle = u64::from(cfg.tick_ms);
+    let fast = u64::from(cfg.busy_tick_ms());
+    if fast >= idle {
+        return (idle, 0);
+    }
+    if busy {
+        return (fast, 0);
+    }
+    if current_ms != fast {
+        return (idle, 0);
+    }
+    let calm = calm_rounds.saturating_add(1);
+    if calm >= cfg.idle_rounds {
+        (idle, 0)
+    } else {
+        (fast, calm)
+    }
 }
 
 impl Probe {
@@ -89,9 +118,11 @@ impl Probe {
             models_warned: vec![false; n],
             dispatch_warned: vec![false; n],
             last_assessment: Assessment::Ok,
-            first_tick: true,
             rounds: 0,
             models_due: vec![0; n],
+            period_ms: 0,
+            last_full_ms: None,
+            calm_rounds: 0,
             cfg,
         }
     }
@@ -105,6 +136,7 @@ impl Probe {
     /// refuses a tick period.
     pub fn start(&mut self, host: &mut dyn ProbeHost) -> bool {
         let first = FIRST_TICK_MS.min(u64::from(self.cfg.probe.tick_ms));
+        self.period_ms = first;
         if !host.set_tick_ms(first) {
             host.log(
                 Level::Error,
@@ -142,29 +174,47 @@ impl Probe {
         )
     }
 
-    /// One round: inputs since the last tick, a health and a metrics callout
-    /// per region and a model-list callout where one is due (unless the
-    /// last one of its kind is still out), the controller step, a
-    /// publication.
+    /// One round. A full round (one per `probe.tick_ms`): inputs since the
+    /// last one, a health and a metrics callout per region and a
+    /// model-list callout where one is due, the controller step, a
+    /// publication. While the fleet is busy the probe ticks every
+    /// `probe.busy_tick_ms`, and the rounds between full ones send only
+    /// the metrics callouts (each answer is published), so that everything
+    /// counted in ticks (health and ejection streaks, the ladder's one rung
+    /// per tick, the EWMAs, the model-list refresh) keeps its period. A
+    /// callout whose last one of its kind is still out is not sent again.
     pub fn on_tick(&mut self, host: &mut dyn ProbeHost) {
-        if std::mem::take(&mut self.first_tick) {
-            // From now on, the configured period (accepted at start).
-            host.set_tick_ms(u64::from(self.cfg.probe.tick_ms));
-        }
+        let idle = u64::from(self.cfg.probe.tick_ms);
         let now = host.now_ms();
         if !self.hold_lease(host, now) {
+            // From the first tick on, the configured period (accepted at
+            // start): only the lease is watched.
+            self.set_period(host, idle);
             return;
         }
         host.count(Stat::Global(Global::ProbeTicks), 1);
-        self.rounds += 1;
+        let fast = u64::from(self.cfg.probe.busy_tick_ms());
+        // Half a fast period of slack: a timer a little early still makes
+        // the round full.
+        let full = self
+            .last_full_ms
+            .is_none_or(|t| now.saturating_sub(t) + fast / 2 >= idle);
+        if full {
+            self.last_full_ms = Some(now);
+            self.rounds += 1;
+        }
         let timeout_ms = u64::from(self.cfg.probe.timeout_ms);
         // A callout the host never answered is forgotten after two timeouts.
         self.pending
             .retain(|_, (_, _, sent)| now.saturating_sub(*sent) <= 2 * timeout_ms + 1000);
-        let arrivals = host.stat(Stat::Global(Global::Arrivals));
-        self.fleet.on_arrivals(&self.cfg, arrivals, now);
+        if full {
+            let arrivals = host.stat(Stat::Global(Global::Arrivals));
+            self.fleet.on_arrivals(&self.cfg, arrivals, now);
+        }
         self.drain_observations(host);
-        self.read_upstream_results(host);
+        if full {
+            self.read_upstream_results(host);
+        }
         self.read_override(host);
         let cfg = self.cfg.clone();
         for (i, r) in cfg.regions.iter().enumerate() {
@@ -175,7 +225,8 @@ impl Probe {
                 (Kind::Metrics, &r.metrics_path),
                 (Kind::Models, &r.models_path),
             ] {
-                if (kind == Kind::Models && !models_due)
+                if (!full && kind != Kind::Metrics)
+                    || (kind == Kind::Models && !models_due)
                     || self
                         .pending
                         .values()
@@ -222,7 +273,25 @@ impl Probe {
                 }
             }
         }
-        self.tick_and_publish(host, now);
+        if full {
+            self.tick_and_publish(host, now);
+        }
+        let (period, calm) = next_period(
+            &cfg.probe,
+            self.period_ms,
+            self.fleet.busy(&cfg),
+            self.calm_rounds,
+        );
+        self.calm_rounds = calm;
+        self.set_period(host, period);
+        host.set_gauge(Stat::Global(Global::ProbeTickMs), period);
+    }
+
+    /// Set the tick period on the host when it changes.
+    fn set_period(&mut self, host: &mut dyn ProbeHost, ms: u64) {
+        if ms != self.period_ms && host.set_tick_ms(ms) {
+            self.period_ms = ms;
+        }
     }
 
     /// A callout came back (or failed: no status).
@@ -366,7 +435,8 @@ impl Probe {
                 if self.cfg.release.source == ReleaseSource::MetricsLabel {
                     self.release(region, sample.release.clone());
                 }
-                self.fleet.on_metrics(region, Some(sample), inflight);
+                self.fleet
+                    .on_metrics(&self.cfg, region, Some(sample), inflight, now);
                 self.fleet.on_engine_clock(region, now);
                 self.publish(host, now);
             }
@@ -379,7 +449,8 @@ impl Probe {
                         &format!("llm-geo-router probe: region {name}: metrics scrape failed: {e}"),
                     );
                 }
-                self.fleet.on_metrics(region, None, inflight);
+                self.fleet
+                    .on_metrics(&self.cfg, region, None, inflight, now);
             }
         }
     }
@@ -769,6 +840,119 @@ mod tests {
             4,
             "the second round's callouts are still out"
         );
+    }
+
+    #[test]
+    fn the_period_goes_fast_at_once_and_slow_after_calm_rounds() {
+        let mut c = (*cfg("")).clone();
+        c.probe.idle_rounds = 3;
+        let p = &c.probe;
+        assert_eq!(next_period(p, 1000, false, 0), (1000, 0));
+        assert_eq!(next_period(p, 1000, true, 0), (250, 0));
+        // Calm rounds count only at the fast period; a busy one resets them.
+        assert_eq!(next_period(p, 250, false, 0), (250, 1));
+        assert_eq!(next_period(p, 250, false, 1), (250, 2));
+        assert_eq!(next_period(p, 250, true, 2), (250, 0));
+        assert_eq!(next_period(p, 250, false, 2), (1000, 0));
+        // Busy period equal to the idle one: no adaptation.
+        c.probe.busy_tick_ms = Some(1000);
+        assert_eq!(next_period(&c.probe, 1000, true, 0), (1000, 0));
+    }
+
+    #[test]
+    fn a_busy_fleet_is_scraped_every_busy_tick_and_health_keeps_its_period() {
+        const QUEUED: &str = "vllm:num_requests_waiting 2\nvllm:num_requests_running 4\n";
+        const HALF: &str = "vllm:num_requests_waiting 0\nvllm:num_requests_running 2\n";
+        const QUIET: &str = "vllm:num_requests_waiting 0\nvllm:num_requests_running 1\n";
+        // max_concurrency 4 (busy at 2 running and none waiting), idle
+        // after 4 calm rounds.
+        let c = Rc::new(
+            Config::parse(
+                br#"{"regions":[
+                  {"name":"near","cluster":"cn","capacity_rps":5,"max_concurrency":4},
+                  {"name":"mid","cluster":"cm","capacity_rps":5,"max_concurrency":4}],
+                  "probe":{"tick_ms":1000,"timeout_ms":500,"idle_rounds":4}}"#,
+            )
+            .unwrap(),
+        );
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        let mut at = T0;
+        // One round at `at` + `step`, answered with `body`: the paths sent
+        // and the period set after it.
+        let mut round = |p: &mut Probe, host: &mut Recorder, step: u64, body: &str| {
+            at += step;
+            tick(p, host, at);
+            let mut paths: Vec<String> = host.callouts.iter().map(|(_, _, p)| p.clone()).collect();
+            paths.sort();
+            paths.dedup();
+            answer_all(p, host, 5, Some(200), body);
+            (paths, host.tick_ms.unwrap_or(0))
+        };
+        let gauge = |host: &Recorder| host.value(Stat::Global(Global::ProbeTickMs));
+        let (_, period) = round(&mut p, &mut host, 50, QUIET);
+        assert_eq!((period, gauge(&host)), (1000, 1000));
+        // Idle: the slow period, round after round.
+        let (_, period) = round(&mut p, &mut host, 1000, QUIET);
+        assert_eq!(period, 1000);
+        // A region with a queue: fast from the next round on.
+        let (paths, _) = round(&mut p, &mut host, 1000, QUEUED);
+        assert_eq!(paths, ["/health", "/metrics"]);
+        let (paths, period) = round(&mut p, &mut host, 1000, QUEUED);
+        assert_eq!(paths, ["/health", "/metrics"]);
+        assert_eq!((period, gauge(&host)), (250, 250));
+        // Between full rounds, only the metrics scrape; health every 1000 ms.
+        let mut sent = Vec::new();
+        for _ in 0..8 {
+            sent.push(round(&mut p, &mut host, 250, QUEUED).0.join(","));
+        }
+        assert_eq!(
+            sent,
+            [
+                "/metrics",
+                "/metrics",
+                "/metrics",
+                "/health,/metrics",
+                "/metrics",
+                "/metrics",
+                "/metrics",
+                "/health,/metrics"
+            ]
+        );
+        // Utilization at the threshold (2 of 4 slots) is still busy.
+        for _ in 0..6 {
+            assert_eq!(round(&mut p, &mut host, 250, HALF).1, 250);
+        }
+        // Quiet (seen from the first quiet scrape's answer on): three calm
+        // rounds stay fast, the fourth goes slow.
+        let periods: Vec<u64> = (0..6)
+            .map(|_| round(&mut p, &mut host, 250, QUIET).1)
+            .collect();
+        assert_eq!(periods, [250, 250, 250, 250, 1000, 1000]);
+        assert_eq!(gauge(&host), 1000);
+        assert_eq!(host.value(Stat::Global(Global::ProbeTicks)), 24);
+    }
+
+    #[test]
+    fn the_ladder_above_0_keeps_the_period_fast() {
+        let key = api_key_digest("op");
+        let c = cfg(&format!(r#","ladder":{{"operator_keys":["{key}"]}}"#));
+        let mut host = Recorder::default();
+        host.store.set(LADDER_OVERRIDE_KEY, b"2", None).unwrap();
+        let mut p = started(&c, "a", &mut host);
+        tick(&mut p, &mut host, T0 + 50);
+        assert_eq!(host.tick_ms, Some(250));
+        // Released to 0 by the operator: at the next full round (1050),
+        // then 8 calm rounds (the default).
+        host.store.set(LADDER_OVERRIDE_KEY, b"0", None).unwrap();
+        let periods: Vec<u64> = (1..=11)
+            .map(|i| {
+                tick(&mut p, &mut host, T0 + 50 + 250 * i);
+                host.tick_ms.unwrap_or(0)
+            })
+            .collect();
+        assert_eq!(periods[..10], [250; 10]);
+        assert_eq!(periods[10], 1000);
     }
 
     #[test]

@@ -77,6 +77,7 @@ pub enum Global {
     ProbeCallouts,
     ProbeTicks,
     ProbeSnapshotVersion,
+    ProbeTickMs,
     TuningObservations,
     TuningWRttMilli,
     TuningWQueueMilli,
@@ -85,7 +86,7 @@ pub enum Global {
 }
 
 impl Global {
-    pub const ALL: [Global; 23] = [
+    pub const ALL: [Global; 24] = [
         Global::Arrivals,
         Global::GuardLevel,
         Global::GuardInvalidRequest,
@@ -104,6 +105,7 @@ impl Global {
         Global::ProbeCallouts,
         Global::ProbeTicks,
         Global::ProbeSnapshotVersion,
+        Global::ProbeTickMs,
         Global::TuningObservations,
         Global::TuningWRttMilli,
         Global::TuningWQueueMilli,
@@ -132,6 +134,7 @@ impl Global {
             Global::ProbeCallouts => ("probe.callouts", Counter),
             Global::ProbeTicks => ("probe.ticks", Counter),
             Global::ProbeSnapshotVersion => ("probe.snapshot_version", Gauge),
+            Global::ProbeTickMs => ("probe.tick_ms", Gauge),
             Global::TuningObservations => ("tuning.observations", Counter),
             Global::TuningWRttMilli => ("tuning.w_rtt_milli", Gauge),
             Global::TuningWQueueMilli => ("tuning.w_queue_milli", Gauge),

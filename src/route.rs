@@ -273,6 +273,7 @@ impl Router {
             session_region: session.and_then(|s| s.last).map(|(r, _)| r),
             weights,
             draw: inp.draw,
+            now_ms: inp.now_ms,
         });
         if !inp.fallback {
             self.dir.record(

@@ -55,6 +55,15 @@ pub struct RegionState {
     /// were scraped: the router adds only what changed since then, so its own
     /// requests are not counted twice.
     pub inflight_at_scrape: f64,
+    /// Requests the engine finishes per second, measured from its
+    /// completions counter over the probe's scrapes; absent: not measured
+    /// (the router then takes the queue as scraped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain_rps: Option<f64>,
+    /// When the engine counts were scraped (the answer's arrival, ms since
+    /// the Unix epoch); absent before the first good scrape.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scraped_ms: Option<u64>,
     /// Whether the last `/metrics` scrape succeeded.
     pub metrics_ok: bool,
     /// Prefill rate refined from observed TTFT; absent: the configured one.
@@ -104,6 +113,8 @@ impl Default for RegionState {
             kv_usage: None,
             prefix_hit_rate: None,
             inflight_at_scrape: 0.0,
+            drain_rps: None,
+            scraped_ms: None,
             metrics_ok: false,
             prefill_ms_per_token: None,
             release: None,

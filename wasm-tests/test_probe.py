@@ -1,6 +1,7 @@
 """The probe singleton inside a real Envoy: one loop per process, RTTs
 measured through the regions' clusters, vLLM and SGLang /metrics read, and
-garbage /metrics survived. Probe tick 300 ms."""
+garbage /metrics survived. Probe tick 300 ms; the adaptive tick (1000 ms
+idle, 100 ms busy) on a fleet of its own."""
 
 import threading
 import time
@@ -100,3 +101,68 @@ def test_unknown_cluster_is_reported_once_and_the_region_is_unhealthy(fleet_fact
     # The nearest configured region is a ghost; traffic goes to the real near one.
     r = chat(fleet.port, [{"role": "user", "content": "still routed"}])
     assert r.status == 200 and r.replica == "near"
+
+
+ADAPTIVE = {"probe": {"tick_ms": 1000, "timeout_ms": 1000, "busy_tick_ms": 100, "idle_rounds": 10}}
+
+
+def _rounds_and_callouts(fleet, seconds):
+    """Probe rounds and, per engine, health and /metrics requests over about
+    `seconds` of wall-clock time; and the time it took."""
+    envoy = fleet.envoy
+    before = {n: e.stats()["requests"] for n, e in fleet.engines.items()}
+    n0, t0 = probe_ticks(envoy), time.monotonic()
+    time.sleep(seconds)
+    rounds, elapsed = probe_ticks(envoy) - n0, time.monotonic() - t0
+    sent = {}
+    for name, engine in fleet.engines.items():
+        after = engine.stats()["requests"]
+        sent[name] = tuple(after.get(p, 0) - before[name].get(p, 0) for p in ("/health", "/metrics"))
+    return rounds, sent, elapsed
+
+
+def test_the_probe_ticks_fast_only_while_a_region_is_busy(fleet_factory):
+    # Idle period 1000 ms, busy 100 ms: ten times the rounds while busy.
+    fleet = fleet_factory(ADAPTIVE)
+    envoy = fleet.envoy
+    gauge = "probe.tick_ms"
+    wait_stat(envoy, gauge, lambda v: v == 1000)
+    rounds, sent, elapsed = _rounds_and_callouts(fleet, 2.0)
+    # Idle: one round, one health and one scrape per engine a second (a busy
+    # machine only delays ticks).
+    assert rounds <= elapsed + 1, (rounds, elapsed)
+    for name, (health, metrics) in sent.items():
+        assert metrics <= elapsed + 1 and health <= elapsed + 1, (name, sent)
+    # near's engine paused with requests queued (sent to it directly, not
+    # through Envoy): busy.
+    near = fleet.engines["near"]
+    near.set_state(paused=True)
+    threads = []
+    for i in range(4):
+        body = ('{"messages":[{"role":"user","content":"q %d"}],"max_tokens":1}' % i).encode()
+        req = urllib.request.Request(near.url + "/v1/chat/completions", data=body,
+                                     headers={"content-type": "application/json"})
+        t = threading.Thread(target=lambda r=req: urllib.request.urlopen(r, timeout=60).read())
+        t.start()
+        threads.append(t)
+    try:
+        wait_stat(envoy, "region.near.engine_waiting", lambda v: v == 4)
+        wait_stat(envoy, gauge, lambda v: v == 100, timeout=5)
+        rounds, sent, elapsed = _rounds_and_callouts(fleet, 2.0)
+        # Several rounds a second, where idle had one (ten are due; a
+        # shared machine delays some): every engine scraped each of them,
+        # health still about once a second.
+        assert rounds >= 2 * (elapsed + 1), (rounds, elapsed)
+        for name, (health, metrics) in sent.items():
+            assert metrics >= 2 * (elapsed + 1), (name, sent, elapsed)
+            assert health <= elapsed + 1, (name, sent, elapsed)
+        assert envoy.stat("wasmcustom.llm_geo_router.probe.tick_ms") == 100
+    finally:
+        near.set_state(paused=False)
+        for t in threads:
+            t.join(timeout=60)
+    # Load gone: back to the idle period after ten calm rounds.
+    wait_stat(envoy, "region.near.engine_waiting", lambda v: v == 0)
+    wait_stat(envoy, gauge, lambda v: v == 1000, timeout=10)
+    rounds, _, elapsed = _rounds_and_callouts(fleet, 2.0)
+    assert rounds <= elapsed + 1, (rounds, elapsed)

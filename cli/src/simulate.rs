@@ -54,7 +54,8 @@ JSON (--json): {\"policies\": {\"<label>\": {\"policy\", \"deployment\",
 \"requests\", \"completed\", \"shed\", \"capped\", \"per_region_requests\": {...},
 \"proxies\", \"utilisation\": {<region>: x}, \"queued_share\",
 \"occupancy\": {<region>: {p50, p95, max}}, \"queue_time_share\": {<region>: x},
-\"reasons\": {<reason>: n}}}}
+\"reasons\": {<reason>: n}, \"probe_scrapes_per_min\",
+\"probe_busy_share\"}}}
 with <label> geo-router or <policy>@<deployment>. shed: refused by the ladder
 (429); capped: a ladder cap applied (max_tokens clamped, or the prompt
 refused with 413); requests - completed - shed - 413s failed in an outage.
@@ -67,6 +68,10 @@ region's engine (running + waiting) / its slots, sampled every 1000 ms of
 simulated time in the middle half (nearest-rank percentiles; above 1 means
 requests waiting); queue_time_share: the fraction of those samples with a
 request waiting. null where there is no sample.
+probe_scrapes_per_min (geo-router, else null): /metrics scrapes each Envoy's
+probe sent each region's engine per minute of the run (60 at a probe.tick_ms
+of 1000 while idle, 240 at a probe.busy_tick_ms of 250); probe_busy_share:
+the share of the run its probes ticked at probe.busy_tick_ms.
 
 Exit status: 0 on success; 2 on a wrong option or a file that cannot be read
 or is invalid (the message names it); 1 when the plots cannot be written.";

@@ -168,6 +168,8 @@ fn simulate_json_has_the_documented_shape_for_every_policy_and_deployment() {
                 "occupancy",
                 "per_region_requests",
                 "policy",
+                "probe_busy_share",
+                "probe_scrapes_per_min",
                 "proxies",
                 "queue_time_share",
                 "queued_share",
@@ -181,6 +183,14 @@ fn simulate_json_has_the_documented_shape_for_every_policy_and_deployment() {
         );
         assert_eq!(p["policy"], *policy);
         assert_eq!(p["deployment"], *deployment);
+        // The probe's scrapes: at least one a second per engine and Envoy.
+        if *policy == "geo-router" {
+            let per_min = p["probe_scrapes_per_min"].as_f64().unwrap();
+            assert!(per_min >= 55.0, "{name}: {per_min}");
+            assert!(is_number(&p["probe_busy_share"]), "{name}");
+        } else {
+            assert!(p["probe_scrapes_per_min"].is_null(), "{name}");
+        }
         for dist in ["ttft_ms", "e2e_ms"] {
             let d = &p[dist];
             assert_eq!(d.as_object().unwrap().len(), 4, "{name} {dist}");

@@ -159,6 +159,8 @@ pub struct Envoy {
     host: Recorder,
     /// Routed requests in flight, by the simulation's request index.
     streams: HashMap<usize, RouterStream>,
+    /// Metrics callouts the probe sent (all regions).
+    pub scrapes: u64,
 }
 
 impl Envoy {
@@ -181,6 +183,7 @@ impl Envoy {
             view: View::new(),
             host,
             streams: HashMap::new(),
+            scrapes: 0,
             cfg,
         }
     }
@@ -316,8 +319,18 @@ impl Envoy {
                     metrics,
                 })
             })
-            .collect();
+            .collect::<Vec<Callout>>();
+        self.scrapes += callouts.iter().filter(|c| c.metrics).count() as u64;
         (callouts, self.probe.fleet().level())
+    }
+
+    /// The probe's tick period as it last set it on its host (Envoy's
+    /// timer): when its next tick is due.
+    pub fn period_ms(&self) -> u64 {
+        self.host
+            .tick_ms
+            .unwrap_or(u64::from(self.cfg.probe.tick_ms))
+            .max(1)
     }
 
     /// A callout's answer arrived.

@@ -130,6 +130,11 @@ pub struct Summary {
     pub session_moves: u64,
     /// Geo-router: decisions per reason.
     pub reasons: BTreeMap<&'static str, u64>,
+    /// Geo-router: `/metrics` scrapes each Envoy's probe sent each region's
+    /// engine per minute of the run, and the share of the run its probes
+    /// ticked at the busy period.
+    pub probe_scrapes_per_min: Option<f64>,
+    pub probe_busy_share: Option<f64>,
 }
 
 pub fn summarize(fleet: &Fleet, work: &Workload, run: &Run) -> Summary {
@@ -190,6 +195,13 @@ pub fn summarize(fleet: &Fleet, work: &Workload, run: &Run) -> Summary {
         occupancy: occupancy(fleet, run),
         session_moves,
         reasons: run.reasons.clone(),
+        probe_scrapes_per_min: run.probe.map(|p| {
+            let per = (p.envoys * fleet.regions.len()).max(1) as f64;
+            p.scrapes as f64 / per / (run.end_ms.max(1.0) / 60_000.0)
+        }),
+        probe_busy_share: run
+            .probe
+            .map(|p| p.fast_ms / (p.envoys.max(1) as f64 * run.end_ms.max(1.0))),
     }
 }
 
@@ -262,6 +274,8 @@ pub fn to_json(summaries: &[Summary]) -> Value {
                     (name.clone(), json!(o.map(|o| o.queue_time_share)))
                 }).collect::<Map<String, Value>>(),
                 "reasons": s.reasons,
+                "probe_scrapes_per_min": s.probe_scrapes_per_min,
+                "probe_busy_share": s.probe_busy_share,
             }),
         );
     }

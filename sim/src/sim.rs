@@ -102,6 +102,19 @@ pub struct Run {
     pub end_ms: f64,
     /// Geo-router: decisions per reason (`cost::Reason::as_str`).
     pub reasons: std::collections::BTreeMap<&'static str, u64>,
+    /// Geo-router: what its probes sent.
+    pub probe: Option<ProbeLoad>,
+}
+
+/// The geo-router's probe load over a run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ProbeLoad {
+    /// Envoys simulated (all client regions).
+    pub envoys: usize,
+    /// Metrics callouts their probes sent (every region's engine).
+    pub scrapes: u64,
+    /// Time their probes ticked at the busy period, summed over Envoys (ms).
+    pub fast_ms: f64,
 }
 
 impl Run {
@@ -113,7 +126,14 @@ impl Run {
 
 #[derive(Debug, Clone)]
 enum Ev {
+    /// A baseline's health checks.
     Tick,
+    /// Envoy `proxy` of client region `client` (geo-router): its probe's
+    /// tick, each Envoy on the period its probe set.
+    ProbeTick {
+        client: usize,
+        proxy: usize,
+    },
     /// A baseline scrapes the engines' queues (outside the oracle).
     Scrape,
     Arrive(usize),
@@ -272,6 +292,8 @@ struct Sim<'a> {
     occupancy: Vec<Vec<(u32, u32)>>,
     end_ms: f64,
     reasons: std::collections::BTreeMap<&'static str, u64>,
+    /// Geo-router: probe time spent at the busy period, summed over Envoys.
+    probe_fast_ms: f64,
 }
 
 /// The period of `Run::occupancy`'s samples, ms of simulated time.
@@ -478,8 +500,18 @@ pub fn run_with(
         occupancy: vec![Vec::new(); regions],
         end_ms: 0.0,
         reasons: std::collections::BTreeMap::new(),
+        probe_fast_ms: 0.0,
     };
-    sim.q.push(0.0, Ev::Tick);
+    match &sim.mode {
+        Mode::Geo(envoys) => {
+            for (client, replicas) in envoys.iter().enumerate() {
+                for proxy in 0..replicas.len() {
+                    sim.q.push(0.0, Ev::ProbeTick { client, proxy });
+                }
+            }
+        }
+        Mode::Base(_) => sim.q.push(0.0, Ev::Tick),
+    }
     if matches!(&sim.mode, Mode::Base(p) if p.scrape_ms.is_some()) {
         sim.q.push(0.0, Ev::Scrape);
     }
@@ -521,6 +553,14 @@ pub fn run_with(
         window_ms: sim.window_ms,
         occupancy: sim.occupancy,
         end_ms: sim.end_ms,
+        probe: match &sim.mode {
+            Mode::Geo(envoys) => Some(ProbeLoad {
+                envoys: envoys.iter().map(Vec::len).sum(),
+                scrapes: envoys.iter().flatten().map(|e| e.scrapes).sum(),
+                fast_ms: sim.probe_fast_ms,
+            }),
+            Mode::Base(_) => None,
+        },
         reasons: sim.reasons,
     })
 }
@@ -529,6 +569,7 @@ impl Sim<'_> {
     fn handle(&mut self, now: f64, ev: Ev) -> Result<(), String> {
         match ev {
             Ev::Tick => self.tick(now),
+            Ev::ProbeTick { client, proxy } => self.probe_tick(client, proxy, now),
             Ev::Scrape => self.scrape(now),
             Ev::Arrive(i) => self.arrive(i, now)?,
             Ev::RouterArrive(i) => self.route(i, now)?,
@@ -567,7 +608,7 @@ impl Sim<'_> {
                             cache_usage: c.usage(),
                             query_tokens: c.query_tokens(),
                             hit_tokens: c.hit_tokens(),
-                            completed: 0,
+                            completed: s.engine.completed(),
                             requests: Vec::new(),
                         };
                         a.body = exposition::render(EngineMode::Vllm, trace::MODEL, "", &sample)
@@ -633,42 +674,50 @@ impl Sim<'_> {
         }
     }
 
+    /// A baseline's health checks.
     fn tick(&mut self, now: f64) {
-        match &mut self.mode {
-            Mode::Geo(envoys) => {
-                for (c, replicas) in envoys.iter_mut().enumerate() {
-                    for (proxy, e) in replicas.iter_mut().enumerate() {
-                        let (callouts, level) = e.tick(core_ms(now));
-                        for callout in callouts {
-                            let rtt = self.fleet.rtt(c, callout.region);
-                            // The callout reads the engine half a round trip later.
-                            self.q.push(
-                                now + rtt / 2.0,
-                                Ev::ProbeSample {
-                                    client: c,
-                                    proxy,
-                                    callout,
-                                },
-                            );
-                        }
-                        // The ladder as the first Envoy of each client region
-                        // publishes it.
-                        if proxy == 0 {
-                            if let Some(series) = self.levels.get_mut(c) {
-                                series.push((now, level));
-                            }
-                        }
-                    }
-                }
-            }
-            Mode::Base(_) => {
-                for (h, s) in self.health.iter_mut().zip(&self.stations) {
-                    h.observe(s.up);
-                }
-            }
+        for (h, s) in self.health.iter_mut().zip(&self.stations) {
+            h.observe(s.up);
         }
         if self.unresolved > 0 {
             self.q.push(now + self.tick_ms, Ev::Tick);
+        }
+    }
+
+    /// One Envoy's probe tick; the next one after the period its probe set.
+    fn probe_tick(&mut self, c: usize, proxy: usize, now: f64) {
+        let Mode::Geo(envoys) = &mut self.mode else {
+            return;
+        };
+        let Some(e) = envoys.get_mut(c).and_then(|r| r.get_mut(proxy)) else {
+            return;
+        };
+        let (callouts, level) = e.tick(core_ms(now));
+        let period = e.period_ms() as f64;
+        if period < f64::from(e.cfg.probe.tick_ms) {
+            self.probe_fast_ms += period;
+        }
+        for callout in callouts {
+            let rtt = self.fleet.rtt(c, callout.region);
+            // The callout reads the engine half a round trip later.
+            self.q.push(
+                now + rtt / 2.0,
+                Ev::ProbeSample {
+                    client: c,
+                    proxy,
+                    callout,
+                },
+            );
+        }
+        // The ladder as the first Envoy of each client region publishes it.
+        if proxy == 0 {
+            if let Some(series) = self.levels.get_mut(c) {
+                series.push((now, level));
+            }
+        }
+        if self.unresolved > 0 {
+            self.q
+                .push(now + period, Ev::ProbeTick { client: c, proxy });
         }
     }
 
