@@ -126,11 +126,13 @@ def test_snapshot_older_than_the_filters_accept_is_ignored(run_dir, fleet_factor
     plugins[0]["configuration"]["value"] = json.dumps(probe)
     envoy = start(run_dir, fleet, cfg, "stale")
     # A snapshot existed: the first round published it (so the filters had
-    # something to go stale), and every callout of that round came back.
+    # something to go stale), and every callout of that round came back:
+    # each scrape and each first model list (a context limit read) publishes.
     version = "wasmcustom.llm_geo_router.probe.snapshot_version"
     assert until(lambda: envoy.stat(version) >= 1 and all(
-        fleet.engines[n].stats()["requests"].get("/metrics", 0) >= 1 for n in fleet.engines), 10)
-    assert until(lambda: envoy.stat(version) >= 1 + len(fleet.engines), 5)
+        fleet.engines[n].stats()["requests"].get(path, 0) >= 1
+        for n in fleet.engines for path in ("/metrics", "/v1/models")), 10)
+    assert until(lambda: envoy.stat(version) >= 1 + 2 * len(fleet.engines), 5)
     published = envoy.stat(version)
     # Older than 600 ms (sleeping longer only makes it older): the nearest
     # region with reason `fallback`, whatever the snapshot said.
