@@ -139,11 +139,7 @@ pub fn check(
     let mut any_allowed_fits = false;
     let mut closest: Option<Exceeded> = None;
     for i in 0..cfg.regions.len().min(64) {
-        let state = snapshot_index
-            .get(i)
-            .copied()
-            .flatten()
-            .and_then(|j| snapshot.regions.get(j));
+        let state = snapshot.region_at(snapshot_index, i);
         let limit = state.and_then(|s| s.max_model_len);
         let estimate = prompt_tokens(cfg, req, state);
         let ok = fits(cfg.context.margin, limit, estimate, output);

@@ -245,13 +245,7 @@ pub fn decide(inp: &Inputs) -> Decision {
     // Release parity: a region on another release gets no new traffic,
     // unless no healthy region is on the expected one (a fleet-wide
     // mismatch is for rollback, not a reason to route nowhere).
-    let state = |i: usize| {
-        inp.snapshot_index
-            .get(i)
-            .copied()
-            .flatten()
-            .and_then(|j| snap.regions.get(j))
-    };
+    let state = |i: usize| snap.region_at(inp.snapshot_index, i);
     let any_release_ok = costs
         .iter()
         .enumerate()
@@ -375,11 +369,7 @@ fn move_ms(from: &Cost, to: &Cost) -> f64 {
 }
 
 fn state_healthy(inp: &Inputs, snap: &Snapshot, i: usize) -> bool {
-    inp.snapshot_index
-        .get(i)
-        .copied()
-        .flatten()
-        .and_then(|j| snap.regions.get(j))
+    snap.region_at(inp.snapshot_index, i)
         .is_none_or(|s| s.healthy)
 }
 
@@ -417,12 +407,7 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
         .iter()
         .enumerate()
         .map(|(i, region)| {
-            let state = inp
-                .snapshot_index
-                .get(i)
-                .copied()
-                .flatten()
-                .and_then(|j| snap.regions.get(j));
+            let state = snap.region_at(inp.snapshot_index, i);
             // A region the probe does not report on is assumed healthy with its
             // configured figures: the probe's configuration may lag the filters'.
             let healthy = state.is_none_or(|s| s.healthy);

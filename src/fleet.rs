@@ -361,8 +361,7 @@ impl Fleet {
     }
 
     /// An engine's usage of one answered request, reported by a router.
-    pub fn on_usage(&mut self, cfg: &Config, r: &UsageReport) -> Option<Verdict> {
-        let _ = cfg;
+    pub fn on_usage(&mut self, r: &UsageReport) -> Option<Verdict> {
         let region = self.regions.get_mut(usize::from(r.region))?;
         Some(region.calibration.on_report(r))
     }

@@ -521,7 +521,7 @@ impl Probe {
                 }
                 host.count(Stat::Global(Global::UsageReports), 1);
                 let region = usize::from(r.region);
-                if let Some(Verdict::Refuted) = self.fleet.on_usage(&self.cfg, &r) {
+                if let Some(Verdict::Refuted) = self.fleet.on_usage(&r) {
                     host.count(Stat::Region(region, RegionStat::CacheBeliefRefuted), 1);
                 }
             }

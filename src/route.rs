@@ -200,11 +200,7 @@ impl Router {
             Some(snap) if snap.regions.iter().any(|r| r.cache_horizon_ms.is_some()) => {
                 (0..cfg.regions.len())
                     .map(|i| {
-                        inp.snapshot_index
-                            .get(i)
-                            .copied()
-                            .flatten()
-                            .and_then(|j| snap.regions.get(j))
+                        snap.region_at(inp.snapshot_index, i)
                             .and_then(|r| r.cache_horizon_ms)
                             .unwrap_or(u64::MAX)
                     })
@@ -348,13 +344,8 @@ fn migration_for(cfg: &Config, d: &Decision, inp: &RouteInputs) -> Option<KvActi
         return None;
     }
     let state = |i: usize| {
-        inp.snapshot.and_then(|s| {
-            inp.snapshot_index
-                .get(i)
-                .copied()
-                .flatten()
-                .and_then(|j| s.regions.get(j))
-        })
+        inp.snapshot
+            .and_then(|s| s.region_at(inp.snapshot_index, i))
     };
     let rtt: Vec<f64> = cfg
         .regions

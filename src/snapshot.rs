@@ -138,6 +138,16 @@ fn one() -> f64 {
 }
 
 impl Snapshot {
+    /// The state of configured region `i`, where `index` maps configured
+    /// regions to their entries in this snapshot (`View` builds it).
+    pub fn region_at(&self, index: &[Option<usize>], i: usize) -> Option<&RegionState> {
+        index
+            .get(i)
+            .copied()
+            .flatten()
+            .and_then(|j| self.regions.get(j))
+    }
+
     pub fn encode(&self) -> Vec<u8> {
         serde_json::to_vec(self).unwrap_or_default()
     }
