@@ -78,6 +78,8 @@ pub struct Config {
     pub assessment: AssessmentConfig,
     #[serde(default)]
     pub context: ContextConfig,
+    #[serde(default)]
+    pub responses: ResponsesConfig,
     /// What to do with a request to an inference path whose body is not a
     /// valid request: `reject` (400, OpenAI error JSON) or `pass_through`
     /// (send it untouched to the default region and let the engine answer).
@@ -406,6 +408,42 @@ impl Default for ContextConfig {
         ContextConfig {
             margin: 0.1,
             refresh_ticks: 60,
+        }
+    }
+}
+
+/// The Responses API's stored responses (docs/ROUTING.md, "Endpoints").
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ResponsesConfig {
+    /// Shared-data slots of the `id → region` map: one record each (about
+    /// 60 bytes), so at most this many stored responses are followed.
+    pub slots: u32,
+    /// How long a response's region is remembered (seconds); engines keep
+    /// stored responses in memory until they restart.
+    pub ttl_s: u32,
+    /// A follow-up whose response is held by a region that is unavailable
+    /// (unhealthy, ejected, on another release, or outside the request's
+    /// residency): `reject` (503, OpenAI error JSON: a retry elsewhere
+    /// cannot succeed) or `reroute` (route it as a new request; the engine
+    /// there answers that it does not know the response).
+    pub holder_unavailable: HolderUnavailable,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum HolderUnavailable {
+    #[default]
+    Reject,
+    Reroute,
+}
+
+impl Default for ResponsesConfig {
+    fn default() -> Self {
+        ResponsesConfig {
+            slots: 65_536,
+            ttl_s: 86_400,
+            holder_unavailable: HolderUnavailable::Reject,
         }
     }
 }
@@ -858,6 +896,21 @@ impl Config {
             return Err(ConfigError::new(
                 "context.refresh_ticks",
                 format!("{} must be within 1..=86400", self.context.refresh_ticks),
+            ));
+        }
+        if !(1..=4_194_304).contains(&self.responses.slots) {
+            return Err(ConfigError::new(
+                "responses.slots",
+                format!("{} must be within 1..=4194304", self.responses.slots),
+            ));
+        }
+        if !(1..=2_592_000).contains(&self.responses.ttl_s) {
+            return Err(ConfigError::new(
+                "responses.ttl_s",
+                format!(
+                    "{} must be within 1..=2592000 (30 days)",
+                    self.responses.ttl_s
+                ),
             ));
         }
         self.validate_residency()?;
@@ -1418,6 +1471,21 @@ mod tests {
             ));
             assert_eq!(e.field, field, "{ctx}");
         }
+        for (resp, field) in [
+            (r#"{"slots":0}"#, "responses.slots"),
+            (r#"{"slots":4194305}"#, "responses.slots"),
+            (r#"{"ttl_s":0}"#, "responses.ttl_s"),
+            (r#"{"ttl_s":2592001}"#, "responses.ttl_s"),
+        ] {
+            let e = err(&format!(
+                r#"{{"regions":[{{"name":"a","cluster":"c","capacity_rps":1}}],"responses":{resp}}}"#
+            ));
+            assert_eq!(e.field, field, "{resp}");
+        }
+        assert!(Config::parse(
+            br#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}],"responses":{"holder_unavailable":"maybe"}}"#
+        )
+        .is_err());
         let e =
             err(r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1,"models_path":"v1"}]}"#);
         assert_eq!(e.field, "regions[0].models_path");

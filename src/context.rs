@@ -189,10 +189,7 @@ pub fn refusal_message(engine: EngineKind, e: &Exceeded, margin: f64) -> String 
 
 /// The OpenAI `param` a refusal names: the prompt's field.
 pub fn param(endpoint: Endpoint) -> &'static str {
-    match endpoint {
-        Endpoint::ChatCompletions => "messages",
-        Endpoint::Completions => "prompt",
-    }
+    endpoint.prompt_param()
 }
 
 #[cfg(test)]

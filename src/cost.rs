@@ -54,6 +54,9 @@ pub enum Reason {
     Context,
     /// No usable snapshot, or no healthy candidate: nearest region.
     Fallback,
+    /// The stored response the request continues lives there (Responses
+    /// API `previous_response_id`).
+    Response,
 }
 
 impl Reason {
@@ -68,6 +71,7 @@ impl Reason {
             Reason::Pin => "pin",
             Reason::Context => "context",
             Reason::Fallback => "fallback",
+            Reason::Response => "response",
         }
     }
     /// The name in stats (`llm_geo_router.router.decision.<stat_name>`).
@@ -77,7 +81,7 @@ impl Reason {
             other => other.as_str(),
         }
     }
-    pub const ALL: [Reason; 9] = [
+    pub const ALL: [Reason; 10] = [
         Reason::Cache,
         Reason::Load,
         Reason::Rtt,
@@ -87,6 +91,7 @@ impl Reason {
         Reason::Pin,
         Reason::Context,
         Reason::Fallback,
+        Reason::Response,
     ];
 }
 

@@ -146,7 +146,7 @@ pub fn check_body(
     }
     let clamped = policy
         .max_tokens
-        .and_then(|limit| clamp_max_tokens(body, &req, limit));
+        .and_then(|limit| clamp_max_tokens(endpoint, body, &req, limit));
     let was_clamped = clamped.is_some();
     let current = clamped.as_deref().unwrap_or(body);
     let rewritten = match (&policy.fallback_model, policy.fallback) {
@@ -162,24 +162,35 @@ pub fn check_body(
     }
 }
 
-/// A body whose `max_tokens` and `max_completion_tokens` are at most
-/// `limit`: values above it (or null) are replaced in place, and when
-/// neither is present `max_tokens` is added. `None` when nothing changes.
-pub fn clamp_max_tokens(body: &[u8], req: &InferenceRequest, limit: u64) -> Option<Vec<u8>> {
+/// A body whose output-token limits are at most `limit`: `max_tokens` and
+/// `max_completion_tokens` (the Responses API: `max_output_tokens`). Values
+/// above it (or null) are replaced in place, and when none is present the
+/// first is added. `None` when nothing changes.
+pub fn clamp_max_tokens(
+    endpoint: Endpoint,
+    body: &[u8],
+    req: &InferenceRequest,
+    limit: u64,
+) -> Option<Vec<u8>> {
     let over = |v: Option<u64>| v.is_none_or(|v| v > limit);
+    let fields: &[(&str, Option<u64>)] = match endpoint {
+        Endpoint::Responses => &[("max_output_tokens", req.max_tokens)],
+        _ => &[
+            ("max_tokens", req.max_tokens),
+            ("max_completion_tokens", req.max_completion_tokens),
+        ],
+    };
     let mut spans = Vec::new();
-    for (key, value) in [
-        ("max_tokens", req.max_tokens),
-        ("max_completion_tokens", req.max_completion_tokens),
-    ] {
+    let mut present = false;
+    for (key, value) in fields {
         if let Some(span) = request::top_level_value_span(body, key) {
-            if over(value) {
+            present = true;
+            if over(*value) {
                 spans.push(span);
             }
         }
     }
-    let present = request::top_level_value_span(body, "max_tokens").is_some()
-        || request::top_level_value_span(body, "max_completion_tokens").is_some();
+    let added = fields.first().map_or("max_tokens", |(k, _)| *k);
     let number = limit.to_string();
     if !present {
         let open = body.iter().position(|&b| b == b'{')?;
@@ -187,7 +198,9 @@ pub fn clamp_max_tokens(body: &[u8], req: &InferenceRequest, limit: u64) -> Opti
         let empty = rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
         let mut out = Vec::with_capacity(body.len() + 24);
         out.extend_from_slice(body.get(..=open)?);
-        out.extend_from_slice(b"\"max_tokens\":");
+        out.push(b'"');
+        out.extend_from_slice(added.as_bytes());
+        out.extend_from_slice(b"\":");
         out.extend_from_slice(number.as_bytes());
         if !empty {
             out.push(b',');
@@ -554,7 +567,8 @@ mod tests {
             PromptHasher::counting_only(),
         )
         .unwrap();
-        clamp_max_tokens(body.as_bytes(), &req, limit).map(|b| String::from_utf8(b).unwrap())
+        clamp_max_tokens(Endpoint::ChatCompletions, body.as_bytes(), &req, limit)
+            .map(|b| String::from_utf8(b).unwrap())
     }
 
     #[test]
@@ -580,6 +594,33 @@ mod tests {
         let out = clamp(&format!(r#"{{{m},"max\u005ftokens":900}}"#), 10).unwrap();
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
         assert_eq!(v["max_tokens"], 10);
+    }
+
+    #[test]
+    fn responses_bodies_clamp_max_output_tokens() {
+        let clamp_r = |body: &str, limit: u64| {
+            let req = request::parse(
+                Endpoint::Responses,
+                body.as_bytes(),
+                PromptHasher::counting_only(),
+            )
+            .unwrap();
+            clamp_max_tokens(Endpoint::Responses, body.as_bytes(), &req, limit)
+                .map(|b| String::from_utf8(b).unwrap())
+        };
+        assert_eq!(
+            clamp_r(r#"{"input":"x","max_output_tokens":5000}"#, 100).unwrap(),
+            r#"{"input":"x","max_output_tokens":100}"#
+        );
+        assert_eq!(
+            clamp_r(r#"{"input":"x","max_output_tokens":50}"#, 100),
+            None
+        );
+        // `max_tokens` is not a Responses field: the limit is added.
+        assert_eq!(
+            clamp_r(r#"{"input":"x","max_tokens":5000}"#, 100).unwrap(),
+            r#"{"max_output_tokens":100,"input":"x","max_tokens":5000}"#
+        );
     }
 
     #[test]

@@ -25,6 +25,7 @@ pub mod prefix;
 pub mod probe;
 pub mod protocol;
 pub mod request;
+pub mod responses;
 pub mod route;
 pub mod router;
 pub mod session;

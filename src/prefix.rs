@@ -130,6 +130,25 @@ pub struct PromptPrefix {
     pub hashes: Vec<u64>,
 }
 
+impl PromptPrefix {
+    /// Move every block hash into the cache namespace `ns` (a request's
+    /// `cache_salt` / `prompt_cache_key`): `h → xxh3(h, seed = ns)`. The
+    /// chain stays prefix-closed within a namespace and shares nothing
+    /// with another, as if `ns` had seeded the chain (the namespace may be
+    /// read after the prompt, so it is applied afterwards).
+    pub fn namespace(&mut self, ns: u64) {
+        let f = |h: u64| xxh3_64_with_seed(&h.to_le_bytes(), ns);
+        for h in &mut self.hashes {
+            *h = f(*h);
+        }
+        for c in &mut self.checkpoints {
+            c.hash = f(c.hash);
+        }
+        self.first_block = self.first_block.map(f);
+        self.last_block = self.last_block.map(f);
+    }
+}
+
 /// True for block counts with at most two significant bits.
 pub fn is_checkpoint(blocks: u32) -> bool {
     if blocks == 0 {

@@ -19,6 +19,8 @@ pub const LADDER_OVERRIDE_KEY: &str = "llm_geo_router.ladder.override";
 pub const DIRECTORY_KEY_PREFIX: &str = "llm_geo_router.dir.";
 /// Shared data: session slots (`<prefix><slot>`).
 pub const SESSION_KEY_PREFIX: &str = "llm_geo_router.session.";
+/// Shared data: stored responses' regions (`<prefix><slot>`).
+pub const RESPONSES_KEY_PREFIX: &str = "llm_geo_router.responses.";
 
 /// Shared queue that carries TTFT observations from the routers to the probe.
 pub const OBSERVATIONS_QUEUE: &str = "llm_geo_router.observations";
@@ -83,10 +85,13 @@ pub enum Global {
     TuningWQueueMilli,
     UsageReports,
     RouterUsageMissing,
+    RouterResponsesRecorded,
+    RouterResponseUnknown,
+    RouterResponseHolderUnavailable,
 }
 
 impl Global {
-    pub const ALL: [Global; 24] = [
+    pub const ALL: [Global; 27] = [
         Global::Arrivals,
         Global::GuardLevel,
         Global::GuardInvalidRequest,
@@ -111,6 +116,9 @@ impl Global {
         Global::TuningWQueueMilli,
         Global::UsageReports,
         Global::RouterUsageMissing,
+        Global::RouterResponsesRecorded,
+        Global::RouterResponseUnknown,
+        Global::RouterResponseHolderUnavailable,
     ];
 
     fn spec(self) -> (&'static str, StatKind) {
@@ -140,6 +148,11 @@ impl Global {
             Global::TuningWQueueMilli => ("tuning.w_queue_milli", Gauge),
             Global::UsageReports => ("usage.reports", Counter),
             Global::RouterUsageMissing => ("router.usage_missing", Counter),
+            Global::RouterResponsesRecorded => ("router.responses_recorded", Counter),
+            Global::RouterResponseUnknown => ("router.response_unknown", Counter),
+            Global::RouterResponseHolderUnavailable => {
+                ("router.response_holder_unavailable", Counter)
+            }
         }
     }
 }

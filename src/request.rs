@@ -8,7 +8,12 @@
 //! where text is `content` as a string, or the concatenation of its parts
 //! (`text` of text parts, the URL of image/audio/file parts, else the part's
 //! type); for completions, `prompt` as a string, or its elements joined by
-//! "\n" (token ids as 4 little-endian bytes each).
+//! "\n" (token ids as 4 little-endian bytes each); for the Responses API,
+//! `instructions` as a `system` message followed by `input` (a string is a
+//! `user` message; message items as chat messages; any other item as its
+//! `type`, then its name, arguments, output and summary). A request's
+//! cache namespace (`cache_salt`, `prompt_cache_key`) enters every block's
+//! chain hash, so prompts in different namespaces never look shared.
 
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use std::cell::Cell;
@@ -20,20 +25,40 @@ use crate::prefix::{PromptHasher, PromptPrefix};
 pub enum Endpoint {
     ChatCompletions,
     Completions,
+    /// `POST /v1/responses` (the Responses API).
+    Responses,
+}
+
+impl Endpoint {
+    /// The field that holds the prompt, for errors.
+    pub fn prompt_param(self) -> &'static str {
+        match self {
+            Endpoint::ChatCompletions => "messages",
+            Endpoint::Completions => "prompt",
+            Endpoint::Responses => "input",
+        }
+    }
 }
 
 /// The inference endpoint a request goes to, if it is one: `POST` to
-/// `/v1/chat/completions` or `/v1/completions` (query string ignored).
+/// `/v1/chat/completions`, `/v1/completions` or `/v1/responses` (query
+/// string ignored).
 pub fn endpoint(method: &str, path: &str) -> Option<Endpoint> {
     if method != "POST" {
         return None;
     }
-    let path = path.split_once('?').map_or(path, |(p, _)| p);
-    match path.strip_suffix('/').unwrap_or(path) {
+    match strip_path(path) {
         "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
         "/v1/completions" => Some(Endpoint::Completions),
+        "/v1/responses" => Some(Endpoint::Responses),
         _ => None,
     }
+}
+
+/// `path` without its query string and one trailing slash.
+pub fn strip_path(path: &str) -> &str {
+    let path = path.split_once('?').map_or(path, |(p, _)| p);
+    path.strip_suffix('/').unwrap_or(path)
 }
 
 /// How a complete request body is to be taken, the same in both filters
@@ -76,6 +101,11 @@ pub struct InferenceRequest {
     pub stream: bool,
     pub user: Option<String>,
     pub prompt: PromptPrefix,
+    /// Responses API: the stored response this one continues.
+    pub previous_response_id: Option<String>,
+    /// Responses API: whether the engine keeps the response (`store`,
+    /// default true).
+    pub store: bool,
 }
 
 impl InferenceRequest {
@@ -157,10 +187,17 @@ enum Key {
     Model,
     Messages,
     Prompt,
+    Input,
+    Instructions,
     MaxTokens,
     MaxCompletionTokens,
+    MaxOutputTokens,
     Stream,
     User,
+    PreviousResponseId,
+    Store,
+    CacheSalt,
+    CacheNamespace,
     Other,
 }
 
@@ -177,10 +214,17 @@ impl<'de> de::Deserialize<'de> for Key {
                     "model" => Key::Model,
                     "messages" => Key::Messages,
                     "prompt" => Key::Prompt,
+                    "input" => Key::Input,
+                    "instructions" => Key::Instructions,
                     "max_tokens" => Key::MaxTokens,
                     "max_completion_tokens" => Key::MaxCompletionTokens,
+                    "max_output_tokens" => Key::MaxOutputTokens,
                     "stream" => Key::Stream,
                     "user" => Key::User,
+                    "previous_response_id" => Key::PreviousResponseId,
+                    "store" => Key::Store,
+                    "cache_salt" => Key::CacheSalt,
+                    "prompt_cache_key" => Key::CacheNamespace,
                     _ => Key::Other,
                 })
             }
@@ -200,6 +244,40 @@ fn duplicate<E: de::Error>(field: &'static str) -> E {
     E::custom(format_args!("duplicate field `{field}`"))
 }
 
+/// Read the value of `field` once (a second occurrence is an error), with
+/// `field` named as the error's `param` while it is read.
+fn once<'de, A: MapAccess<'de>, T: de::Deserialize<'de>>(
+    map: &mut A,
+    param: &Cell<Option<&'static str>>,
+    seen: &mut bool,
+    field: &'static str,
+) -> Result<T, A::Error> {
+    param.set(Some(field));
+    if std::mem::replace(seen, true) {
+        return Err(duplicate(field));
+    }
+    map.next_value::<T>()
+}
+
+/// The cache namespace: `cache_salt` and `prompt_cache_key`, as one seed.
+fn namespace(salt: Option<&str>, key: Option<&str>) -> Option<u64> {
+    if salt.is_none() && key.is_none() {
+        return None;
+    }
+    let mut bytes = Vec::with_capacity(18 + salt.map_or(0, str::len) + key.map_or(0, str::len));
+    for part in [salt, key] {
+        match part {
+            Some(v) => {
+                bytes.push(1);
+                bytes.extend_from_slice(&(v.len() as u64).to_le_bytes());
+                bytes.extend_from_slice(v.as_bytes());
+            }
+            None => bytes.push(0),
+        }
+    }
+    Some(xxhash_rust::xxh3::xxh3_64(&bytes))
+}
+
 impl<'de> Visitor<'de> for TopSeed<'_> {
     type Value = InferenceRequest;
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
@@ -212,19 +290,25 @@ impl<'de> Visitor<'de> for TopSeed<'_> {
             mut hasher,
             param,
         } = self;
-        let mut out = InferenceRequest::default();
+        let responses = endpoint == Endpoint::Responses;
+        let mut out = InferenceRequest {
+            store: true,
+            ..InferenceRequest::default()
+        };
         let (mut seen_model, mut seen_prompt, mut seen_max, mut seen_mct) =
             (false, false, false, false);
-        let (mut seen_stream, mut seen_user) = (false, false);
+        let (mut seen_stream, mut seen_user, mut seen_prev, mut seen_store) =
+            (false, false, false, false);
+        let (mut seen_instr, mut seen_salt, mut seen_key) = (false, false, false);
+        let mut salt: Option<String> = None;
+        let mut cache_key: Option<String> = None;
+        // Responses API: `instructions` comes first in the prompt wherever
+        // it is in the body, so `input` is kept (unparsed) until the end.
+        let mut instructions: Option<String> = None;
+        let mut input: Option<&'de serde_json::value::RawValue> = None;
         while let Some(key) = map.next_key::<Key>()? {
             match key {
-                Key::Model => {
-                    param.set(Some("model"));
-                    if std::mem::replace(&mut seen_model, true) {
-                        return Err(duplicate("model"));
-                    }
-                    out.model = Some(map.next_value::<String>()?);
-                }
+                Key::Model => out.model = Some(once(&mut map, param, &mut seen_model, "model")?),
                 Key::Messages if endpoint == Endpoint::ChatCompletions => {
                     param.set(Some("messages"));
                     if std::mem::replace(&mut seen_prompt, true) {
@@ -239,35 +323,49 @@ impl<'de> Visitor<'de> for TopSeed<'_> {
                     }
                     map.next_value_seed(PromptSeed(&mut hasher))?;
                 }
-                Key::MaxTokens => {
-                    param.set(Some("max_tokens"));
-                    if std::mem::replace(&mut seen_max, true) {
-                        return Err(duplicate("max_tokens"));
-                    }
-                    out.max_tokens = map.next_value::<Option<u64>>()?;
+                Key::Input if responses => {
+                    input = Some(once(&mut map, param, &mut seen_prompt, "input")?);
                 }
-                Key::MaxCompletionTokens => {
-                    param.set(Some("max_completion_tokens"));
-                    if std::mem::replace(&mut seen_mct, true) {
-                        return Err(duplicate("max_completion_tokens"));
-                    }
-                    out.max_completion_tokens = map.next_value::<Option<u64>>()?;
+                Key::Instructions if responses => {
+                    instructions = once(&mut map, param, &mut seen_instr, "instructions")?;
+                }
+                Key::MaxTokens if !responses => {
+                    out.max_tokens = once(&mut map, param, &mut seen_max, "max_tokens")?;
+                }
+                Key::MaxOutputTokens if responses => {
+                    out.max_tokens = once(&mut map, param, &mut seen_max, "max_output_tokens")?;
+                }
+                Key::MaxCompletionTokens if !responses => {
+                    out.max_completion_tokens =
+                        once(&mut map, param, &mut seen_mct, "max_completion_tokens")?;
                 }
                 Key::Stream => {
-                    param.set(Some("stream"));
-                    if std::mem::replace(&mut seen_stream, true) {
-                        return Err(duplicate("stream"));
-                    }
-                    out.stream = map.next_value::<Option<bool>>()?.unwrap_or(false);
+                    let v: Option<bool> = once(&mut map, param, &mut seen_stream, "stream")?;
+                    out.stream = v.unwrap_or(false);
                 }
-                Key::User => {
-                    param.set(Some("user"));
-                    if std::mem::replace(&mut seen_user, true) {
-                        return Err(duplicate("user"));
-                    }
-                    out.user = map.next_value::<Option<String>>()?;
+                Key::User => out.user = once(&mut map, param, &mut seen_user, "user")?,
+                Key::PreviousResponseId if responses => {
+                    out.previous_response_id =
+                        once(&mut map, param, &mut seen_prev, "previous_response_id")?;
                 }
-                Key::Messages | Key::Prompt | Key::Other => {
+                Key::Store if responses => {
+                    let v: Option<bool> = once(&mut map, param, &mut seen_store, "store")?;
+                    out.store = v.unwrap_or(true);
+                }
+                Key::CacheSalt => salt = once(&mut map, param, &mut seen_salt, "cache_salt")?,
+                Key::CacheNamespace => {
+                    cache_key = once(&mut map, param, &mut seen_key, "prompt_cache_key")?;
+                }
+                Key::Messages
+                | Key::Prompt
+                | Key::Input
+                | Key::Instructions
+                | Key::MaxTokens
+                | Key::MaxCompletionTokens
+                | Key::MaxOutputTokens
+                | Key::PreviousResponseId
+                | Key::Store
+                | Key::Other => {
                     param.set(None);
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -275,17 +373,170 @@ impl<'de> Visitor<'de> for TopSeed<'_> {
         }
         param.set(None);
         if !seen_prompt {
-            let (field, name) = match endpoint {
-                Endpoint::ChatCompletions => ("messages", "`messages`"),
-                Endpoint::Completions => ("prompt", "`prompt`"),
-            };
-            param.set(Some(field));
+            param.set(Some(endpoint.prompt_param()));
             return Err(de::Error::custom(format_args!(
-                "missing required field {name}"
+                "missing required field `{}`",
+                endpoint.prompt_param()
             )));
         }
+        if responses {
+            if let Some(text) = &instructions {
+                hasher.feed(b"system\n");
+                hasher.feed(text.as_bytes());
+                hasher.feed(b"\n");
+            }
+            if let Some(raw) = input {
+                param.set(Some("input"));
+                let mut de = serde_json::Deserializer::from_str(raw.get());
+                InputSeed(&mut hasher)
+                    .deserialize(&mut de)
+                    .map_err(de::Error::custom)?;
+                param.set(None);
+            }
+        }
         out.prompt = hasher.finish();
+        if let Some(ns) = namespace(salt.as_deref(), cache_key.as_deref()) {
+            out.prompt.namespace(ns);
+        }
         Ok(out)
+    }
+}
+
+/// Responses API `input`: a string (one `user` message), or an array of
+/// items.
+struct InputSeed<'h>(&'h mut PromptHasher);
+
+impl<'de> DeserializeSeed<'de> for InputSeed<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for InputSeed<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("`input` as a string or an array of input items")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
+        self.0.feed(b"user\n");
+        self.0.feed(v.as_bytes());
+        self.0.feed(b"\n");
+        Ok(())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(ItemSeed(&mut *self.0))?.is_some() {}
+        Ok(())
+    }
+}
+
+/// One Responses API input item. A message (`role`, `content`) is
+/// canonicalised as a chat message; any other item (`function_call`,
+/// `function_call_output`, `reasoning`, ...) as its `type` followed by its
+/// `name`, `arguments`, `output` and `summary`, in that order whatever the
+/// order of the fields. Ids are left out: they name the item, not text the
+/// engine prefills.
+struct ItemSeed<'h>(&'h mut PromptHasher);
+
+impl<'de> DeserializeSeed<'de> for ItemSeed<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+enum ItemKey {
+    Type,
+    Role,
+    Content,
+    Name,
+    Arguments,
+    Output,
+    Summary,
+    Other,
+}
+
+impl<'de> de::Deserialize<'de> for ItemKey {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = ItemKey;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<ItemKey, E> {
+                Ok(match v {
+                    "type" => ItemKey::Type,
+                    "role" => ItemKey::Role,
+                    "content" => ItemKey::Content,
+                    "name" => ItemKey::Name,
+                    "arguments" => ItemKey::Arguments,
+                    "output" => ItemKey::Output,
+                    "summary" => ItemKey::Summary,
+                    _ => ItemKey::Other,
+                })
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+impl<'de> Visitor<'de> for ItemSeed<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an input item object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut kind: Option<String> = None;
+        let mut role: Option<String> = None;
+        // content, name, arguments, output, summary
+        let mut parts: [Option<Vec<u8>>; 5] = Default::default();
+        while let Some(key) = map.next_key::<ItemKey>()? {
+            let slot = match key {
+                ItemKey::Type => {
+                    kind = map.next_value()?;
+                    continue;
+                }
+                ItemKey::Role => {
+                    role = map.next_value()?;
+                    continue;
+                }
+                ItemKey::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                    continue;
+                }
+                ItemKey::Content => 0,
+                ItemKey::Name => 1,
+                ItemKey::Arguments => 2,
+                ItemKey::Output => 3,
+                ItemKey::Summary => 4,
+            };
+            let Some(buf) = parts.get_mut(slot) else {
+                continue;
+            };
+            if buf.is_some() {
+                return Err(de::Error::custom("duplicate field in an input item"));
+            }
+            let mut text = Vec::new();
+            map.next_value_seed(ContentSeed(Sink::Buffer(&mut text)))?;
+            *buf = Some(text);
+        }
+        let label = match (&role, &kind) {
+            (Some(r), _) => r.as_str(),
+            (None, Some(k)) => k.as_str(),
+            (None, None) => {
+                return Err(de::Error::custom(
+                    "every input item needs a `role` or a `type`",
+                ))
+            }
+        };
+        self.0.feed(label.as_bytes());
+        self.0.feed(b"\n");
+        for text in parts.iter().flatten() {
+            self.0.feed(text);
+        }
+        self.0.feed(b"\n");
+        Ok(())
     }
 }
 
@@ -877,6 +1128,141 @@ mod tests {
         assert_eq!(p.bytes, 8);
         let p = canon(Endpoint::Completions, r#"{"prompt":[[1,2],[3]]}"#);
         assert_eq!(p.bytes, 13);
+    }
+
+    fn resp(body: &str) -> Result<InferenceRequest, RequestError> {
+        parse(
+            Endpoint::Responses,
+            body.as_bytes(),
+            PromptHasher::new(16, 1),
+        )
+    }
+
+    #[test]
+    fn responses_input_is_canonicalised_like_chat() {
+        assert_eq!(
+            endpoint("POST", "/v1/responses/"),
+            Some(Endpoint::Responses)
+        );
+        assert_eq!(endpoint("GET", "/v1/responses"), None);
+        assert_eq!(endpoint("POST", "/v1/responses/resp_1/cancel"), None);
+        let chat_form = canon(
+            Endpoint::ChatCompletions,
+            r#"{"messages":[{"role":"system","content":"Be terse, always."},{"role":"user","content":"What is the capital of France?"}]}"#,
+        );
+        // Instructions first in the prompt, wherever they are in the body.
+        for body in [
+            r#"{"instructions":"Be terse, always.","input":"What is the capital of France?"}"#,
+            r#"{"input":"What is the capital of France?","model":"m","instructions":"Be terse, always."}"#,
+            r#"{"input":[{"role":"user","content":[{"type":"input_text","text":"What is the capital of France?"}]}],"instructions":"Be terse, always."}"#,
+            r#"{"input":[{"content":"What is the capital of France?","type":"message","role":"user"}],"instructions":"Be terse, always."}"#,
+        ] {
+            assert_eq!(resp(body).unwrap().prompt, chat_form, "{body}");
+        }
+        // Items other than messages: their type, then name, arguments,
+        // output, summary, whatever the order of the fields.
+        let r = resp(
+            r#"{"input":[{"role":"user","content":"weather?"},
+            {"arguments":"{\"city\":\"Paris\"}","type":"function_call","call_id":"c1","name":"get_weather","id":"fc_1"},
+            {"type":"function_call_output","call_id":"c1","output":"sunny"},
+            {"type":"reasoning","id":"rs_1","summary":[{"type":"summary_text","text":"think"}]}],
+            "max_output_tokens":64,"previous_response_id":"resp_1","store":false,"stream":true,"max_tokens":9}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.prompt,
+            text_prefix(
+                "user\nweather?\nfunction_call\nget_weather{\"city\":\"Paris\"}\nfunction_call_output\nsunny\nreasoning\nthink\n"
+            )
+        );
+        assert_eq!(r.max_tokens, Some(64), "max_output_tokens, not max_tokens");
+        assert_eq!(r.previous_response_id.as_deref(), Some("resp_1"));
+        assert!(!r.store && r.stream);
+        assert!(
+            resp(r#"{"input":"x"}"#).unwrap().store,
+            "store defaults to true"
+        );
+    }
+
+    #[test]
+    fn a_conversation_continued_through_items_extends_its_prefix() {
+        let turn1 = r#"{"instructions":"You are a careful assistant who answers questions.","input":[{"role":"user","content":"Tell me about the history of the Roman aqueducts."}]}"#;
+        let turn2 = r#"{"instructions":"You are a careful assistant who answers questions.","input":[{"role":"user","content":"Tell me about the history of the Roman aqueducts."},
+            {"type":"message","role":"assistant","id":"msg_1","status":"completed","content":[{"type":"output_text","text":"They carried water for centuries.","annotations":[]}]},
+            {"role":"user","content":"And how were they built?"}]}"#;
+        let (a, b) = (resp(turn1).unwrap().prompt, resp(turn2).unwrap().prompt);
+        assert!(a.blocks >= 4);
+        assert_eq!(&b.hashes[..a.blocks as usize], &a.hashes[..]);
+        assert!(b.blocks > a.blocks);
+    }
+
+    #[test]
+    fn cache_namespaces_never_share_a_block() {
+        let plain = chat(r#"{"messages":[{"role":"user","content":"the same long prompt text in every namespace, repeated so that it spans several blocks of sixty-four bytes each, which it now does"}]}"#).unwrap();
+        let salted = |extra: &str| {
+            chat(&format!(
+                r#"{{"messages":[{{"role":"user","content":"the same long prompt text in every namespace, repeated so that it spans several blocks of sixty-four bytes each, which it now does"}}],{extra}}}"#
+            ))
+            .unwrap()
+            .prompt
+        };
+        let a = salted(r#""cache_salt":"tenant-a""#);
+        let a2 = salted(r#""cache_salt":"tenant-a","user":"x""#);
+        let b = salted(r#""cache_salt":"tenant-b""#);
+        let k = salted(r#""prompt_cache_key":"tenant-a""#);
+        assert_eq!(a, a2, "the same namespace shares");
+        for other in [&plain.prompt, &b, &k] {
+            assert_eq!(other.bytes, a.bytes);
+            assert!(a.hashes.iter().all(|h| !other.hashes.contains(h)));
+            assert_ne!(other.first_block, a.first_block);
+        }
+        assert_eq!(a.first_block, a.hashes.first().copied());
+        assert_eq!(a.last_block, a.hashes.last().copied());
+        assert!(a
+            .checkpoints
+            .iter()
+            .all(|c| a.hashes[c.blocks as usize - 1] == c.hash));
+        // Prefix-closed within a namespace.
+        let longer = chat(r#"{"messages":[{"role":"user","content":"the same long prompt text in every namespace, repeated so that it spans several blocks of sixty-four bytes each, which it now does, and more"}],"cache_salt":"tenant-a"}"#).unwrap().prompt;
+        assert!(a.blocks >= 2);
+        assert_eq!(
+            &longer.hashes[..a.hashes.len() - 1],
+            &a.hashes[..a.hashes.len() - 1]
+        );
+        let e = chat(r#"{"messages":[{"role":"user","content":"x"}],"cache_salt":5}"#).unwrap_err();
+        assert_eq!(e.param, Some("cache_salt"));
+        assert!(chat(r#"{"messages":[{"role":"user","content":"x"}],"cache_salt":null}"#).is_ok());
+        let e = resp(r#"{"input":"x","prompt_cache_key":"a","prompt_cache_key":"b"}"#).unwrap_err();
+        assert!(e.message.contains("duplicate"));
+    }
+
+    #[test]
+    fn invalid_responses_bodies_name_the_param() {
+        for (body, param) in [
+            (r#"{"model":"m"}"#, Some("input")),
+            (r#"{"input":5}"#, Some("input")),
+            (
+                r#"{"input":[{"content":"no role or type"}]}"#,
+                Some("input"),
+            ),
+            (r#"{"input":[{"role":"user","content":5}]}"#, Some("input")),
+            (r#"{"input":"x","instructions":7}"#, Some("instructions")),
+            (
+                r#"{"input":"x","previous_response_id":1}"#,
+                Some("previous_response_id"),
+            ),
+            (r#"{"input":"x","store":"yes"}"#, Some("store")),
+            (
+                r#"{"input":"x","max_output_tokens":-1}"#,
+                Some("max_output_tokens"),
+            ),
+            (r#"{"input":"x","input":"y"}"#, Some("input")),
+        ] {
+            let e = resp(body).unwrap_err();
+            assert_eq!(e.param, param, "{body}: {}", e.message);
+        }
+        // An empty list is valid (the prompt is then the instructions).
+        assert!(resp(r#"{"input":[],"instructions":"hi"}"#).is_ok());
     }
 
     #[test]

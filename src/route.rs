@@ -4,13 +4,14 @@
 //! `router` filter, the `explain` CLI and the benchmarks all run this same
 //! function; only the host layer gathers its inputs from Envoy.
 
-use crate::config::Config;
+use crate::config::{Config, HolderUnavailable};
 use crate::context::{self, Exceeded};
 use crate::cost::{self, Decision, Weights};
 use crate::directory::{layout_of, Directory};
 use crate::migration::{self, KvAction};
 use crate::prefix::PromptHasher;
 use crate::request::{self, Endpoint, RequestError};
+use crate::responses::ResponseMap;
 use crate::session::Sessions;
 use crate::snapshot::Snapshot;
 use crate::store::SharedStore;
@@ -21,6 +22,7 @@ use crate::tuning::Observation;
 pub struct Router {
     pub dir: Directory,
     pub sessions: Sessions,
+    pub responses: ResponseMap,
 }
 
 /// What the host knows about one request besides its body.
@@ -58,6 +60,11 @@ pub struct Routed {
     /// What the router believed about the chosen region, to be checked
     /// against the engine's `usage`.
     pub belief: Belief,
+    /// The request names a stored response this Envoy has no record of.
+    pub unknown_response: bool,
+    /// A Responses API request whose answer the engine stores (`store`):
+    /// its id is to be recorded.
+    pub store_response: bool,
 }
 
 /// What the directory believed the chosen region held, in the router's
@@ -129,9 +136,142 @@ pub enum Refusal {
         param: &'static str,
         exceeded: Exceeded,
     },
+    /// The stored response the request continues (`previous_response_id`)
+    /// is held by a region that cannot take it now, and the configuration
+    /// says not to reroute (`responses.holder_unavailable`): 503.
+    HolderUnavailable(String),
+}
+
+/// The residency pin's mask for the header's value, if one was sent; an
+/// unknown value is refused rather than routed somewhere it may not go.
+fn residency(cfg: &Config, value: Option<&str>) -> Result<Option<Vec<bool>>, Refusal> {
+    let Some(value) = value else {
+        return Ok(None);
+    };
+    match cfg.residency_mask(value) {
+        Some(mask) => Ok(Some(mask)),
+        None => {
+            let known: Vec<&str> = cfg.residency.allowed.keys().map(String::as_str).collect();
+            Err(Refusal::UnknownResidency(format!(
+                "unknown data residency {value:?}; known: {}",
+                known.join(", ")
+            )))
+        }
+    }
+}
+
+/// What the host knows about a request whose body the router does not
+/// read (`/v1/embeddings`, `/v1/models`, `/v1/responses/{id}`, a body it
+/// will not interpret, ...).
+#[derive(Debug, Clone, Copy)]
+pub struct UnreadInputs<'a> {
+    pub residency: Option<&'a str>,
+    pub snapshot: Option<&'a Snapshot>,
+    pub snapshot_index: &'a [Option<usize>],
+    pub inflight: &'a [f64],
+    pub now_ms: u64,
+    pub draw: u64,
+    /// The stored response the path names (`/v1/responses/{id}...`).
+    pub response_id: Option<&'a str>,
+}
+
+/// Where an unread request goes, and why (the decision header's reason).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placed {
+    pub region: usize,
+    /// `response` (the stored response's region), `default` (the
+    /// configured `default_region`, routable with a free slot), else the
+    /// cost's reason (`rtt`, `load`, `pin`, `fallback`, ...).
+    pub reason: &'static str,
+    /// The path names a stored response this Envoy has no record of.
+    pub unknown_response: bool,
 }
 
 impl Router {
+    /// Place a request without reading its body: the stored response's
+    /// region for `/v1/responses/{id}` paths; otherwise the best routable
+    /// region by round trip and load (no prompt, no directory), the
+    /// configured `default_region` preferred while it is a candidate with
+    /// a free slot. Never an unhealthy, ejected or release-mismatched
+    /// region while another can take it.
+    pub fn place(
+        &self,
+        cfg: &Config,
+        store: &mut dyn SharedStore,
+        inp: &UnreadInputs,
+    ) -> Result<Placed, Refusal> {
+        let allowed = residency(cfg, inp.residency)?;
+        let weights = inp.snapshot.and_then(|s| s.weights).map_or_else(
+            || Weights::configured(cfg),
+            |w| Weights {
+                w_rtt: w.w_rtt,
+                w_queue: w.w_queue,
+            },
+        );
+        let d = cost::decide(&cost::Inputs {
+            config: cfg,
+            snapshot: inp.snapshot,
+            snapshot_index: inp.snapshot_index,
+            cached_blocks: &[],
+            inflight: inp.inflight,
+            prompt_tokens: 0,
+            prompt_bytes: 0,
+            tokens_per_byte: 1.0 / cfg.prefix.bytes_per_token,
+            model: None,
+            first_block: None,
+            allowed: allowed.as_deref(),
+            fits: context::Check::ALL_FIT.fits,
+            session_region: None,
+            weights,
+            draw: inp.draw,
+            now_ms: inp.now_ms,
+        });
+        let mut unknown_response = false;
+        if let Some(id) = inp.response_id {
+            let holder = self
+                .responses
+                .lookup(store, id, inp.now_ms)
+                .and_then(|n| cfg.regions.iter().position(|r| r.name == n));
+            match holder {
+                None => unknown_response = true,
+                Some(h) => match holder_unavailable(&d, h, allowed.as_deref()) {
+                    None => {
+                        return Ok(Placed {
+                            region: h,
+                            reason: cost::Reason::Response.as_str(),
+                            unknown_response,
+                        })
+                    }
+                    Some(why) if cfg.responses.holder_unavailable == HolderUnavailable::Reject => {
+                        let name = cfg.regions.get(h).map_or("?", |r| r.name.as_str());
+                        return Err(Refusal::HolderUnavailable(format!(
+                            "The response '{id}' is stored in region '{name}', which cannot \
+                             take requests now ({why}); no other region has it. Retry later."
+                        )));
+                    }
+                    Some(_) => {}
+                },
+            }
+        }
+        let preferred = cfg.default_region.as_ref().and_then(|name| {
+            let i = cfg.regions.iter().position(|r| &r.name == name)?;
+            let c = d.costs.get(i)?;
+            (c.candidate && c.wait_ms <= 0.0).then_some(i)
+        });
+        Ok(match preferred {
+            Some(i) => Placed {
+                region: i,
+                reason: "default",
+                unknown_response,
+            },
+            None => Placed {
+                region: d.region,
+                reason: d.reason.as_str(),
+                unknown_response,
+            },
+        })
+    }
+
     pub fn new(cfg: &Config) -> Router {
         let layout = layout_of(cfg.regions.iter().map(|r| r.name.as_str()));
         let ttl_ms = u64::from(cfg.directory.ttl_s) * 1000;
@@ -148,6 +288,11 @@ impl Router {
                 layout,
                 seed: cfg.prefix.hash_seed,
             },
+            responses: ResponseMap {
+                slots: cfg.responses.slots,
+                ttl_ms: u64::from(cfg.responses.ttl_s) * 1000,
+                seed: cfg.prefix.hash_seed,
+            },
         }
     }
 
@@ -157,20 +302,7 @@ impl Router {
         store: &mut dyn SharedStore,
         inp: &RouteInputs,
     ) -> Result<Routed, Refusal> {
-        let allowed = match inp.residency {
-            None => None,
-            Some(value) => match cfg.residency_mask(value) {
-                Some(mask) => Some(mask),
-                None => {
-                    let known: Vec<&str> =
-                        cfg.residency.allowed.keys().map(String::as_str).collect();
-                    return Err(Refusal::UnknownResidency(format!(
-                        "unknown data residency {value:?}; known: {}",
-                        known.join(", ")
-                    )));
-                }
-            },
-        };
+        let allowed = residency(cfg, inp.residency)?;
         let hasher = PromptHasher::new(cfg.prefix.block_bytes, cfg.prefix.hash_seed)
             .reserve_for(inp.body.len());
         let req = request::parse(inp.endpoint, inp.body, hasher).map_err(Refusal::Invalid)?;
@@ -194,6 +326,19 @@ impl Router {
         }
         let now = inp.now_ms;
         let mut calls = 0;
+        // A stored response lives where it was produced (not through the
+        // fallback pool, whose engines are other ones).
+        let holder = match req.previous_response_id.as_deref() {
+            Some(id) if !inp.fallback => {
+                calls += 1;
+                let name = self.responses.lookup(store, id, now);
+                Some((
+                    id,
+                    name.and_then(|n| cfg.regions.iter().position(|r| r.name == n)),
+                ))
+            }
+            _ => None,
+        };
         // Each region's entries are believed within its learnt cache
         // horizon (none learnt: the TTL, and no per-request vector).
         let horizons: Vec<u64> = match inp.snapshot {
@@ -253,7 +398,7 @@ impl Router {
         let model = req.model.as_deref();
         let fleet_tpb = fleet_tokens_per_byte(cfg, inp, model);
         let prompt_tokens = cost::tokens_of(req.prompt.bytes, fleet_tpb);
-        let decision = cost::decide(&cost::Inputs {
+        let mut decision = cost::decide(&cost::Inputs {
             config: cfg,
             snapshot: inp.snapshot,
             snapshot_index: inp.snapshot_index,
@@ -271,6 +416,33 @@ impl Router {
             draw: inp.draw,
             now_ms: inp.now_ms,
         });
+        let mut unknown_response = false;
+        match holder {
+            Some((_, None)) => unknown_response = true,
+            Some((id, Some(h))) => match holder_unavailable(&decision, h, allowed.as_deref()) {
+                None => {
+                    // Neither the load guard, the ramp nor the draw moves a
+                    // conversation away from its stored state.
+                    decision.region = h;
+                    decision.reason = cost::Reason::Response;
+                    decision.passed_over = None;
+                    if decision.runner_up == Some(h) {
+                        decision.runner_up = None;
+                    }
+                }
+                Some(why) if cfg.responses.holder_unavailable == HolderUnavailable::Reject => {
+                    let name = cfg.regions.get(h).map_or("?", |r| r.name.as_str());
+                    return Err(Refusal::HolderUnavailable(format!(
+                        "The response '{id}' named by previous_response_id is stored in region \
+                         '{name}', which cannot take requests now ({why}); it cannot be \
+                         continued in another region. Retry later, or start a new \
+                         conversation without previous_response_id."
+                    )));
+                }
+                Some(_) => {}
+            },
+            None => {}
+        }
         if !inp.fallback {
             self.dir.record(
                 store,
@@ -307,8 +479,30 @@ impl Router {
             weights,
             shared_data_calls: lookup.calls + calls,
             belief,
+            unknown_response,
+            store_response: inp.endpoint == Endpoint::Responses && req.store,
         })
     }
+}
+
+/// Why region `h`, which holds a stored response, cannot take the request
+/// that continues it; `None` when it can. Only what makes the region unable
+/// to serve counts (health, passive ejection, release parity, the
+/// residency pin, its context limit); load, the failback ramp and the draw
+/// do not.
+fn holder_unavailable(d: &Decision, h: usize, allowed: Option<&[bool]>) -> Option<&'static str> {
+    if allowed.is_some_and(|a| !a.get(h).copied().unwrap_or(false)) {
+        return Some("outside the request's data residency");
+    }
+    // No snapshot: nothing is known against it, as for routing.
+    let c = d.costs.get(h)?;
+    if !c.healthy {
+        return Some("unhealthy, ejected or on another release");
+    }
+    if c.over_context {
+        return Some("the request exceeds its context limit");
+    }
+    None
 }
 
 /// `v` as `format!("{v:.1}")` writes it, without the formatting machinery

@@ -18,7 +18,8 @@ use crate::protocol::{
     HOST_REGION_PROPERTY, OBSERVATIONS_QUEUE, POOL_FALLBACK, RESPONSE_FLAGS_PROPERTY,
 };
 use crate::request::{self, BodyKind, Endpoint, RequestError};
-use crate::route::{Refusal, RouteInputs, Routed, Router};
+use crate::responses::{self, Head};
+use crate::route::{Refusal, RouteInputs, Routed, Router, UnreadInputs};
 use crate::stream::{Flow, Reply};
 use crate::tuning::Observation;
 use crate::usage::Tail;
@@ -67,6 +68,8 @@ pub struct RouterStream {
     decided: Option<Routed>,
     /// The end of the answer, kept to read the engine's `usage` from.
     tail: Option<Tail>,
+    /// The start of a stored Responses API answer, until its `id` is read.
+    head: Option<Head>,
 }
 
 impl RouterStream {
@@ -97,8 +100,7 @@ impl RouterStream {
         self.endpoint = request::endpoint(&method, &path)
             .filter(|_| !request::is_encoded(host.request_header("content-encoding").as_deref()));
         if self.endpoint.is_none() {
-            self.route_default(shared, host);
-            return Flow::Continue;
+            return self.route_unread(shared, host, view, responses::path_id(&path));
         }
         if end_of_stream {
             return self.on_request_body(shared, host, view, &[]);
@@ -130,8 +132,7 @@ impl RouterStream {
         };
         // A blank body is an empty request (refused below), not a non-JSON one.
         if request::body_kind(body) == BodyKind::Other {
-            self.route_default(shared, host);
-            return Flow::Continue;
+            return self.route_unread(shared, host, view, None);
         }
         self.route(shared, host, view, endpoint, body)
     }
@@ -169,9 +170,12 @@ impl RouterStream {
             fallback: self.fallback,
             draw: host.draw(),
         };
-        let routed = match shared.router.route(cfg, host, &inputs) {
+        let result = shared.router.route(cfg, host, &inputs);
+        // Released before anything below may place the request again.
+        drop(inflight);
+        let routed = match result {
             Ok(r) => r,
-            Err(Refusal::Invalid(e)) => return self.invalid(shared, host, &e),
+            Err(Refusal::Invalid(e)) => return self.invalid(shared, host, view, &e),
             Err(Refusal::UnknownResidency(msg)) => {
                 // The residency pin is a hard constraint: an unknown value is
                 // refused rather than routed somewhere it may not go.
@@ -184,8 +188,13 @@ impl RouterStream {
                 host.count(Stat::Global(Global::RouterContextRejected), 1);
                 return reject("context_length_exceeded", &message, Some(param));
             }
+            Err(Refusal::HolderUnavailable(message)) => {
+                return holder_unavailable(host, &message, Some("previous_response_id"));
+            }
         };
-        drop(inflight);
+        if routed.unknown_response {
+            host.count(Stat::Global(Global::RouterResponseUnknown), 1);
+        }
         let d = &routed.decision;
         host.count(Stat::Decision(d.reason), 1);
         host.count(Stat::RegionDecision(d.region, d.reason), 1);
@@ -221,6 +230,11 @@ impl RouterStream {
         if cfg.directory.learn_from_usage && !self.fallback {
             self.tail = Some(Tail::default());
         }
+        // A response produced by the fallback pool is in its engines: not
+        // followed.
+        if routed.store_response && !self.fallback {
+            self.head = Some(Head::default());
+        }
         self.decided = Some(routed);
         Flow::Continue
     }
@@ -254,19 +268,64 @@ impl RouterStream {
         }
     }
 
-    /// A request the router does not interpret: the default region.
-    fn route_default(&mut self, shared: &RouterShared, host: &mut dyn StreamHost) {
+    /// A request the router does not read (another endpoint, a body it
+    /// will not interpret): the stored response's region for
+    /// `/v1/responses/{id}` paths, else the best routable region by round
+    /// trip and load, `default_region` preferred (`Router::place`).
+    fn route_unread(
+        &mut self,
+        shared: &RouterShared,
+        host: &mut dyn StreamHost,
+        view: &mut View,
+        response_id: Option<&str>,
+    ) -> Flow {
+        let cfg = &*shared.cfg;
         host.count(Stat::Global(Global::RouterPassthrough), 1);
-        let region = shared.cfg.default_region_index();
-        self.set_region(shared, host, region, false);
-        if shared.cfg.headers.decision.is_some() {
-            let name = shared
-                .cfg
-                .regions
-                .get(region)
-                .map_or("", |r| r.name.as_str());
-            self.decision_header = Some(format!("region={name}; reason=default"));
+        let now = host.now_ms();
+        let fresh = view.current(cfg, host, now);
+        let mut inflight = shared.inflight.borrow_mut();
+        for (i, v) in inflight.iter_mut().enumerate() {
+            *v = host.stat(Stat::Region(i, RegionStat::RqActive)) as f64;
         }
+        let residency = cfg
+            .residency
+            .header
+            .as_deref()
+            .and_then(|h| host.request_header(h));
+        let inputs = UnreadInputs {
+            residency: residency.as_deref(),
+            snapshot: fresh.as_ref().map(|f| &*f.snapshot),
+            snapshot_index: fresh.as_ref().map_or(&[][..], |f| f.index.as_slice()),
+            inflight: &inflight,
+            now_ms: now,
+            draw: host.draw(),
+            response_id,
+        };
+        let placed = match shared.router.place(cfg, host, &inputs) {
+            Ok(p) => p,
+            Err(Refusal::UnknownResidency(msg)) => {
+                host.count(Stat::Global(Global::RouterResidencyRejected), 1);
+                return reject("invalid_residency", &msg, None);
+            }
+            Err(Refusal::HolderUnavailable(msg)) => return holder_unavailable(host, &msg, None),
+            Err(Refusal::Invalid(e)) => return reject("invalid_request", &e.message, e.param),
+            Err(Refusal::ContextLength { message, param, .. }) => {
+                return reject("context_length_exceeded", &message, Some(param))
+            }
+        };
+        drop(inflight);
+        if placed.unknown_response {
+            host.count(Stat::Global(Global::RouterResponseUnknown), 1);
+        }
+        self.set_region(shared, host, placed.region, false);
+        if cfg.headers.decision.is_some() {
+            let name = cfg
+                .regions
+                .get(placed.region)
+                .map_or("", |r| r.name.as_str());
+            self.decision_header = Some(format!("region={name}; reason={}", placed.reason));
+        }
+        Flow::Continue
     }
 
     /// An invalid inference request: 400, or the default region untouched,
@@ -275,12 +334,12 @@ impl RouterStream {
         &mut self,
         shared: &RouterShared,
         host: &mut dyn StreamHost,
+        view: &mut View,
         e: &RequestError,
     ) -> Flow {
         host.count(Stat::Global(Global::RouterInvalidRequest), 1);
         if shared.cfg.invalid_requests == InvalidRequests::PassThrough {
-            self.route_default(shared, host);
-            return Flow::Continue;
+            return self.route_unread(shared, host, view, None);
         }
         reject("invalid_request", &e.message, e.param)
     }
@@ -301,6 +360,7 @@ impl RouterStream {
             if !self.status.is_some_and(|s| (200..300).contains(&s)) {
                 self.pending = None;
                 self.tail = None;
+                self.head = None;
             }
         }
         Flow::Continue
@@ -316,7 +376,7 @@ impl RouterStream {
     /// measured stream, or the end of an answer whose `usage` is read.
     /// Otherwise a chunk costs nothing.
     pub fn wants_response_body(&self) -> bool {
-        self.pending.is_some() || self.tail.is_some()
+        self.pending.is_some() || self.tail.is_some() || self.head.is_some()
     }
 
     /// A response body chunk of `size` bytes passes (`end_of_stream`: the
@@ -332,6 +392,9 @@ impl RouterStream {
         if size > 0 && self.pending.is_some() {
             self.on_first_byte(shared, host);
         }
+        if size > 0 && self.head.is_some() {
+            self.read_head(shared, host, size);
+        }
         let Some(tail) = &mut self.tail else {
             return;
         };
@@ -343,6 +406,29 @@ impl RouterStream {
         }
         if end_of_stream {
             self.report_usage(host, true);
+        }
+    }
+
+    /// A stored response's first bytes: once its `id` is read, record the
+    /// region that holds it (one shared-data write per response).
+    fn read_head(&mut self, shared: &RouterShared, host: &mut dyn StreamHost, size: usize) {
+        let (Some(head), Some(region)) = (&mut self.head, self.routed) else {
+            return;
+        };
+        let n = head.wanted(size);
+        let id = match host.response_body(0, n) {
+            Some(bytes) => head.push(&bytes),
+            None => None,
+        };
+        if let Some(id) = id {
+            if let Some(r) = shared.cfg.regions.get(region) {
+                let now = host.now_ms();
+                shared.router.responses.record(host, &id, &r.name, now);
+                host.count(Stat::Global(Global::RouterResponsesRecorded), 1);
+            }
+            self.head = None;
+        } else if head.exhausted() {
+            self.head = None;
         }
     }
 
@@ -448,6 +534,20 @@ fn ending(cfg: &Config, host: &mut dyn StreamHost, status: Option<u32>) -> Endin
 /// An integer property (Envoy serialises them as 8 little-endian bytes).
 fn u64_le(b: Vec<u8>) -> Option<u64> {
     Some(u64::from_le_bytes(b.get(..8)?.try_into().ok()?))
+}
+
+/// The region holding a stored response cannot take its follow-up: 503,
+/// saying a retry elsewhere cannot succeed.
+fn holder_unavailable(host: &mut dyn StreamHost, message: &str, param: Option<&str>) -> Flow {
+    host.count(Stat::Global(Global::RouterResponseHolderUnavailable), 1);
+    Flow::Reply(Reply::error(
+        503,
+        "server_error",
+        "response_region_unavailable",
+        message,
+        param,
+        &[],
+    ))
 }
 
 fn reject(code: &str, message: &str, param: Option<&str>) -> Flow {
@@ -645,6 +745,232 @@ mod tests {
         );
         assert_eq!(f, Flow::Continue);
         assert_eq!(host.value(Stat::Global(Global::RouterInvalidRequest)), 1);
+    }
+
+    /// Publish a snapshot (version `v`) with these regions unhealthy.
+    fn health(sh: &RouterShared, host: &mut Recorder, v: u64, down: &[usize]) {
+        let mut snap = Snapshot::all_healthy(&sh.cfg);
+        snap.version = v;
+        snap.generated_ms = host.now_ms;
+        for &i in down {
+            snap.regions[i].healthy = false;
+        }
+        host.publish(&snap);
+    }
+
+    fn cluster(host: &mut Recorder) -> Option<String> {
+        host.request_header("x-llm-cluster")
+    }
+
+    fn reason(s: &mut RouterStream, sh: &RouterShared, host: &mut Recorder) -> String {
+        host.status = Some(200);
+        s.on_response_headers(sh, host);
+        let v = host
+            .response_headers
+            .iter()
+            .rev()
+            .find(|(n, _)| n == "x-llm-route")
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default();
+        v.split("; ")
+            .find_map(|kv| kv.strip_prefix("reason="))
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    fn get(path: &'static str) -> Headers {
+        vec![(":method", "GET"), (":path", path)]
+    }
+
+    #[test]
+    fn what_the_router_does_not_read_goes_to_a_routable_region() {
+        let sh = shared("");
+        let mut host = new_host(&sh);
+        health(&sh, &mut host, 2, &[0]);
+        for h in [
+            headers("/v1/embeddings", &[]),
+            get("/v1/models"),
+            headers("/v1/audio/transcriptions", &[]),
+            headers("/v1/chat/completions", &[("content-encoding", "gzip")]),
+        ] {
+            host.next_stream();
+            let (mut s, f) = request(&sh, &mut host, h, CHAT);
+            assert_eq!(f, Flow::Continue);
+            assert_eq!(
+                cluster(&mut host).as_deref(),
+                Some("cm"),
+                "never the unhealthy near"
+            );
+            assert_eq!(reason(&mut s, &sh, &mut host), "rtt");
+        }
+        // Not JSON: the same.
+        host.next_stream();
+        request(&sh, &mut host, headers("/v1/chat/completions", &[]), "a=1");
+        assert_eq!(cluster(&mut host).as_deref(), Some("cm"));
+        // The residency pin holds for what is not read too.
+        health(&sh, &mut host, 3, &[]);
+        host.next_stream();
+        request(
+            &sh,
+            &mut host,
+            headers("/v1/embeddings", &[("x-res", "eu")]),
+            CHAT,
+        );
+        assert_eq!(cluster(&mut host).as_deref(), Some("cm"));
+        host.next_stream();
+        let (_, f) = request(
+            &sh,
+            &mut host,
+            headers("/v1/embeddings", &[("x-res", "mars")]),
+            CHAT,
+        );
+        assert!(matches!(f, Flow::Reply(r) if r.status == 400));
+        // `default_region` is preferred while it can take the request.
+        let pref = shared(r#","default_region":"mid""#);
+        let mut host = new_host(&pref);
+        let (mut s, _) = request(&pref, &mut host, headers("/v1/embeddings", &[]), CHAT);
+        assert_eq!(cluster(&mut host).as_deref(), Some("cm"));
+        assert_eq!(reason(&mut s, &pref, &mut host), "default");
+        health(&pref, &mut host, 2, &[1]);
+        host.next_stream();
+        let (mut s, _) = request(&pref, &mut host, headers("/v1/embeddings", &[]), CHAT);
+        assert_eq!(cluster(&mut host).as_deref(), Some("cn"));
+        assert_eq!(reason(&mut s, &pref, &mut host), "rtt");
+    }
+
+    /// Answer the current stream with `body` (200) in one chunk.
+    fn answer(s: &mut RouterStream, sh: &RouterShared, host: &mut Recorder, body: &str) {
+        host.status = Some(200);
+        s.on_response_headers(sh, host);
+        host.response_chunk = body.as_bytes().to_vec();
+        if s.wants_response_body() {
+            s.on_response_body(sh, host, body.len(), true);
+        }
+        s.on_log(sh, host);
+    }
+
+    const FOLLOW: &str = r#"{"model":"m","input":"and then?","previous_response_id":"resp_7"}"#;
+
+    #[test]
+    fn stored_responses_are_followed_to_the_region_that_holds_them() {
+        let sh = shared("");
+        let mut host = new_host(&sh);
+        // Produced in mid while near was down.
+        health(&sh, &mut host, 2, &[0]);
+        let (mut s, _) = request(
+            &sh,
+            &mut host,
+            headers("/v1/responses", &[]),
+            r#"{"model":"m","input":"hello"}"#,
+        );
+        assert_eq!(cluster(&mut host).as_deref(), Some("cm"));
+        answer(
+            &mut s,
+            &sh,
+            &mut host,
+            r#"{"id":"resp_7","object":"response","output":[]}"#,
+        );
+        assert_eq!(host.value(Stat::Global(Global::RouterResponsesRecorded)), 1);
+        // near is back and cheaper; the follow-ups still go to mid.
+        health(&sh, &mut host, 3, &[]);
+        host.next_stream();
+        let (mut s, _) = request(&sh, &mut host, headers("/v1/responses", &[]), FOLLOW);
+        assert_eq!(cluster(&mut host).as_deref(), Some("cm"));
+        assert_eq!(s.decision().unwrap().decision.reason, Reason::Response);
+        assert_eq!(reason(&mut s, &sh, &mut host), "response");
+        for h in [
+            get("/v1/responses/resp_7"),
+            get("/v1/responses/resp_7/input_items?limit=5"),
+            headers("/v1/responses/resp_7/cancel", &[]),
+            vec![(":method", "DELETE"), (":path", "/v1/responses/resp_7")],
+        ] {
+            host.next_stream();
+            let (mut s, f) = request(&sh, &mut host, h, "");
+            assert_eq!(f, Flow::Continue);
+            assert_eq!(cluster(&mut host).as_deref(), Some("cm"));
+            assert_eq!(reason(&mut s, &sh, &mut host), "response");
+        }
+        // An id this Envoy never saw: routed as new, and counted.
+        host.next_stream();
+        request(&sh, &mut host, get("/v1/responses/resp_other"), "");
+        assert_eq!(cluster(&mut host).as_deref(), Some("cn"));
+        assert_eq!(host.value(Stat::Global(Global::RouterResponseUnknown)), 1);
+        // mid is down: a clear 503, never a silent reroute.
+        health(&sh, &mut host, 4, &[1]);
+        for h in [headers("/v1/responses", &[]), get("/v1/responses/resp_7")] {
+            host.next_stream();
+            let (_, f) = request(&sh, &mut host, h, FOLLOW);
+            let Flow::Reply(r) = f else { panic!("{f:?}") };
+            let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+            assert_eq!(r.status, 503);
+            assert_eq!(v["error"]["code"], "response_region_unavailable");
+            assert!(v["error"]["message"].as_str().unwrap().contains("'mid'"));
+            assert_eq!(cluster(&mut host), None, "sent nowhere");
+        }
+        assert_eq!(
+            host.value(Stat::Global(Global::RouterResponseHolderUnavailable)),
+            2
+        );
+        // ... unless the operator chose to reroute.
+        let re = shared(r#","responses":{"holder_unavailable":"reroute"}"#);
+        let mut host2 = new_host(&re);
+        host2.store = host.store.clone();
+        health(&re, &mut host2, 5, &[1]);
+        let (_, f) = request(&re, &mut host2, headers("/v1/responses", &[]), FOLLOW);
+        assert_eq!(f, Flow::Continue);
+        assert_eq!(cluster(&mut host2).as_deref(), Some("cn"));
+    }
+
+    #[test]
+    fn only_stored_successful_responses_are_recorded() {
+        let sh = shared("");
+        let mut host = new_host(&sh);
+        let body = r#"{"id":"resp_9","object":"response"}"#;
+        let (mut s, _) = request(
+            &sh,
+            &mut host,
+            headers("/v1/responses", &[]),
+            r#"{"input":"x","store":false}"#,
+        );
+        answer(&mut s, &sh, &mut host, body);
+        host.next_stream();
+        let (mut s, _) = request(&sh, &mut host, headers("/v1/chat/completions", &[]), CHAT);
+        answer(&mut s, &sh, &mut host, r#"{"id":"chatcmpl-1"}"#);
+        host.next_stream();
+        let (mut s, _) = request(
+            &sh,
+            &mut host,
+            headers("/v1/responses", &[]),
+            r#"{"input":"x"}"#,
+        );
+        host.status = Some(500);
+        s.on_response_headers(&sh, &mut host);
+        assert!(!s.wants_response_body());
+        assert_eq!(host.value(Stat::Global(Global::RouterResponsesRecorded)), 0);
+        // Streamed: the id arrives split across chunks.
+        host.next_stream();
+        let (mut s, _) = request(
+            &sh,
+            &mut host,
+            headers("/v1/responses", &[]),
+            r#"{"input":"x","stream":true}"#,
+        );
+        host.status = Some(200);
+        s.on_response_headers(&sh, &mut host);
+        for chunk in [
+            "event: response.created\ndata: {\"response\":{\"i",
+            "d\":\"resp_s\",\"x\":1}}\n\n",
+        ] {
+            host.response_chunk = chunk.as_bytes().to_vec();
+            s.on_response_body(&sh, &mut host, chunk.len(), false);
+        }
+        assert_eq!(host.value(Stat::Global(Global::RouterResponsesRecorded)), 1);
+        let map = sh.router.responses;
+        assert_eq!(
+            map.lookup(&mut host.store, "resp_s", NOW).as_deref(),
+            Some("near")
+        );
+        assert_eq!(map.lookup(&mut host.store, "resp_9", NOW), None);
     }
 
     #[test]

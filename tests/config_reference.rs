@@ -50,6 +50,7 @@ fn places() -> Vec<(&'static str, String)> {
         ("release.", with(r#""release":{"zz_unknown":1}"#)),
         ("assessment.", with(r#""assessment":{"zz_unknown":1}"#)),
         ("context.", with(r#""context":{"zz_unknown":1}"#)),
+        ("responses.", with(r#""responses":{"zz_unknown":1}"#)),
     ]
 }
 

@@ -23,12 +23,15 @@ use llm_geo_router::{guard, ladder};
 pub const DEMO_CONFIG: &str = include_str!("../corpus/config/envoy-demo.json");
 
 /// The request keys the router and the guard read, and one nobody sends.
-const KEYS: [&str; 8] = [
+const KEYS: [&str; 11] = [
     "model",
     "messages",
     "prompt",
+    "input",
+    "instructions",
     "max_tokens",
     "max_completion_tokens",
+    "max_output_tokens",
     "stream",
     "user",
     "absent_key",
@@ -44,7 +47,11 @@ pub fn request(data: &[u8]) {
     assert_eq!(kind == request::BodyKind::Json, first == Some(&b'{'));
     assert_eq!(kind == request::BodyKind::Blank, first.is_none());
 
-    for endpoint in [Endpoint::ChatCompletions, Endpoint::Completions] {
+    for endpoint in [
+        Endpoint::ChatCompletions,
+        Endpoint::Completions,
+        Endpoint::Responses,
+    ] {
         let counted = request::parse(endpoint, data, PromptHasher::counting_only());
         let hashed = request::parse(endpoint, data, PromptHasher::new(16, 7));
         match (&counted, &hashed) {
@@ -124,10 +131,19 @@ fn check_accepted(endpoint: Endpoint, data: &[u8], req: &InferenceRequest) {
             ("model", serde_json::Value::String(s)) => assert_eq!(req.model.as_ref(), Some(s)),
             ("user", serde_json::Value::String(s)) => assert_eq!(req.user.as_ref(), Some(s)),
             ("stream", serde_json::Value::Bool(b)) => assert_eq!(req.stream, *b),
-            ("max_tokens", serde_json::Value::Number(n)) if n.is_u64() => {
+            ("max_tokens", serde_json::Value::Number(n))
+                if n.is_u64() && endpoint != Endpoint::Responses =>
+            {
                 assert_eq!(req.max_tokens, n.as_u64())
             }
-            ("max_completion_tokens", serde_json::Value::Number(n)) if n.is_u64() => {
+            ("max_output_tokens", serde_json::Value::Number(n))
+                if n.is_u64() && endpoint == Endpoint::Responses =>
+            {
+                assert_eq!(req.max_tokens, n.as_u64())
+            }
+            ("max_completion_tokens", serde_json::Value::Number(n))
+                if n.is_u64() && endpoint != Endpoint::Responses =>
+            {
                 assert_eq!(req.max_completion_tokens, n.as_u64())
             }
             ("absent_key", _) => assert!(value.get("absent_key").is_some()),
@@ -147,7 +163,7 @@ fn check_accepted(endpoint: Endpoint, data: &[u8], req: &InferenceRequest) {
         }
     }
     let limit = 100;
-    let clamped = guard::clamp_max_tokens(data, req, limit);
+    let clamped = guard::clamp_max_tokens(endpoint, data, req, limit);
     if let Some(out) = &clamped {
         match request::parse(endpoint, out, PromptHasher::counting_only()) {
             Ok(r) => {
