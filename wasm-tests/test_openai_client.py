@@ -1,0 +1,179 @@
+"""The demo as a new user drives it: the official `openai` Python package
+(sync and async, streaming and not) against the demo Envoy in front of three
+emulated regions. Chat and completions; a five-turn Responses API
+conversation chained by `previous_response_id` while regions change health
+(every turn answered by the region that stores the conversation, or a clear
+503 while that region is down); embeddings and the model list while the
+default region is unhealthy; and the client's own retry of a 429 with
+`Retry-After` from the guard. Probe tick 300 ms."""
+
+import asyncio
+import threading
+import time
+
+import openai
+import pytest
+
+from harness import request
+from test_ladder import OPERATOR
+from test_routing import wait_stat
+
+FAST = {"probe": {"tick_ms": 300, "timeout_ms": 300, "snapshot_max_age_ms": 3000}}
+
+
+def client(fleet, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{fleet.port}/v1", api_key="sk-demo-free", **kw)
+
+
+def aclient(fleet, **kw) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{fleet.port}/v1", api_key="sk-demo-free", **kw)
+
+
+def route(raw) -> dict:
+    """The decision header of a raw response, as a dict."""
+    return dict(kv.split("=", 1) for kv in raw.headers.get("x-llm-route", "").split("; ") if "=" in kv)
+
+
+def set_health(fleet, name: str, healthy: bool) -> None:
+    fleet.engines[name].set_state(healthy=healthy)
+    wait_stat(fleet.envoy, f"region.{name}.healthy", lambda v: v == int(healthy))
+
+
+def test_chat_and_completions_sync_async_streaming(fleet_factory):
+    fleet = fleet_factory(FAST)
+    c = client(fleet)
+    raw = c.chat.completions.with_raw_response.create(
+        model="demo", messages=[{"role": "user", "content": "hello from the openai client"}], max_tokens=8)
+    reply = raw.parse()
+    assert reply.choices[0].message.content and reply.usage.prompt_tokens > 0
+    assert raw.headers["x-engine-replica"] == "near" and route(raw)["reason"] in ("rtt", "cache")
+
+    chunks = list(c.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "stream please"}], max_tokens=8, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+
+    comp = c.completions.create(model="demo", prompt="Once upon a time", max_tokens=5)
+    assert comp.choices[0].text and comp.usage.completion_tokens == 5
+
+    async def run():
+        a = aclient(fleet)
+        r = await a.chat.completions.create(model="demo", messages=[{"role": "user", "content": "async"}],
+                                            max_tokens=4)
+        text = ""
+        stream = await a.completions.create(model="demo", prompt="async stream", max_tokens=6, stream=True)
+        async for ch in stream:
+            text += ch.choices[0].text if ch.choices else ""
+        await a.close()
+        return r, text
+
+    r, text = asyncio.run(run())
+    assert r.choices[0].message.content and text
+    # Every one of them was read and routed by the router, none passed through.
+    assert fleet.envoy.stat("wasmcustom.llm_geo_router.router.passthrough") == 0
+
+
+def test_responses_conversation_follows_its_region_through_health_changes(fleet_factory):
+    fleet = fleet_factory(FAST)
+    envoy = fleet.envoy
+    c = client(fleet, max_retries=0)
+    instructions = "You are the demo assistant. " * 40
+    # Turn 1 while near is down: the conversation is stored in mid.
+    set_health(fleet, "near", False)
+    raw = c.responses.with_raw_response.create(model="demo", instructions=instructions,
+                                               input="Turn 1: tell me about Envoy.", max_output_tokens=16)
+    first = raw.parse()
+    holder = raw.headers["x-engine-replica"]
+    assert holder == "mid", raw.headers
+    assert first.id and first.output_text
+    wait_stat(envoy, "router.responses_recorded", lambda v: v == 1)
+    # near is back and cheaper: turns 2 and 3 (one of them streamed) still go
+    # to mid, where the conversation is, whatever the other regions do.
+    set_health(fleet, "near", True)
+    set_health(fleet, "far", False)
+    raw = c.responses.with_raw_response.create(model="demo", input="Turn 2.", previous_response_id=first.id,
+                                               max_output_tokens=16)
+    second = raw.parse()
+    assert raw.headers["x-engine-replica"] == holder and route(raw)["reason"] == "response"
+    assert second.previous_response_id == first.id
+    # The engine prefilled the stored conversation from its cache.
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    set_health(fleet, "far", True)
+    events = list(c.responses.create(model="demo", input="Turn 3, streamed.", previous_response_id=second.id,
+                                     max_output_tokens=16, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
+    third = events[-1].response
+    assert third.output_text
+    wait_stat(envoy, "router.responses_recorded", lambda v: v == 3)
+    # The stored response can be read back: from mid, the only engine with it.
+    raw = c.responses.with_raw_response.retrieve(third.id)
+    assert raw.parse().id == third.id and raw.headers["x-engine-replica"] == holder
+    # Turn 4 while mid is down: a clear error, never a silent reroute to an
+    # engine that does not have the conversation.
+    set_health(fleet, holder, False)
+    with pytest.raises(openai.APIStatusError) as err:
+        c.responses.create(model="demo", input="Turn 4.", previous_response_id=third.id, max_output_tokens=16)
+    assert err.value.status_code == 503
+    assert err.value.body["code"] == "response_region_unavailable"
+    assert holder in err.value.body["message"]
+    assert envoy.stat("wasmcustom.llm_geo_router.router.response_holder_unavailable") == 1
+    # mid is back: turns 4 and 5 are answered there.
+    set_health(fleet, holder, True)
+    prev = third.id
+    for turn in (4, 5):
+        raw = c.responses.with_raw_response.create(model="demo", input=f"Turn {turn}.", previous_response_id=prev,
+                                                   max_output_tokens=16)
+        resp = raw.parse()
+        assert raw.headers["x-engine-replica"] == holder and resp.output_text
+        prev = resp.id
+    assert envoy.stat("wasmcustom.llm_geo_router.router.response_unknown") == 0
+
+
+def test_embeddings_and_models_avoid_the_unhealthy_default_region(fleet_factory):
+    fleet = fleet_factory({**FAST, "default_region": "near"})
+    c = client(fleet)
+    raw = c.embeddings.with_raw_response.create(model="demo", input=["one", "two"])
+    assert raw.headers["x-engine-replica"] == "near" and route(raw)["reason"] == "default"
+    assert len(raw.parse().data) == 2
+    set_health(fleet, "near", False)
+    for _ in range(5):
+        raw = c.embeddings.with_raw_response.create(model="demo", input="while near is down")
+        assert raw.headers["x-engine-replica"] != "near", raw.headers
+        assert raw.parse().data[0].embedding
+        raw = c.models.with_raw_response.list()
+        assert raw.headers["x-engine-replica"] != "near"
+        assert [m.id for m in raw.parse().data]
+
+
+def test_the_client_retries_a_shed_request_after_retry_after(fleet_factory):
+    fleet = fleet_factory({**FAST, "ladder": {"retry_after_s": [1, 1]}})
+    envoy = fleet.envoy
+    path = "/llm-geo-router/ladder"
+    assert request(fleet.port, "POST", path, {"level": 5}, headers=OPERATOR).status == 200
+    wait_stat(envoy, "ladder.level", lambda v: v == 5)
+    # Without retries the client sees the 429 and its Retry-After.
+    with pytest.raises(openai.RateLimitError) as err:
+        client(fleet, max_retries=0).chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "shed me"}], max_tokens=4)
+    assert err.value.response.headers["retry-after"] == "1"
+    assert err.value.body["code"] == "degraded_mode_shed"
+
+    # With its retries, it waits the Retry-After and tries again; the
+    # operator holds level 0 meanwhile (clearing the override would step the
+    # level down one dwell at a time) and the retry is answered.
+    def lift():
+        time.sleep(0.3)
+        request(fleet.port, "POST", path, {"level": 0}, headers=OPERATOR)
+        wait_stat(envoy, "ladder.level", lambda v: v == 0)
+
+    t = threading.Thread(target=lift)
+    started = time.time()
+    t.start()
+    reply = client(fleet, max_retries=3).chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "retry me"}], max_tokens=4)
+    t.join()
+    assert reply.choices[0].message.content
+    assert time.time() - started >= 0.9  # it waited the Retry-After
+    assert envoy.stat("wasmcustom.llm_geo_router.guard.tier.free.shed") >= 2
