@@ -47,6 +47,28 @@ pub fn request(data: &[u8]) {
     assert_eq!(kind == request::BodyKind::Json, first == Some(&b'{'));
     assert_eq!(kind == request::BodyKind::Blank, first.is_none());
 
+    // An answer's first bytes, whole or in any split: the response id the
+    // router would record is a usable id, and found the same either way.
+    let whole = llm_geo_router::responses::find_id(data);
+    assert!(whole.is_none_or(llm_geo_router::responses::valid_id));
+    let mut head = llm_geo_router::responses::Head::default();
+    let mut found = None;
+    for chunk in data.chunks(7) {
+        let n = head.wanted(chunk.len());
+        if n == 0 {
+            break;
+        }
+        if let Some(id) = head.push(chunk.get(..n).unwrap_or_default()) {
+            found = Some(id);
+            break;
+        }
+    }
+    if data.len() <= llm_geo_router::responses::HEAD_BYTES {
+        assert_eq!(found.as_deref(), whole);
+    }
+    let path = String::from_utf8_lossy(data);
+    assert!(llm_geo_router::responses::path_id(&path).is_none_or(llm_geo_router::responses::valid_id));
+
     for endpoint in [
         Endpoint::ChatCompletions,
         Endpoint::Completions,
