@@ -31,6 +31,10 @@ const DEFAULT_RELEASE: &str = "sha256:release-a";
 /// vLLM's `--max-model-len` when the emulator is not told.
 pub const DEFAULT_MAX_MODEL_LEN: usize = 32_768;
 pub const DEFAULT_CLIENT_REGION_HEADER: &str = "x-client-region";
+/// Length of the emulated model's embeddings (its "hidden size").
+pub const DEFAULT_EMBEDDING_DIM: usize = 32;
+/// Largest `--embedding-dim`: bounds the work of one embedding.
+pub const MAX_EMBEDDING_DIM: usize = 8192;
 
 /// Which engine's Prometheus names `/metrics` uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -76,6 +80,8 @@ pub struct Config {
     pub force_include_usage: bool,
     /// SGLang `--enable-cache-report`.
     pub cache_report: bool,
+    /// Length of `/v1/embeddings` vectors (before `dimensions` shortens them).
+    pub embedding_dim: usize,
 }
 
 impl Config {
@@ -99,6 +105,7 @@ impl Config {
             prompt_tokens_details: false,
             force_include_usage: false,
             cache_report: false,
+            embedding_dim: DEFAULT_EMBEDDING_DIM,
         }
     }
 
@@ -138,6 +145,7 @@ impl Config {
             prompt_tokens_details: cli.enable_prompt_tokens_details,
             force_include_usage: cli.force_include_usage,
             cache_report: cli.enable_cache_report,
+            embedding_dim: cli.embedding_dim,
         })
     }
 
@@ -242,6 +250,10 @@ struct Cli {
     /// SGLang: report usage.prompt_tokens_details.cached_tokens (0 included)
     #[arg(long)]
     enable_cache_report: bool,
+    /// Length of /v1/embeddings vectors (the model's hidden size; a request's
+    /// `dimensions` can only shorten them)
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_EMBEDDING_DIM, value_parser = embedding_dim)]
+    embedding_dim: usize,
 }
 
 /// Names end up in header values and label values: no control characters.
@@ -257,6 +269,13 @@ fn at_least_one(v: &str) -> Result<usize, String> {
     match v.parse::<usize>() {
         Ok(n) if n >= 1 => Ok(n),
         _ => Err("expected an integer >= 1".to_string()),
+    }
+}
+
+fn embedding_dim(v: &str) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(n) if (1..=MAX_EMBEDDING_DIM).contains(&n) => Ok(n),
+        _ => Err(format!("expected an integer from 1 to {MAX_EMBEDDING_DIM}")),
     }
 }
 
@@ -349,6 +368,8 @@ mod tests {
             "--client-delay-ms",
             "eu=5",
             "--client-delay-ms=us-east=80.5",
+            "--embedding-dim",
+            "64",
         ])
         .unwrap();
         assert_eq!(c.listen, "0.0.0.0:9000");
@@ -366,6 +387,7 @@ mod tests {
             (0.1, 1.0, 40.0)
         );
         assert_eq!(c.release, "sha256:b");
+        assert_eq!(c.embedding_dim, 64);
         assert_eq!(c.echo_headers, vec!["x-request-id", "x-b"]);
         assert_eq!(c.client_region_header, "x-region");
         assert_eq!(
@@ -398,6 +420,8 @@ mod tests {
             &["--listen", "a:1", "--client-delay-ms", "eu=-1"],
             &["--listen", "a:1", "--client-delay-ms", "eu=NaN"],
             &["--listen", "a:1", "--client-delay-ms", "eu=86400001"],
+            &["--listen", "a:1", "--embedding-dim", "0"],
+            &["--listen", "a:1", "--embedding-dim", "8193"],
         ] {
             let e = parse(args).unwrap_err();
             assert_eq!(e.exit_code(), 2, "{args:?}");
@@ -425,6 +449,7 @@ mod tests {
             "--network-delay-ms",
             "--release",
             "--client-region-header",
+            "--embedding-dim",
         ] {
             let value = if flag == "--mode" { "vllm" } else { "1" };
             let e = parse(&["--listen", "a:1", flag, value, flag, value]).unwrap_err();

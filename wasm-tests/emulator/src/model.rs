@@ -20,10 +20,29 @@ pub const RADIX_BLOCK_TOKENS: usize = 1;
 /// exactly when they share their first i+1 blocks of token ids. The trailing
 /// partial block is not hashed (vLLM caches full blocks only).
 pub fn block_hashes(tokens: &[u32], block_tokens: usize) -> Vec<u64> {
+    chain_hashes(tokens, block_tokens, 0)
+}
+
+/// [`block_hashes`] with the chain started from `salt`'s hash instead of 0:
+/// vLLM puts a request's `cache_salt` into its first block's key, so no
+/// block of a salted prompt is shared with a prompt salted otherwise (or
+/// not at all).
+pub fn salted_block_hashes(tokens: &[u32], block_tokens: usize, salt: &str) -> Vec<u64> {
+    chain_hashes(
+        tokens,
+        block_tokens,
+        xxh3_64_with_seed(salt.as_bytes(), SALT_SEED),
+    )
+}
+
+/// Seed of a salt's hash, so that no salt hashes to the unsalted chain's 0.
+const SALT_SEED: u64 = 0x5a17_5a17;
+
+fn chain_hashes(tokens: &[u32], block_tokens: usize, start: u64) -> Vec<u64> {
     let block_tokens = block_tokens.max(1);
     let mut out = Vec::with_capacity(tokens.len() / block_tokens);
     let mut buf = Vec::with_capacity(8 + 4 * block_tokens);
-    let mut prev = 0u64;
+    let mut prev = start;
     for block in tokens.chunks_exact(block_tokens) {
         buf.clear();
         buf.extend_from_slice(&prev.to_le_bytes());
@@ -49,6 +68,18 @@ impl Prompt {
         Prompt {
             tokens: ids.len().max(1),
             blocks: block_hashes(ids, block_tokens),
+        }
+    }
+
+    /// A prompt whose request names a `cache_salt` (see
+    /// [`salted_block_hashes`]); `None` is [`Prompt::from_tokens`].
+    pub fn salted(ids: &[u32], block_tokens: usize, salt: Option<&str>) -> Self {
+        match salt {
+            Some(salt) => Prompt {
+                tokens: ids.len().max(1),
+                blocks: salted_block_hashes(ids, block_tokens, salt),
+            },
+            None => Prompt::from_tokens(ids, block_tokens),
         }
     }
 }
@@ -417,6 +448,20 @@ impl Engine {
         }
     }
 
+    /// Call when a request that bypasses the prefix cache gets its slot (a
+    /// pooling request such as an embedding: the emulator keeps its cache
+    /// for generation, as vLLM does not cache pooling prompts by default):
+    /// nothing is looked up, counted or held; the whole prompt is prefilled.
+    pub fn admit_uncached(&mut self, prompt_tokens: usize) -> PrefillPlan {
+        let tokens = prompt_tokens.max(1);
+        PrefillPlan {
+            prompt_tokens: tokens,
+            cached_tokens: 0,
+            uncached_tokens: tokens,
+            prefill_ms: self.timing.prefill_ms(tokens),
+        }
+    }
+
     /// Request `id` ends (done, failed, or its client left), running or
     /// still waiting: its blocks become evictable and its slot is freed.
     /// Returns the request that took the slot.
@@ -661,6 +706,42 @@ mod tests {
         assert_eq!(e.completed(), 1);
         e.reset();
         assert_eq!((e.completed(), e.cache.query_tokens()), (0, 0));
+    }
+
+    #[test]
+    fn salt_separates_prompts_and_uncached_admission_leaves_cache_alone() {
+        let t = ids(64, 2);
+        let plain = Prompt::salted(&t, 16, None);
+        assert_eq!(plain, Prompt::from_tokens(&t, 16));
+        let a = Prompt::salted(&t, 16, Some("a"));
+        let b = Prompt::salted(&t, 16, Some("b"));
+        assert_eq!(a.blocks.len(), 4);
+        // No block in common: the salt changes the whole chain.
+        for h in &a.blocks {
+            assert!(!plain.blocks.contains(h) && !b.blocks.contains(h));
+        }
+        assert_eq!(a, Prompt::salted(&t, 16, Some("a")));
+
+        let mut e = Engine::new(EngineConfig {
+            max_concurrency: 2,
+            cache_tokens: 10_000,
+            block_tokens: 16,
+            timing: Timing {
+                prefill_ms_per_token: 0.5,
+                decode_ms_per_token: 1.0,
+            },
+        });
+        e.admit(1, &a);
+        assert_eq!(e.admit(2, &b).cached_tokens, 0);
+        let plan = e.admit_uncached(40);
+        assert_eq!(
+            (plan.prompt_tokens, plan.cached_tokens, plan.uncached_tokens),
+            (40, 0, 40)
+        );
+        assert!((plan.prefill_ms - 20.0).abs() < 1e-9);
+        assert_eq!(e.admit_uncached(0).prompt_tokens, 1);
+        // Only the two generation prompts were counted.
+        assert_eq!(e.cache.query_tokens(), 128);
     }
 
     #[test]

@@ -29,17 +29,22 @@ use hyper::service::service_fn;
 use hyper::{HeaderMap, Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use serde::Deserialize;
-use serde_json::json;
+use serde_json::{json, Value};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 use tokio::time::Sleep;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::body::{ms_duration, ReplyBody};
-use crate::config::{Config, MAX_MS};
+use crate::config::{Config, Mode, MAX_MS};
+use crate::embeddings;
 use crate::metrics;
-use crate::model::{Engine, Prompt};
+use crate::model::{Engine, PrefillPlan, Prompt, RequestId};
 use crate::openai::{self, Kind, ResponseMeta, Usage};
+use crate::refusal::Refusal;
+use crate::responses::{self, Answer, Stored};
+use crate::tokenizer;
 
 /// Runtime worker threads: the work is waiting, not computing.
 const WORKER_THREADS: usize = 2;
@@ -62,6 +67,9 @@ const LINGER: Duration = Duration::from_millis(200);
 const LINGER_MAX_BYTES: usize = 1 << 20;
 
 const JSON: &str = "application/json";
+/// What Starlette sends with a `text/event-stream` media type (the
+/// Responses API stream; the chat streams keep the emulator's plain type).
+const EVENT_STREAM_UTF8: &str = "text/event-stream; charset=utf-8";
 const INVALID: &str = "invalid_request_error";
 
 const X_ENGINE_REPLICA: HeaderName = HeaderName::from_static("x-engine-replica");
@@ -74,6 +82,12 @@ const X_RELEASE_DIGEST: HeaderName = HeaderName::from_static("x-release-digest")
 enum Route {
     Chat,
     Completions,
+    Responses,
+    /// `/v1/responses/{response_id}`.
+    ResponseItem,
+    /// `/v1/responses/{response_id}/cancel`.
+    ResponseCancel,
+    Embeddings,
     Health,
     Models,
     Metrics,
@@ -84,11 +98,15 @@ enum Route {
 }
 
 impl Route {
-    const ALL: [Route; 9] = [
+    const ALL: [Route; 13] = [
         Route::Health,
         Route::Metrics,
         Route::Chat,
         Route::Completions,
+        Route::Responses,
+        Route::ResponseItem,
+        Route::ResponseCancel,
+        Route::Embeddings,
         Route::Models,
         Route::AdminStats,
         Route::AdminState,
@@ -97,10 +115,25 @@ impl Route {
     ];
 
     fn of(path: &str) -> Route {
+        if let Some(rest) = path.strip_prefix("/v1/responses/") {
+            // Starlette's `{response_id}` matches one non-empty segment.
+            let segment = |id: &str| !id.is_empty() && !id.contains('/');
+            return match rest.strip_suffix("/cancel") {
+                Some(id) if segment(id) => Route::ResponseCancel,
+                _ if segment(rest) => Route::ResponseItem,
+                _ => Route::NotFound,
+            };
+        }
         Route::ALL
             .into_iter()
             .find(|r| r.path() == path)
             .unwrap_or(Route::NotFound)
+    }
+
+    /// The id in a `/v1/responses/{response_id}[/cancel]` path.
+    fn response_id(path: &str) -> &str {
+        let rest = path.strip_prefix("/v1/responses/").unwrap_or_default();
+        rest.strip_suffix("/cancel").unwrap_or(rest)
     }
 
     /// Also the key under which requests are counted; unknown paths share
@@ -109,6 +142,10 @@ impl Route {
         match self {
             Route::Chat => "/v1/chat/completions",
             Route::Completions => "/v1/completions",
+            Route::Responses => "/v1/responses",
+            Route::ResponseItem => "/v1/responses/{response_id}",
+            Route::ResponseCancel => "/v1/responses/{response_id}/cancel",
+            Route::Embeddings => "/v1/embeddings",
             Route::Health => "/health",
             Route::Models => "/v1/models",
             Route::Metrics => "/metrics",
@@ -121,10 +158,24 @@ impl Route {
 
     fn methods(self) -> &'static [&'static str] {
         match self {
-            Route::Chat | Route::Completions | Route::AdminReset => &["POST"],
+            Route::Chat
+            | Route::Completions
+            | Route::Responses
+            | Route::ResponseCancel
+            | Route::Embeddings
+            | Route::AdminReset => &["POST"],
             Route::AdminState => &["GET", "POST"],
             _ => &["GET"],
         }
+    }
+
+    /// Routes answered in the engines' own words down to Starlette's 404
+    /// and 405 (the routes older than them keep the emulator's wording).
+    fn starlette_errors(self) -> bool {
+        matches!(
+            self,
+            Route::Responses | Route::ResponseItem | Route::ResponseCancel | Route::Embeddings
+        )
     }
 
     /// Test controls are not part of the emulated engine, so the emulated
@@ -152,6 +203,8 @@ struct State {
     hang_probes: bool,
     /// Fault injection: inference requests never answer (until off).
     hang_inference: bool,
+    /// Answers of `/v1/responses` kept for `previous_response_id` and GET.
+    responses: responses::Store,
 }
 
 struct Shared {
@@ -162,6 +215,9 @@ struct Shared {
     clock: Instant,
     started_unix: u64,
     next_id: AtomicU64,
+    /// Seed of the ids this replica hands out (response, message and
+    /// embedding ids), unique per replica and start.
+    id_seed: u64,
     state: Mutex<State>,
     /// Signalled whenever a slot frees, the scheduler is unpaused or a
     /// fault is lifted.
@@ -177,6 +233,14 @@ impl Shared {
 
     fn now_ms(&self) -> f64 {
         self.clock.elapsed().as_secs_f64() * 1000.0
+    }
+
+    /// 32 fresh hex digits, the shape of vLLM's `random_uuid()`.
+    fn fresh_hex(&self) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed).to_le_bytes();
+        let a = xxh3_64_with_seed(&n, self.id_seed);
+        let b = xxh3_64_with_seed(&n, self.id_seed ^ 0x9e37_79b9_7f4a_7c15);
+        format!("{a:016x}{b:016x}")
     }
 
     /// Waits until `ready` returns a value. `ready` runs under the state
@@ -230,6 +294,7 @@ impl Server {
             hang_inference: false,
             requests: BTreeMap::new(),
             garbage_seq: 0,
+            responses: responses::Store::default(),
         };
         // Names were validated as tokens; one that still did not convert
         // would simply not be echoed.
@@ -244,7 +309,15 @@ impl Server {
             .collect();
         let client_region_header =
             HeaderName::from_bytes(config.client_region_header.as_bytes()).ok();
+        let started = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let mut seed_key = config.name.as_bytes().to_vec();
+        seed_key.extend_from_slice(&started.to_le_bytes());
+        seed_key.extend_from_slice(&std::process::id().to_le_bytes());
         let shared = Shared {
+            id_seed: xxh3_64_with_seed(&seed_key, 0),
             config,
             echo,
             client_region_header,
@@ -390,6 +463,10 @@ fn error_reply(status: u16, message: &str, kind: &str, echo: &Echo) -> Reply {
     json_reply(status, openai::error_body(message, kind), echo)
 }
 
+fn refusal_reply(r: Refusal, extra: Vec<(HeaderName, String)>, echo: &Echo) -> Reply {
+    respond(r.status, JSON, extra, echo, ReplyBody::full(r.body))
+}
+
 /// An error answer to a request that could not be read; the connection is
 /// closed after it.
 fn reject(status: u16, message: &str, echo: &Echo) -> Reply {
@@ -480,18 +557,29 @@ async fn dispatch(
     echo: &Echo,
 ) -> Reply {
     if route == Route::NotFound {
+        if path.starts_with("/v1/responses/") {
+            // Say `GET /v1/responses/{id}/input_items`: no route in vLLM.
+            return refusal_reply(Refusal::route_not_found(), Vec::new(), echo);
+        }
         let msg = format!("no route for {method} {path}");
         return error_reply(404, &msg, INVALID, echo);
     }
     if !route.methods().contains(&method.as_str()) {
         let allow = vec![(ALLOW, route.methods().join(", "))];
+        if route.starlette_errors() {
+            // Say `DELETE /v1/responses/{id}`: vLLM has only a GET there.
+            return refusal_reply(Refusal::method_not_allowed(), allow, echo);
+        }
         let body = openai::error_body(
             &format!("method {} not allowed on {}", method, route.path()),
             INVALID,
         );
         return respond(405, JSON, allow, echo, ReplyBody::full(body));
     }
-    let inference_route = matches!(route, Route::Chat | Route::Completions);
+    let inference_route = matches!(
+        route,
+        Route::Chat | Route::Completions | Route::Responses | Route::Embeddings
+    );
     let probe_route = matches!(route, Route::Health | Route::Metrics);
     let fail_status = shared
         .wait_for(|st| {
@@ -507,6 +595,10 @@ async fn dispatch(
     match route {
         Route::Chat => inference(shared, Kind::Chat, body, echo).await,
         Route::Completions => inference(shared, Kind::Completion, body, echo).await,
+        Route::Responses => create_response(shared, body, echo).await,
+        Route::ResponseItem => retrieve_response(shared, Route::response_id(path), echo),
+        Route::ResponseCancel => cancel_response(shared, Route::response_id(path), echo),
+        Route::Embeddings => embed(shared, body, echo).await,
         Route::Health => health(shared, echo),
         Route::Models => {
             let owner = shared.config.mode.as_str();
@@ -527,6 +619,7 @@ async fn dispatch(
                 let mut st = shared.lock();
                 st.engine.reset();
                 st.requests.clear();
+                st.responses.clear();
             }
             json_reply(200, Bytes::from_static(br#"{"status":"reset"}"#), echo)
         }
@@ -604,6 +697,7 @@ fn admin_stats(shared: &Shared, echo: &Echo) -> Reply {
             "cache_query_tokens": st.engine.cache.query_tokens(),
             "cache_used_tokens": st.engine.cache.used_tokens(),
             "completed": st.engine.completed(),
+            "stored_responses": st.responses.len(),
         })
     };
     json_reply(200, body.to_string(), echo)
@@ -701,32 +795,11 @@ async fn inference(shared: &Arc<Shared>, kind: Kind, body: &[u8], echo: &Echo) -
     let block_tokens = shared.config.engine().block_tokens;
     let prompt = Prompt::from_tokens(&req.prompt, block_tokens);
 
-    let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
-    let arrived = Instant::now();
-    let slot = Slot {
-        shared: Arc::clone(shared),
-        id,
-    };
-    shared.lock().engine.scheduler.arrive(id);
-    let plan = shared
-        .wait_for(|st| {
-            st.engine
-                .scheduler
-                .is_running(id)
-                .then(|| st.engine.admit(id, &prompt))
-        })
-        .await;
-    let queue_ms = arrived.elapsed().as_secs_f64() * 1000.0;
-
-    tokio::time::sleep(ms_duration(plan.prefill_ms)).await;
+    let (slot, plan, queue_ms) = prefill(shared, |e, id| e.admit(id, &prompt)).await;
+    let id = slot.id;
 
     let cfg = &shared.config;
-    let mut headers = vec![
-        (X_ENGINE_REPLICA, cfg.name.clone()),
-        (X_ENGINE_CACHED, plan.cached_tokens.to_string()),
-        (X_ENGINE_PROMPT, plan.prompt_tokens.to_string()),
-        (X_ENGINE_QUEUE_MS, format!("{}", queue_ms.round() as u64)),
-    ];
+    let mut headers = engine_headers(cfg, &plan, queue_ms);
     let prefix = match kind {
         Kind::Chat => "chatcmpl",
         Kind::Completion => "cmpl",
@@ -775,6 +848,241 @@ async fn inference(shared: &Arc<Shared>, kind: Kind, body: &[u8], echo: &Echo) -
         let body = ReplyBody::after(decode_ms, full, on_done);
         respond(200, JSON, headers, echo, body)
     }
+}
+
+/// Admission (FIFO, through the scheduler) and prefill of one engine
+/// request: waits for a slot, lets `admit` price the prefill when it gets
+/// one, then waits the prefill out. Returns the slot (freed when dropped),
+/// the plan and the time spent queued, in ms.
+async fn prefill(
+    shared: &Arc<Shared>,
+    mut admit: impl FnMut(&mut Engine, RequestId) -> PrefillPlan,
+) -> (Slot, PrefillPlan, f64) {
+    let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+    let arrived = Instant::now();
+    let slot = Slot {
+        shared: Arc::clone(shared),
+        id,
+    };
+    shared.lock().engine.scheduler.arrive(id);
+    let plan = shared
+        .wait_for(|st| {
+            st.engine
+                .scheduler
+                .is_running(id)
+                .then(|| admit(&mut st.engine, id))
+        })
+        .await;
+    let queue_ms = arrived.elapsed().as_secs_f64() * 1000.0;
+    tokio::time::sleep(ms_duration(plan.prefill_ms)).await;
+    (slot, plan, queue_ms)
+}
+
+/// The `x-engine-*` headers of an answer the engine prefilled.
+fn engine_headers(cfg: &Config, plan: &PrefillPlan, queue_ms: f64) -> Vec<(HeaderName, String)> {
+    vec![
+        (X_ENGINE_REPLICA, cfg.name.clone()),
+        (X_ENGINE_CACHED, plan.cached_tokens.to_string()),
+        (X_ENGINE_PROMPT, plan.prompt_tokens.to_string()),
+        (X_ENGINE_QUEUE_MS, format!("{}", queue_ms.round() as u64)),
+    ]
+}
+
+/// `POST /v1/responses` (see `responses` for what vLLM does and what is
+/// not emulated): the conversation (a stored previous answer continued,
+/// then the new input) goes through the chat template, the queue and the
+/// prefix cache exactly as a chat request does, with the same `x-engine-*`
+/// headers and counters; the answer is stored when its last byte is
+/// handed over (vLLM stores it when generation ends), if `store`.
+///
+/// Streaming deviates in one way: vLLM sends `response.created` and
+/// `response.in_progress` before the request is even scheduled; here the
+/// head and those events leave after the prefill, like a chat stream, so
+/// the headers can carry the admission's numbers.
+async fn create_response(shared: &Arc<Shared>, body: &[u8], echo: &Echo) -> Reply {
+    if !shared.lock().healthy {
+        return error_reply(503, "replica is unhealthy", "service_unavailable", echo);
+    }
+    let cfg = &shared.config;
+    let mode = cfg.mode;
+    let req = match responses::parse_request(mode, body) {
+        Ok(r) => r,
+        Err(r) => return refusal_reply(r, Vec::new(), echo),
+    };
+    let prev = match req.previous_response_id.as_deref() {
+        None => None,
+        Some(pid) => {
+            if let Err(r) = responses::check_id(mode, pid) {
+                return refusal_reply(r, Vec::new(), echo);
+            }
+            match shared.lock().responses.get(pid).cloned() {
+                Some(stored) => Some(stored),
+                None => return refusal_reply(responses::not_found(pid), Vec::new(), echo),
+            }
+        }
+    };
+    let messages = responses::conversation(mode, &req, prev.as_ref());
+    let ids = match tokenizer::chat(&Value::Array(messages.clone())) {
+        Ok(ids) => ids,
+        Err(msg) => return refusal_reply(Refusal::bad_request(mode, &msg, None), Vec::new(), echo),
+    };
+    if let Some(r) = responses::context_refusal(mode, ids.len(), cfg.max_model_len) {
+        return refusal_reply(r, Vec::new(), echo);
+    }
+    let (tokens, limit) =
+        responses::output_budget(req.max_output_tokens, ids.len(), cfg.max_model_len);
+    let prompt = Prompt::salted(&ids, cfg.engine().block_tokens, req.cache_salt.as_deref());
+
+    let (slot, plan, queue_ms) = prefill(shared, |e, id| e.admit(id, &prompt)).await;
+
+    let mut headers = engine_headers(cfg, &plan, queue_ms);
+    let answer = Answer {
+        mode,
+        id: format!("{}{}", responses::ID_PREFIX, shared.fresh_hex()),
+        msg_id: format!("msg_{}", shared.fresh_hex()),
+        created_at: unix_secs(),
+        // vLLM names the served model; SGLang repeats the request's.
+        model: match (mode, &req.model) {
+            (Mode::Sglang, Some(m)) => m.clone(),
+            _ => cfg.model.clone(),
+        },
+        text: openai::output_text(tokens),
+        prompt_tokens: plan.prompt_tokens,
+        cached_tokens: plan.cached_tokens,
+        output_tokens: tokens,
+        limit,
+        cache_report: cfg.cache_report,
+    };
+    let full = responses::response_json(&req.echo, &answer, true);
+    let stored = req.store.then(|| {
+        let s = Stored {
+            response: full.clone(),
+            messages,
+            output_text: answer.text.clone(),
+        };
+        (answer.id.clone(), s)
+    });
+    let decode_ms_per_token = shared.lock().engine.timing.decode_ms_per_token;
+    // With the last bytes: count the success, keep the answer, then give
+    // the slot back.
+    let on_done = Box::new(move || {
+        {
+            let mut st = slot.shared.lock();
+            st.engine.record_success();
+            if let Some((id, s)) = stored {
+                st.responses.insert(id, s);
+            }
+        }
+        drop(slot);
+    });
+
+    if req.stream {
+        let head = responses::stream_head(&req.echo, &answer);
+        let tail = responses::stream_tail(&req.echo, &answer);
+        let render = Box::new(move |range: std::ops::Range<usize>| {
+            let mut events = Vec::new();
+            for i in range {
+                if i == 0 {
+                    events.extend_from_slice(&head);
+                }
+                events.extend(responses::stream_delta(&answer, i, &openai::token_text(i)));
+            }
+            events
+        });
+        headers.push((CACHE_CONTROL, "no-cache".to_string()));
+        let body = ReplyBody::events(tokens, decode_ms_per_token, render, tail, on_done);
+        respond(200, EVENT_STREAM_UTF8, headers, echo, body)
+    } else {
+        let bytes = serde_json::to_vec(&full).unwrap_or_default();
+        let decode_ms = decode_ms_per_token * tokens as f64;
+        respond(
+            200,
+            JSON,
+            headers,
+            echo,
+            ReplyBody::after(decode_ms, bytes, on_done),
+        )
+    }
+}
+
+/// `GET /v1/responses/{response_id}`: the stored answer, or 404 (also
+/// while it is still being generated: vLLM stores it at the end).
+fn retrieve_response(shared: &Shared, id: &str, echo: &Echo) -> Reply {
+    let name = vec![(X_ENGINE_REPLICA, shared.config.name.clone())];
+    if let Err(r) = responses::check_id(shared.config.mode, id) {
+        return refusal_reply(r, name, echo);
+    }
+    let found = shared.lock().responses.get(id).map(|s| s.response.clone());
+    match found {
+        Some(response) => {
+            let bytes = serde_json::to_vec(&response).unwrap_or_default();
+            respond(200, JSON, name, echo, ReplyBody::full(bytes))
+        }
+        None => refusal_reply(responses::not_found(id), name, echo),
+    }
+}
+
+/// `POST /v1/responses/{response_id}/cancel`: 404 for an unknown id; a
+/// stored answer is finished, which vLLM refuses to cancel (400).
+fn cancel_response(shared: &Shared, id: &str, echo: &Echo) -> Reply {
+    let name = vec![(X_ENGINE_REPLICA, shared.config.name.clone())];
+    let mode = shared.config.mode;
+    if let Err(r) = responses::check_id(mode, id) {
+        return refusal_reply(r, name, echo);
+    }
+    let known = shared.lock().responses.get(id).is_some();
+    let r = if known {
+        responses::cannot_cancel(mode)
+    } else {
+        responses::not_found(id)
+    };
+    refusal_reply(r, name, echo)
+}
+
+/// `POST /v1/embeddings`: one pass through the queue for all the request's
+/// prompts, prefilled in full (pooling prompts bypass the prefix cache
+/// and its counters), answered when the prefill ends; counted as a
+/// success like any finished request.
+async fn embed(shared: &Arc<Shared>, body: &[u8], echo: &Echo) -> Reply {
+    if !shared.lock().healthy {
+        return error_reply(503, "replica is unhealthy", "service_unavailable", echo);
+    }
+    let cfg = &shared.config;
+    let mode = cfg.mode;
+    let req = match embeddings::parse_request(mode, body) {
+        Ok(r) => r,
+        Err(r) => return refusal_reply(r, Vec::new(), echo),
+    };
+    if let Some(r) = embeddings::context_refusal(mode, &req, cfg.max_model_len) {
+        return refusal_reply(r, Vec::new(), echo);
+    }
+    let prompt_tokens = req.prompt_tokens();
+    let vectors: Vec<Vec<f32>> = req
+        .prompts
+        .iter()
+        .map(|p| embeddings::vector(p, cfg.embedding_dim, req.dimensions, req.normalize))
+        .collect();
+
+    let (slot, plan, queue_ms) = prefill(shared, |e, _| e.admit_uncached(prompt_tokens)).await;
+
+    let headers = engine_headers(cfg, &plan, queue_ms);
+    let meta = embeddings::Meta {
+        id: format!("embd-{}", shared.fresh_hex()),
+        created: unix_secs(),
+        model: cfg.model.clone(),
+    };
+    let bytes = embeddings::response_body(mode, &meta, &vectors, req.base64, prompt_tokens);
+    let on_done = Box::new(move || {
+        slot.shared.lock().engine.record_success();
+        drop(slot);
+    });
+    respond(
+        200,
+        JSON,
+        headers,
+        echo,
+        ReplyBody::after(0.0, bytes, on_done),
+    )
 }
 
 /// The socket under hyper, failing a write that has made no progress for

@@ -913,3 +913,569 @@ fn a_client_that_goes_away_frees_its_slot_or_queue_place() {
     );
     assert_eq!(r.status, 200);
 }
+
+/// The engine's token ids of a chat conversation.
+fn chat_ids(messages: Value) -> Vec<u32> {
+    engine_emulator::tokenizer::chat(&messages).unwrap()
+}
+
+/// What vLLM's prefix cache (16-token blocks, last prompt token always
+/// computed) can serve of `next` after `prev` was prefilled.
+fn expected_hit(prev: &[u32], next: &[u32]) -> usize {
+    let common = prev.iter().zip(next).take_while(|(a, b)| a == b).count();
+    let blocks = (common / 16)
+        .min(prev.len() / 16)
+        .min((next.len() - 1) / 16);
+    blocks * 16
+}
+
+/// (event type from the `event:` line, data) of each SSE event of a
+/// Responses stream; the type on both must agree.
+fn typed_events(text: &str) -> Vec<(String, Value)> {
+    text.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let mut lines = e.lines();
+            let kind = lines.next().unwrap().strip_prefix("event: ").unwrap();
+            let data = lines.next().unwrap().strip_prefix("data: ").unwrap();
+            assert!(lines.next().is_none(), "{e}");
+            let data: Value = serde_json::from_str(data).unwrap();
+            assert_eq!(data["type"], kind);
+            (kind.to_string(), data)
+        })
+        .collect()
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn responses_chain_through_the_prefix_cache_and_store() {
+    let emu = Emulator::start(&[
+        "--name",
+        "r1",
+        "--model",
+        "m1",
+        "--enable-prompt-tokens-details",
+        "--prefill-ms-per-token",
+        "0",
+        "--decode-ms-per-token",
+        "0",
+    ]);
+    let mut c = emu.connect();
+    let first_input = long_prompt();
+    let sys = json!({"role": "system", "content": "be brief"});
+    let user1 = json!({"role": "user", "content": first_input});
+    let ids1 = chat_ids(json!([sys, user1]));
+
+    let r1 = c.post_json(
+        "/v1/responses",
+        &json!({"model": "m1", "input": first_input, "instructions": "be brief",
+                "max_output_tokens": 4}),
+    );
+    assert_eq!(r1.status, 200, "{}", r1.text());
+    assert_eq!(r1.header("x-engine-replica"), Some("r1"));
+    assert_eq!(r1.header("x-engine-cached-tokens"), Some("0"));
+    assert_eq!(
+        r1.header("x-engine-prompt-tokens"),
+        Some(ids1.len().to_string().as_str())
+    );
+    assert!(r1.header("x-engine-queue-ms").is_some());
+    let v1 = r1.json();
+    let id1 = v1["id"].as_str().unwrap().to_string();
+    assert!(id1.starts_with("resp_") && id1.len() == 5 + 32, "{id1}");
+    assert_eq!(v1["object"], "response");
+    assert_eq!(v1["model"], "m1");
+    assert_eq!(v1["instructions"], "be brief");
+    assert!(v1["previous_response_id"].is_null());
+    // Stopped by its max_output_tokens: vLLM calls that incomplete.
+    assert_eq!(v1["status"], "incomplete");
+    assert_eq!(v1["incomplete_details"]["reason"], "max_output_tokens");
+    let item = &v1["output"][0];
+    assert_eq!(
+        (&item["type"], &item["role"], &item["status"]),
+        (&json!("message"), &json!("assistant"), &json!("completed"))
+    );
+    assert!(item["id"].as_str().unwrap().starts_with("msg_"));
+    let out1 = item["content"][0]["text"].as_str().unwrap().to_string();
+    assert_eq!(out1, " the quick replica answers");
+    assert_eq!(item["content"][0]["type"], "output_text");
+    assert_eq!(item["content"][0]["annotations"], json!([]));
+    assert_eq!(v1["usage"]["input_tokens"], ids1.len());
+    assert_eq!(v1["usage"]["output_tokens"], 4);
+    assert_eq!(v1["usage"]["total_tokens"], ids1.len() + 4);
+    assert_eq!(v1["usage"]["input_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(v1["usage"]["output_tokens_details"]["reasoning_tokens"], 0);
+
+    // Turn two continues turn one: its prompt holds turn one's prompt and
+    // output, so the prefix cache serves the shared blocks.
+    let user2 = json!({"role": "user", "content": "and then?"});
+    let asst1 = json!({"role": "assistant", "content": out1});
+    let ids2 = chat_ids(json!([sys, user1, asst1, user2]));
+    let hit = expected_hit(&ids1, &ids2);
+    assert!(
+        hit >= 16 * (ids1.len() / 16) - 16,
+        "{hit} of {}",
+        ids1.len()
+    );
+    let r2 = c.post_json(
+        "/v1/responses",
+        &json!({"model": "m1", "input": "and then?", "instructions": "be brief",
+                "previous_response_id": id1}),
+    );
+    assert_eq!(r2.status, 200, "{}", r2.text());
+    let v2 = r2.json();
+    let id2 = v2["id"].as_str().unwrap().to_string();
+    assert_ne!(id2, id1);
+    assert_eq!(v2["previous_response_id"], id1.as_str());
+    assert_eq!(v2["status"], "completed");
+    assert!(v2["incomplete_details"].is_null());
+    assert_eq!(v2["usage"]["input_tokens"], ids2.len());
+    assert_eq!(v2["usage"]["output_tokens"], 16);
+    assert_eq!(v2["usage"]["input_tokens_details"]["cached_tokens"], hit);
+    assert_eq!(
+        r2.header("x-engine-cached-tokens"),
+        Some(hit.to_string().as_str())
+    );
+    let out2 = v2["output"][0]["content"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    // Turn three gives no instructions: turn one's do not carry over (vLLM
+    // drops the stored system messages), the rest of the chain does.
+    let r3 = c.post_json(
+        "/v1/responses",
+        &json!({"input": [{"type": "message", "role": "user",
+                           "content": [{"type": "input_text", "text": "why?"}]}],
+                "previous_response_id": id2, "store": false}),
+    );
+    assert_eq!(r3.status, 200, "{}", r3.text());
+    let ids3 = chat_ids(json!([
+        user1,
+        asst1,
+        user2,
+        {"role": "assistant", "content": out2},
+        {"role": "user", "content": [{"type": "text", "text": "why?"}]},
+    ]));
+    let v3 = r3.json();
+    assert_eq!(v3["usage"]["input_tokens"], ids3.len());
+    let id3 = v3["id"].as_str().unwrap().to_string();
+
+    // GET gives the stored body back; store=false kept nothing.
+    let g = c.request("GET", &format!("/v1/responses/{id1}"), &[], b"");
+    assert_eq!(g.status, 200);
+    assert_eq!(g.json(), v1);
+    assert_eq!(g.header("x-engine-replica"), Some("r1"));
+    let g = c.request("GET", &format!("/v1/responses/{id3}"), &[], b"");
+    assert_eq!(g.status, 404);
+    let r = c.post_json(
+        "/v1/responses",
+        &json!({"input": "x", "previous_response_id": id3}),
+    );
+    assert_eq!(r.status, 404);
+
+    // An id this replica never gave: vLLM's 404, for a continuation, a GET
+    // and a cancel alike.
+    let not_found = json!({"error": {"message": "Response with id 'resp_nope' not found.",
+                                     "type": "invalid_request_error",
+                                     "param": "response_id", "code": 404}});
+    let r = c.post_json(
+        "/v1/responses",
+        &json!({"input": "x", "previous_response_id": "resp_nope"}),
+    );
+    assert_eq!((r.status, r.json()), (404, not_found.clone()));
+    let r = c.request("GET", "/v1/responses/resp_nope", &[], b"");
+    assert_eq!((r.status, r.json()), (404, not_found.clone()));
+    let r = c.request("POST", "/v1/responses/resp_nope/cancel", &[], b"");
+    assert_eq!((r.status, r.json()), (404, not_found));
+    // A finished response cannot be cancelled.
+    let r = c.request("POST", &format!("/v1/responses/{id1}/cancel"), &[], b"");
+    assert_eq!(r.status, 400);
+    assert_eq!(
+        r.json(),
+        json!({"error": {"message": "Cannot cancel a synchronous response.",
+                         "type": "invalid_request_error", "param": "response_id",
+                         "code": 400}})
+    );
+    // What vLLM does not serve, answered as Starlette does.
+    let r = c.request("DELETE", &format!("/v1/responses/{id1}"), &[], b"");
+    assert_eq!(
+        (r.status, r.header("allow"), r.json()),
+        (405, Some("GET"), json!({"detail": "Method Not Allowed"}))
+    );
+    let r = c.request("GET", &format!("/v1/responses/{id1}/input_items"), &[], b"");
+    assert_eq!((r.status, r.json()), (404, json!({"detail": "Not Found"})));
+    let r = c.request("GET", "/v1/responses", &[], b"");
+    assert_eq!((r.status, r.header("allow")), (405, Some("POST")));
+    let r = c.request("GET", "/v1/responses/", &[], b"");
+    assert_eq!(r.status, 404);
+    // Still stored after all that.
+    assert_eq!(
+        c.request("GET", &format!("/v1/responses/{id2}"), &[], b"")
+            .status,
+        200
+    );
+
+    // Counted like chat requests: successes and the prefix cache's queries.
+    let m = c.request("GET", "/metrics", &[], b"").text();
+    assert_eq!(metric(&m, "vllm:request_success_total{"), 3.0);
+    let queried = (ids1.len() + ids2.len() + ids3.len()) as f64;
+    assert_eq!(metric(&m, "vllm:prefix_cache_queries_total{"), queried);
+    assert!(metric(&m, "vllm:prefix_cache_hits_total{") >= hit as f64);
+    assert!(has_line(
+        &m,
+        "emulator_http_requests_total{path=\"/v1/responses\"} 6.0"
+    ));
+    assert!(has_line(
+        &m,
+        "emulator_http_requests_total{path=\"/v1/responses/{response_id}\"} 5.0"
+    ));
+    assert!(has_line(
+        &m,
+        "emulator_http_requests_total{path=\"/v1/responses/{response_id}/cancel\"} 2.0"
+    ));
+    let stats = c.request("GET", "/admin/stats", &[], b"").json();
+    assert_eq!(stats["stored_responses"], 2);
+    c.request("POST", "/admin/reset", &[], b"");
+    let r = c.request("GET", &format!("/v1/responses/{id1}"), &[], b"");
+    assert_eq!(r.status, 404, "reset empties the store");
+}
+
+#[test]
+fn responses_stream_events_as_vllm_sends_them() {
+    let emu = Emulator::start(&["--prefill-ms-per-token", "0", "--decode-ms-per-token", "20"]);
+    let mut c = emu.connect();
+    let t = Instant::now();
+    let r = c.post_json(
+        "/v1/responses",
+        &json!({"model": "m", "input": long_prompt(), "stream": true,
+                "max_output_tokens": 6}),
+    );
+    let elapsed = t.elapsed();
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("content-type"),
+        Some("text/event-stream; charset=utf-8")
+    );
+    assert!(r.header("x-engine-prompt-tokens").is_some());
+    // Deltas paced like token chunks: 6 tokens at 20 ms each.
+    assert!(elapsed >= Duration::from_millis(100), "{elapsed:?}");
+    let text = r.text();
+    assert!(!text.contains("[DONE]"));
+    let events = typed_events(&text);
+    let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
+    let mut want = vec![
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ];
+    want.extend(["response.output_text.delta"; 6]);
+    want.extend([
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]);
+    assert_eq!(kinds, want);
+    for (i, (_, data)) in events.iter().enumerate() {
+        assert_eq!(data["sequence_number"], i);
+    }
+    let created = &events[0].1["response"];
+    assert_eq!(created["status"], "in_progress");
+    assert_eq!(created["output"], json!([]));
+    assert!(created["usage"].is_null());
+    let item_id = events[2].1["item"]["id"].as_str().unwrap();
+    let deltas: String = events[4..10]
+        .iter()
+        .map(|(_, d)| {
+            assert_eq!(d["item_id"], item_id);
+            d["delta"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(events[10].1["text"], deltas.as_str());
+    let done = &events[13].1["response"];
+    assert_eq!(done["id"], created["id"]);
+    assert_eq!(done["output"][0]["content"][0]["text"], deltas.as_str());
+    let prompt: u64 = r.header("x-engine-prompt-tokens").unwrap().parse().unwrap();
+    assert_eq!(done["usage"]["input_tokens"], prompt);
+    assert_eq!(done["usage"]["output_tokens"], 6);
+    assert_eq!(done["usage"]["total_tokens"], prompt + 6);
+    // vLLM reports the cached tokens of a Responses answer whatever
+    // --enable-prompt-tokens-details says (0 here: first request).
+    assert_eq!(done["usage"]["input_tokens_details"]["cached_tokens"], 0);
+    // The streamed answer is stored like any other.
+    let id = done["id"].as_str().unwrap();
+    let g = c.request("GET", &format!("/v1/responses/{id}"), &[], b"");
+    assert_eq!((g.status, g.json()), (200, done.clone()));
+}
+
+#[test]
+fn embeddings_take_the_queue_and_are_deterministic() {
+    let emu = Emulator::start(&[
+        "--model",
+        "m1",
+        "--prefill-ms-per-token",
+        "2",
+        "--decode-ms-per-token",
+        "0",
+    ]);
+    let mut c = emu.connect();
+    let text = long_prompt();
+    let tokens = engine_emulator::tokenizer::completion(&json!(text))
+        .unwrap()
+        .len();
+    let t = Instant::now();
+    let r = c.post_json(
+        "/v1/embeddings",
+        &json!({"model": "m1", "input": [text, "short"]}),
+    );
+    let elapsed = t.elapsed();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let short = engine_emulator::tokenizer::completion(&json!("short"))
+        .unwrap()
+        .len();
+    assert_eq!(
+        r.header("x-engine-prompt-tokens"),
+        Some((tokens + short).to_string().as_str())
+    );
+    // A prefill of every prompt token at 2 ms each.
+    assert!(
+        elapsed >= Duration::from_millis(2 * tokens as u64 * 9 / 10),
+        "{elapsed:?} for {tokens} tokens"
+    );
+    let v = r.json();
+    assert!(v["id"].as_str().unwrap().starts_with("embd-"));
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["model"], "m1");
+    assert!(v["created"].as_u64().unwrap() > 0);
+    assert_eq!(v["usage"]["prompt_tokens"], tokens + short);
+    assert_eq!(v["usage"]["total_tokens"], tokens + short);
+    assert_eq!(v["usage"]["completion_tokens"], 0);
+    let data = v["data"].as_array().unwrap();
+    assert_eq!(data.len(), 2);
+    assert_eq!(
+        (&data[1]["index"], &data[1]["object"]),
+        (&json!(1), &json!("embedding"))
+    );
+    let e0: Vec<f64> = serde_json::from_value(data[0]["embedding"].clone()).unwrap();
+    assert_eq!(e0.len(), 32);
+    let norm = e0.iter().map(|x| x * x).sum::<f64>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-4, "{norm}");
+    // The same input embeds the same; another input does not.
+    let again = c.post_json("/v1/embeddings", &json!({"input": text}));
+    assert_eq!(again.json()["data"][0]["embedding"], data[0]["embedding"]);
+    assert_ne!(data[1]["embedding"], data[0]["embedding"]);
+    // dimensions and base64 (float32, little-endian).
+    let r = c.post_json(
+        "/v1/embeddings",
+        &json!({"input": [1, 2, 3], "dimensions": 8, "encoding_format": "base64"}),
+    );
+    let b64 = r.json()["data"][0]["embedding"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(b64.len(), 44, "8 float32 in base64: {b64}");
+    // Refused in vLLM's words, never a crash.
+    for (body, status) in [
+        (b"{nope".to_vec(), 400),
+        (br#"{"model":"m1"}"#.to_vec(), 400),
+        (br#"{"input":[]}"#.to_vec(), 400),
+        (br#"{"input":[true]}"#.to_vec(), 400),
+        (br#"{"input":"x","dimensions":0}"#.to_vec(), 400),
+    ] {
+        let r = c.request("POST", "/v1/embeddings", &[], &body);
+        assert_eq!(r.status, status, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(r.json()["error"]["code"], 400);
+    }
+    let r = c.request("GET", "/v1/embeddings", &[], b"");
+    assert_eq!(
+        (r.status, r.json()),
+        (405, json!({"detail": "Method Not Allowed"}))
+    );
+    let m = c.request("GET", "/metrics", &[], b"").text();
+    assert_eq!(metric(&m, "vllm:request_success_total{"), 3.0);
+    // Pooling prompts leave the prefix cache alone.
+    assert_eq!(metric(&m, "vllm:prefix_cache_queries_total{"), 0.0);
+}
+
+#[test]
+fn responses_and_embeddings_refuse_bad_input_without_crashing() {
+    let emu = Emulator::start(&[
+        "--max-model-len",
+        "64",
+        "--prefill-ms-per-token",
+        "0",
+        "--decode-ms-per-token",
+        "0",
+    ]);
+    let mut c = emu.connect();
+    for body in [
+        b"{nope".to_vec(),
+        b"".to_vec(),
+        b"[]".to_vec(),
+        br#"{"model": "m"}"#.to_vec(),
+        br#"{"input": null}"#.to_vec(),
+        br#"{"input": {"role": "user"}}"#.to_vec(),
+        br#"{"input": [{"role": "user", "content": 5}]}"#.to_vec(),
+        br#"{"input": "x", "max_output_tokens": -3}"#.to_vec(),
+        br#"{"input": "x", "stream": "true"}"#.to_vec(),
+        "{\"input\": \"\u{1F600}\", \"previous_response_id\": 7}"
+            .as_bytes()
+            .to_vec(),
+        vec![0xff, 0xfe, 0x00],
+    ] {
+        let r = c.request("POST", "/v1/responses", &[], &body);
+        assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&body));
+        let e = r.json();
+        assert_eq!(e["error"]["code"], 400, "{e}");
+        assert!(e["error"]["message"].is_string());
+    }
+    // Past the context: vLLM's Responses wording.
+    let r = c.post_json(
+        "/v1/responses",
+        &json!({"input": "many different words here ".repeat(20)}),
+    );
+    assert_eq!(r.status, 400);
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(
+        msg.starts_with("The engine prompt length ")
+            && msg.ends_with(" exceeds the max_model_len 64. Please reduce prompt."),
+        "{msg}"
+    );
+    // Output is clamped to the context left, not refused.
+    let r = c.post_json(
+        "/v1/responses",
+        &json!({"input": "hi", "max_output_tokens": 1000}),
+    );
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    let room = 64 - v["usage"]["input_tokens"].as_u64().unwrap();
+    assert_eq!(v["max_output_tokens"], room);
+    assert_eq!(v["usage"]["output_tokens"], room);
+    // Oversized bodies: 413 before they are sent.
+    for path in ["/v1/responses", "/v1/embeddings"] {
+        let mut big = emu.connect();
+        big.send_raw(
+            format!("POST {path} HTTP/1.1\r\nhost: t\r\ncontent-length: 67108865\r\n\r\n")
+                .as_bytes(),
+        );
+        assert_eq!(big.read_response().status, 413);
+    }
+    // Faults apply to both: unhealthy replica, injected failure.
+    c.post_json("/admin/state", &json!({"healthy": false}));
+    assert_eq!(
+        c.post_json("/v1/responses", &json!({"input": "x"})).status,
+        503
+    );
+    assert_eq!(
+        c.post_json("/v1/embeddings", &json!({"input": "x"})).status,
+        503
+    );
+    c.post_json(
+        "/admin/state",
+        &json!({"healthy": true, "fail_status": 502}),
+    );
+    assert_eq!(
+        c.post_json("/v1/responses", &json!({"input": "x"})).status,
+        502
+    );
+    c.post_json("/admin/state", &json!({"fail_status": 0}));
+    assert_eq!(
+        c.post_json("/v1/embeddings", &json!({"input": "x"})).status,
+        200
+    );
+    assert_eq!(
+        emu.connect().request("GET", "/health", &[], b"").status,
+        200
+    );
+}
+
+#[test]
+fn sglang_responses_and_embeddings_in_its_words() {
+    let emu = Emulator::start(&[
+        "--mode",
+        "sglang",
+        "--model",
+        "sg",
+        "--prefill-ms-per-token",
+        "0",
+        "--decode-ms-per-token",
+        "0",
+    ]);
+    let mut c = emu.connect();
+    let r = c.post_json(
+        "/v1/responses",
+        &json!({"model": "asked", "input": long_prompt(), "max_output_tokens": 2}),
+    );
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    // Named after the request's model; "completed" even when cut short.
+    assert_eq!(
+        (&v["model"], &v["status"]),
+        (&json!("asked"), &json!("completed"))
+    );
+    // Without --enable-cache-report, no cached-token details.
+    assert!(v["usage"]["input_tokens_details"].is_null());
+    let r = c.request("GET", "/v1/responses/abc", &[], b"");
+    assert_eq!(r.status, 400);
+    assert_eq!(
+        r.json()["error"]["message"],
+        "Invalid 'response_id': 'abc'. Expected an ID that begins with 'resp'."
+    );
+    let id = v["id"].as_str().unwrap();
+    let r = c.request("POST", &format!("/v1/responses/{id}/cancel"), &[], b"");
+    assert_eq!(r.status, 400);
+    assert!(r.json()["error"]["param"].is_null());
+    let r = c.post_json("/v1/embeddings", &json!({"input": "   "}));
+    assert_eq!(r.status, 400);
+    assert_eq!(
+        r.json(),
+        json!({"object": "error", "message": "Input cannot be empty or whitespace only",
+               "type": "BadRequestError", "param": null, "code": 400})
+    );
+    let r = c.post_json("/v1/embeddings", &json!({"input": "hello"}));
+    let v = r.json();
+    assert!(v.get("id").is_none());
+    assert_eq!(v["model"], "sg");
+    drop(c);
+
+    let emu = Emulator::start(&[
+        "--mode",
+        "sglang",
+        "--enable-cache-report",
+        "--prefill-ms-per-token",
+        "0",
+        "--decode-ms-per-token",
+        "0",
+    ]);
+    let mut c = emu.connect();
+    let first = c
+        .post_json("/v1/responses", &json!({"input": long_prompt()}))
+        .json();
+    assert_eq!(first["usage"]["input_tokens_details"]["cached_tokens"], 0);
+    let id = first["id"].as_str().unwrap();
+    let second = c
+        .post_json(
+            "/v1/responses",
+            &json!({"input": "more", "previous_response_id": id}),
+        )
+        .json();
+    let cached = second["usage"]["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let prompt = first["usage"]["input_tokens"].as_u64().unwrap();
+    // Token granularity: all of turn one's prompt but what the template
+    // renders differently once the answer follows it.
+    assert!(
+        cached + 3 >= prompt && cached < prompt + 1,
+        "{cached} of {prompt}"
+    );
+}
