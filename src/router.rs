@@ -211,7 +211,13 @@ impl RouterStream {
             self.decision_header = Some(text);
         }
         // The fallback pool's TTFT says nothing about the main pool's model.
-        if routed.stream && d.reason != Reason::Fallback && !self.fallback {
+        // Nor does a Responses stream's first byte: vLLM sends its
+        // `response.created` event before the request is scheduled.
+        if routed.stream
+            && d.reason != Reason::Fallback
+            && !self.fallback
+            && endpoint != Endpoint::Responses
+        {
             self.pending = routed.observation().map(|observation| Pending {
                 routed_ms: now,
                 observation,
@@ -965,6 +971,13 @@ mod tests {
             s.on_response_body(&sh, &mut host, chunk.len(), false);
         }
         assert_eq!(host.value(Stat::Global(Global::RouterResponsesRecorded)), 1);
+        // Its first byte is no TTFT (vLLM sends `response.created` before
+        // scheduling): nothing for the tuner, only the usage at the end.
+        assert!(!s.awaiting_first_byte());
+        let tuning = host.queues.get(OBSERVATIONS_QUEUE).map_or(0, |q| {
+            q.iter().filter(|m| m.first() != Some(&b'U')).count()
+        });
+        assert_eq!(tuning, 0);
         let map = sh.router.responses;
         assert_eq!(
             map.lookup(&mut host.store, "resp_s", NOW).as_deref(),
