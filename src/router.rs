@@ -974,9 +974,10 @@ mod tests {
         // Its first byte is no TTFT (vLLM sends `response.created` before
         // scheduling): nothing for the tuner, only the usage at the end.
         assert!(!s.awaiting_first_byte());
-        let tuning = host.queues.get(OBSERVATIONS_QUEUE).map_or(0, |q| {
-            q.iter().filter(|m| m.first() != Some(&b'U')).count()
-        });
+        let tuning = host
+            .queues
+            .get(OBSERVATIONS_QUEUE)
+            .map_or(0, |q| q.iter().filter(|m| m.first() != Some(&b'U')).count());
         assert_eq!(tuning, 0);
         let map = sh.router.responses;
         assert_eq!(
