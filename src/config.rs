@@ -80,6 +80,8 @@ pub struct Config {
     pub context: ContextConfig,
     #[serde(default)]
     pub responses: ResponsesConfig,
+    #[serde(default)]
+    pub prometheus: PrometheusConfig,
     /// What to do with a request to an inference path whose body is not a
     /// valid request: `reject` (400, OpenAI error JSON) or `pass_through`
     /// (send it untouched to the default region and let the engine answer).
@@ -137,6 +139,56 @@ pub struct Region {
     /// model), for tiers a ladder level sends there.
     #[serde(default)]
     pub fallback_cluster: Option<String>,
+    /// Where the region's load figures come from: `scrape` (its
+    /// `metrics_path` through its cluster: one engine, or an entry point
+    /// that serves aggregated metrics) or `prometheus` (the `prometheus`
+    /// query, summed over the region's replicas).
+    #[serde(default)]
+    pub load_source: LoadSource,
+    /// PromQL label matchers that select the region's engine series in
+    /// Prometheus (without braces); default `region="<name>"`.
+    #[serde(default)]
+    pub prometheus_selector: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum LoadSource {
+    #[default]
+    Scrape,
+    Prometheus,
+}
+
+impl Region {
+    /// The region's PromQL label matchers.
+    pub fn selector(&self) -> String {
+        self.prometheus_selector
+            .clone()
+            .unwrap_or_else(|| format!("region=\"{}\"", self.name))
+    }
+}
+
+/// The Prometheus-compatible HTTP API the `prometheus` load source queries
+/// (docs/CONFIG.md, "Prometheus").
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrometheusConfig {
+    /// Envoy cluster that reaches it.
+    pub cluster: Option<String>,
+    /// `:authority` of the query; default the cluster's name.
+    pub authority: Option<String>,
+    /// Path of the instant-query endpoint.
+    pub path: String,
+}
+
+impl Default for PrometheusConfig {
+    fn default() -> Self {
+        PrometheusConfig {
+            cluster: None,
+            authority: None,
+            path: "/api/v1/query".to_string(),
+        }
+    }
 }
 
 fn default_health_path() -> String {
@@ -804,6 +856,43 @@ impl Config {
             non_negative(&at("prefill_ms_per_token"), r.prefill_ms_per_token)?;
             positive(&at("service_ms"), r.service_ms)?;
             non_negative(&at("rtt_ms"), r.rtt_ms)?;
+            if let Some(sel) = &r.prometheus_selector {
+                if sel.trim().is_empty()
+                    || sel.len() > 1024
+                    || sel
+                        .chars()
+                        .any(|c| matches!(c, '{' | '}') || c.is_control())
+                {
+                    return Err(ConfigError::new(
+                        at("prometheus_selector"),
+                        format!("{sel:?} must be PromQL label matchers without braces (e.g. region=\"eu\"), 1..=1024 characters, no control characters"),
+                    ));
+                }
+            }
+        }
+        let prom = &self.prometheus;
+        if self
+            .regions
+            .iter()
+            .any(|r| r.load_source == LoadSource::Prometheus)
+            && prom.cluster.as_deref().is_none_or(|c| c.trim().is_empty())
+        {
+            return Err(ConfigError::new(
+                "prometheus.cluster",
+                "must name the Envoy cluster of the Prometheus API: a region uses load_source \"prometheus\"",
+            ));
+        }
+        if !prom.path.starts_with('/')
+            || prom.path.contains(['?', '#'])
+            || prom.path.chars().any(char::is_whitespace)
+        {
+            return Err(ConfigError::new(
+                "prometheus.path",
+                format!(
+                    "{:?} must start with '/' and hold no query, fragment or whitespace",
+                    prom.path
+                ),
+            ));
         }
         if let Some(d) = &self.default_region {
             if !self.regions.iter().any(|r| &r.name == d) {
@@ -1471,6 +1560,30 @@ mod tests {
             ));
             assert_eq!(e.field, field, "{ctx}");
         }
+        for (extra, field) in [
+            (r#","load_source":"prometheus"}]"#, "prometheus.cluster"),
+            (
+                r#","prometheus_selector":"a{b}"}]"#,
+                "regions[0].prometheus_selector",
+            ),
+            (
+                r#","prometheus_selector":" "}]"#,
+                "regions[0].prometheus_selector",
+            ),
+            (r#"}],"prometheus":{"path":"api"}"#, "prometheus.path"),
+            (r#"}],"prometheus":{"path":"/q?x=1"}"#, "prometheus.path"),
+        ] {
+            let e = err(&format!(
+                r#"{{"regions":[{{"name":"a","cluster":"c","capacity_rps":1{extra}}}"#
+            ));
+            assert_eq!(e.field, field, "{extra}");
+        }
+        let c = Config::parse(
+            br#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1,"load_source":"prometheus"}],"prometheus":{"cluster":"prom"}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.regions[0].selector(), r#"region="a""#);
+        assert_eq!(c.prometheus.path, "/api/v1/query");
         for (resp, field) in [
             (r#"{"slots":0}"#, "responses.slots"),
             (r#"{"slots":4194305}"#, "responses.slots"),

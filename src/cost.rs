@@ -230,6 +230,19 @@ pub fn occupancy(state: &RegionState, inflight_now: f64, now_ms: u64) -> f64 {
     (waiting + state.running + inflight_now - state.inflight_at_scrape).max(inflight_now)
 }
 
+/// Slots region `i` runs at once: its `max_concurrency` times the
+/// replicas the snapshot reports behind its entry point (one if none).
+pub fn region_slots(inp: &Inputs, i: usize) -> u32 {
+    let per = inp.config.regions.get(i).map_or(1, |r| r.max_concurrency);
+    match inp
+        .snapshot
+        .and_then(|s| s.region_at(inp.snapshot_index, i))
+    {
+        Some(state) => state.slots(per),
+        None => per.max(1),
+    }
+}
+
 /// Expected queueing wait for one more request at `occupancy` requests.
 pub fn queue_ms(occupancy: f64, max_concurrency: u32, service_ms: f64) -> f64 {
     let slots = f64::from(max_concurrency.max(1));
@@ -238,7 +251,6 @@ pub fn queue_ms(occupancy: f64, max_concurrency: u32, service_ms: f64) -> f64 {
 }
 
 pub fn decide(inp: &Inputs) -> Decision {
-    let cfg = inp.config;
     let Some(snap) = inp.snapshot else {
         return fallback(inp, Vec::new());
     };
@@ -256,7 +268,7 @@ pub fn decide(inp: &Inputs) -> Decision {
         .enumerate()
         .any(|(i, c)| c.healthy && state(i).is_none_or(|s| s.release_ok));
     let ramp_key = inp.first_block.unwrap_or(0);
-    let slots = |i: usize| f64::from(cfg.regions.get(i).map_or(1, |r| r.max_concurrency.max(1)));
+    let slots = |i: usize| f64::from(region_slots(inp, i));
     // The ramp protects a returning region's cold caches from a stampede; it
     // must not hold it back while every fully ramped region is full.
     let others_full = costs.iter().enumerate().all(|(i, c)| {
@@ -287,7 +299,7 @@ pub fn decide(inp: &Inputs) -> Decision {
             c.total_ms = c.rtt_ms + c.prefill_ms + c.queue_ms;
         }
     }
-    apply_load_guard(cfg, &mut costs, held);
+    apply_load_guard(inp, &mut costs, held);
     let eligible = |c: &Cost| c.candidate && !c.over_bound;
     let Some(preferred) = pick(inp, &costs, eligible) else {
         return fallback(inp, costs);
@@ -436,12 +448,12 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
             let uncached = prompt_tokens - cached_tokens;
             let rtt_ms = w.w_rtt * rtt;
             let prefill_ms = prefill_rate * uncached as f64;
-            let wait = queue_ms(occupancy, region.max_concurrency, region.service_ms);
+            let slots = region_slots(inp, i);
+            let wait = queue_ms(occupancy, slots, region.service_ms);
             // Congestion pricing: a request added to a busy region also delays
             // the ones behind it; 1/(1 − ρ) (ρ capped) keeps the router from
             // filling the nearest region to its last slot.
-            let rho =
-                (occupancy / f64::from(region.max_concurrency.max(1))).min(cfg.cost.congestion_cap);
+            let rho = (occupancy / f64::from(slots)).min(cfg.cost.congestion_cap);
             let queue = w.w_queue * wait / (1.0 - rho);
             Cost {
                 rtt_ms,
@@ -497,8 +509,9 @@ fn holds_prompt(costs: &[Cost], prompt_tokens: u64) -> bool {
 ///   `floor × max_concurrency`; a held prompt by `bounded_load_epsilon` /
 ///   `_floor`, a prompt no region holds (a new conversation, whose later
 ///   turns will follow it) by the tighter `placement_epsilon` / `_floor`.
-fn apply_load_guard(cfg: &Config, costs: &mut [Cost], held: bool) {
-    let slots = |i: usize| f64::from(cfg.regions.get(i).map_or(1, |r| r.max_concurrency.max(1)));
+fn apply_load_guard(inp: &Inputs, costs: &mut [Cost], held: bool) {
+    let cfg = inp.config;
+    let slots = |i: usize| f64::from(region_slots(inp, i));
     let total_slots: f64 = costs
         .iter()
         .enumerate()
@@ -636,12 +649,7 @@ fn draw(
     // Herding fills a region; below the floor the load guard uses for new
     // prompts, spreading would only add network distance.
     let floor = cfg.bounded_load_floor.min(cfg.placement_floor);
-    let slots = f64::from(
-        inp.config
-            .regions
-            .get(preferred)
-            .map_or(1, |r| r.max_concurrency.max(1)),
-    );
+    let slots = f64::from(region_slots(inp, preferred));
     if costs
         .get(preferred)
         .is_none_or(|c| c.occupancy + 1.0 <= floor * slots)
@@ -1047,6 +1055,21 @@ mod tests {
             r.max_concurrency = 8;
         }
         c
+    }
+
+    #[test]
+    fn replicas_behind_an_entry_point_multiply_its_slots() {
+        let c = eight_slots();
+        let mut s = snap(&c);
+        // 20 requests at mid: with one engine of 8 slots, 12 wait; with the
+        // 3 replicas the Prometheus source reports, none does.
+        s.regions[1].running = 20.0;
+        let one = decide(&inputs(&c, &s, &[0, 62, 0], None, None));
+        assert!(one.costs[1].wait_ms > 0.0);
+        s.regions[1].replicas = Some(3);
+        let three = decide(&inputs(&c, &s, &[0, 62, 0], None, None));
+        assert_eq!(three.costs[1].wait_ms, 0.0);
+        assert_eq!((three.region, three.reason), (1, Reason::Cache));
     }
 
     #[test]

@@ -57,6 +57,8 @@ struct Region {
     calibration: RegionCalibration,
     /// The engine's context limit, from its model list.
     max_model_len: Option<u32>,
+    /// Replicas behind the entry point (`prometheus` load source).
+    replicas: Option<u32>,
 }
 
 impl Region {
@@ -123,6 +125,7 @@ impl Fleet {
                     down_since_ms: None,
                     calibration: RegionCalibration::default(),
                     max_model_len: None,
+                    replicas: None,
                 })
                 .collect(),
             ladder: Ladder::new(now_ms),
@@ -309,6 +312,14 @@ impl Fleet {
         }
     }
 
+    /// The replicas behind the region's entry point, read with its load
+    /// (`prometheus` source).
+    pub fn on_replicas(&mut self, region: usize, replicas: u32) {
+        if let Some(r) = self.regions.get_mut(region) {
+            r.replicas = Some(replicas.max(1));
+        }
+    }
+
     /// After a good scrape: the engine's prefilled tokens so far, from its
     /// prefix-cache counters, time the region's cache (`calibration`).
     pub fn on_engine_clock(&mut self, region: usize, now_ms: u64) {
@@ -332,7 +343,10 @@ impl Fleet {
                 r.routable
                     && r.metrics_ok
                     && (waiting > 0.0
-                        || load / f64::from(c.max_concurrency.max(1)) >= cfg.probe.busy_utilization)
+                        || load
+                            / f64::from(c.max_concurrency.max(1))
+                            / f64::from(r.replicas.unwrap_or(1).max(1))
+                            >= cfg.probe.busy_utilization)
             })
     }
 
@@ -574,6 +588,7 @@ impl Fleet {
                     .filter(|_| cfg.directory.cache_horizon),
                 cache_reliability: r.calibration.reliability(),
                 max_model_len: r.max_model_len,
+                replicas: r.replicas,
             })
             .collect();
         Snapshot {

@@ -23,6 +23,7 @@ pub mod openai;
 pub mod outcome;
 pub mod prefix;
 pub mod probe;
+pub mod promql;
 pub mod protocol;
 pub mod request;
 pub mod responses;

@@ -551,7 +551,11 @@ fn migration_for(cfg: &Config, d: &Decision, inp: &RouteInputs) -> Option<KvActi
         .regions
         .iter()
         .zip(&d.costs)
-        .map(|(r, c)| c.occupancy / f64::from(r.max_concurrency.max(1)))
+        .enumerate()
+        .map(|(i, (r, c))| {
+            let slots = state(i).map_or(r.max_concurrency.max(1), |s| s.slots(r.max_concurrency));
+            c.occupancy / f64::from(slots)
+        })
         .collect();
     kv_action(cfg, d, &rtt, &util)
 }

@@ -100,6 +100,20 @@ pub struct RegionState {
     /// list); absent until read, or when it does not say.
     #[serde(default)]
     pub max_model_len: Option<u32>,
+    /// Engine replicas behind the region's entry point, from the
+    /// `prometheus` load source; absent: one (`max_concurrency` is then the
+    /// region's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<u32>,
+}
+
+impl RegionState {
+    /// Slots the region runs at once: `max_concurrency` per replica.
+    pub fn slots(&self, max_concurrency: u32) -> u32 {
+        max_concurrency
+            .max(1)
+            .saturating_mul(self.replicas.unwrap_or(1).max(1))
+    }
 }
 
 impl Default for RegionState {
@@ -125,6 +139,7 @@ impl Default for RegionState {
             cache_horizon_ms: None,
             cache_reliability: None,
             max_model_len: None,
+            replicas: None,
         }
     }
 }

@@ -51,6 +51,7 @@ fn places() -> Vec<(&'static str, String)> {
         ("assessment.", with(r#""assessment":{"zz_unknown":1}"#)),
         ("context.", with(r#""context":{"zz_unknown":1}"#)),
         ("responses.", with(r#""responses":{"zz_unknown":1}"#)),
+        ("prometheus.", with(r#""prometheus":{"zz_unknown":1}"#)),
     ]
 }
 

@@ -1,0 +1,329 @@
+//! The `prometheus` load source: one instant query per probe round for
+//! every region that uses it, and its answer read back into one
+//! [`EngineSample`] per region, summed over the region's replicas, with
+//! the region's replica count and when Prometheus scraped them.
+//!
+//! The query is one PromQL expression: per region and per signal, the
+//! aggregate over the region's selector, labelled with the region
+//! (`llm_geo_region`) and the signal (`llm_geo_signal`) by `label_replace`,
+//! all joined with `or`. Signals: `waiting`, `running` (sums), `kv` (mean
+//! KV-cache usage), `replicas` (series of the running gauge), `completed`
+//! (the completions counters, summed), `prefix_queries`/`prefix_hits`
+//! (vLLM's prefix-cache counters, summed), `hit_rate` (SGLang's, mean) and
+//! `scraped` (the oldest scrape time of the running gauge's series).
+
+use std::collections::HashMap;
+
+use serde::Deserialize;
+
+use crate::config::{Config, LoadSource, Region};
+use crate::metrics::{EngineKind, EngineSample};
+
+/// Answers read at most.
+pub const MAX_ANSWER_BYTES: usize = 1 << 20;
+
+const REGION_LABEL: &str = "llm_geo_region";
+const SIGNAL_LABEL: &str = "llm_geo_signal";
+
+/// One region's figures from a Prometheus answer.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RegionLoad {
+    pub sample: EngineSample,
+    /// Engine series behind the region's entry point (replicas).
+    pub replicas: u32,
+    /// When Prometheus scraped them (the oldest series; Unix ms).
+    pub scraped_ms: Option<u64>,
+}
+
+/// The metric names of each signal, per engine (alternatives joined with
+/// `or`: vLLM renamed some).
+fn metric(engine: EngineKind, signal: &str) -> Option<&'static [&'static str]> {
+    Some(match (engine, signal) {
+        (EngineKind::Vllm, "waiting") => &["vllm:num_requests_waiting"],
+        (EngineKind::Vllm, "running" | "replicas" | "scraped") => &["vllm:num_requests_running"],
+        (EngineKind::Vllm, "kv") => &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+        (EngineKind::Vllm, "completed") => &["vllm:request_success_total"],
+        (EngineKind::Vllm, "prefix_queries") => &[
+            "vllm:prefix_cache_queries_total",
+            "vllm:gpu_prefix_cache_queries_total",
+        ],
+        (EngineKind::Vllm, "prefix_hits") => &[
+            "vllm:prefix_cache_hits_total",
+            "vllm:gpu_prefix_cache_hits_total",
+        ],
+        (EngineKind::Sglang, "waiting") => &["sglang:num_queue_reqs"],
+        (EngineKind::Sglang, "running" | "replicas" | "scraped") => &["sglang:num_running_reqs"],
+        (EngineKind::Sglang, "kv") => &["sglang:token_usage"],
+        (EngineKind::Sglang, "completed") => &["sglang:num_requests_total"],
+        (EngineKind::Sglang, "hit_rate") => &["sglang:cache_hit_rate"],
+        _ => return None,
+    })
+}
+
+const SIGNALS: [(&str, &str); 9] = [
+    ("waiting", "sum"),
+    ("running", "sum"),
+    ("kv", "avg"),
+    ("replicas", "count"),
+    ("completed", "sum"),
+    ("prefix_queries", "sum"),
+    ("prefix_hits", "sum"),
+    ("hit_rate", "avg"),
+    ("scraped", "min"),
+];
+
+/// The PromQL expression for one region.
+pub fn region_query(region: &Region) -> String {
+    let sel = region.selector();
+    let mut parts = Vec::new();
+    for (signal, agg) in SIGNALS {
+        let Some(names) = metric(region.engine, signal) else {
+            continue;
+        };
+        let series: Vec<String> = names.iter().map(|m| format!("{m}{{{sel}}}")).collect();
+        let mut inner = series.join(" or ");
+        if signal == "scraped" {
+            inner = format!("timestamp({inner})");
+        }
+        parts.push(format!(
+            "label_replace(label_replace({agg}({inner}),\"{REGION_LABEL}\",\"{}\",\"\",\"\"),\"{SIGNAL_LABEL}\",\"{signal}\",\"\",\"\")",
+            region.name
+        ));
+    }
+    parts.join(" or ")
+}
+
+/// The one query for every region whose `load_source` is `prometheus`;
+/// `None` when none is.
+pub fn fleet_query(cfg: &Config) -> Option<String> {
+    let parts: Vec<String> = cfg
+        .regions
+        .iter()
+        .filter(|r| r.load_source == LoadSource::Prometheus)
+        .map(region_query)
+        .collect();
+    (!parts.is_empty()).then(|| parts.join(" or "))
+}
+
+/// The request path: the configured endpoint with `query` form-encoded.
+pub fn query_path(cfg: &Config, query: &str) -> String {
+    let mut p = String::with_capacity(cfg.prometheus.path.len() + 7 + query.len() * 2);
+    p.push_str(&cfg.prometheus.path);
+    p.push_str("?query=");
+    for b in query.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            p.push(char::from(b));
+        } else {
+            let hex = |n: u8| char::from(if n < 10 { b'0' + n } else { b'A' + n - 10 });
+            p.push('%');
+            p.push(hex(b >> 4));
+            p.push(hex(b & 15));
+        }
+    }
+    p
+}
+
+#[derive(Deserialize)]
+struct Answer {
+    status: String,
+    #[serde(default)]
+    data: Option<Data>,
+    #[serde(default)]
+    error: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Data {
+    #[serde(rename = "resultType")]
+    result_type: String,
+    result: Vec<Series>,
+}
+
+#[derive(Deserialize)]
+struct Series {
+    metric: HashMap<String, String>,
+    value: (f64, String),
+}
+
+/// Read an answer: per region (by index in `cfg.regions`) that has at least
+/// its waiting and running sums and one replica, its load; a region the
+/// answer has no complete figures for is absent (a failed probe for it).
+/// An answer that is not a successful instant vector is an error.
+pub fn parse_answer(cfg: &Config, body: &[u8]) -> Result<HashMap<usize, RegionLoad>, String> {
+    if body.len() > MAX_ANSWER_BYTES {
+        return Err(format!(
+            "the answer is larger than {} KiB",
+            MAX_ANSWER_BYTES / 1024
+        ));
+    }
+    let a: Answer =
+        serde_json::from_slice(body).map_err(|e| format!("not a Prometheus API answer: {e}"))?;
+    if a.status != "success" {
+        return Err(format!(
+            "status {:?}: {}",
+            a.status,
+            a.error.as_deref().unwrap_or("no error given")
+        ));
+    }
+    let data = a.data.ok_or("a successful answer without data")?;
+    if data.result_type != "vector" {
+        return Err(format!(
+            "result type {:?}, expected \"vector\"",
+            data.result_type
+        ));
+    }
+    let mut seen: HashMap<usize, HashMap<&str, f64>> = HashMap::new();
+    for s in &data.result {
+        let (Some(region), Some(signal)) = (s.metric.get(REGION_LABEL), s.metric.get(SIGNAL_LABEL))
+        else {
+            continue;
+        };
+        let Some(i) = cfg.regions.iter().position(|r| &r.name == region) else {
+            continue;
+        };
+        let Ok(v) = s.value.1.parse::<f64>() else {
+            continue;
+        };
+        if !v.is_finite() || v < 0.0 {
+            continue;
+        }
+        let Some((name, _)) = SIGNALS.iter().find(|(n, _)| n == signal) else {
+            continue;
+        };
+        seen.entry(i).or_default().insert(name, v);
+    }
+    let mut out = HashMap::new();
+    for (i, sig) in seen {
+        let (Some(waiting), Some(running), Some(replicas)) = (
+            sig.get("waiting"),
+            sig.get("running"),
+            sig.get("replicas").filter(|n| **n >= 1.0),
+        ) else {
+            continue;
+        };
+        let sample = EngineSample {
+            waiting: Some(*waiting),
+            running: Some(*running),
+            kv_usage: sig.get("kv").map(|v| v.clamp(0.0, 1.0)),
+            prefix_queries: sig.get("prefix_queries").copied(),
+            prefix_hits: sig.get("prefix_hits").copied(),
+            hit_rate: sig.get("hit_rate").map(|v| v.clamp(0.0, 1.0)),
+            release: None,
+            completed: sig.get("completed").copied(),
+        };
+        out.insert(
+            i,
+            RegionLoad {
+                sample,
+                replicas: replicas.min(f64::from(u32::MAX)) as u32,
+                scraped_ms: sig
+                    .get("scraped")
+                    .filter(|t| **t < 1e11)
+                    .map(|t| (t * 1000.0) as u64),
+            },
+        );
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> Config {
+        Config::parse(
+            br#"{"regions":[
+              {"name":"eu","cluster":"ce","capacity_rps":5,"load_source":"prometheus"},
+              {"name":"us","cluster":"cu","capacity_rps":5,"engine":"sglang","load_source":"prometheus","prometheus_selector":"namespace=\"llm\",site=~\"us-.*\""},
+              {"name":"ap","cluster":"ca","capacity_rps":5}],
+              "prometheus":{"cluster":"prom"}}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn one_query_for_every_prometheus_region() {
+        let c = cfg();
+        let q = fleet_query(&c).unwrap();
+        assert!(
+            q.contains(r#"sum(vllm:num_requests_waiting{region="eu"})"#),
+            "{q}"
+        );
+        assert!(q.contains(r#"count(vllm:num_requests_running{region="eu"})"#));
+        assert!(q.contains(r#"avg(vllm:kv_cache_usage_perc{region="eu"} or vllm:gpu_cache_usage_perc{region="eu"})"#));
+        assert!(q.contains(r#"min(timestamp(vllm:num_requests_running{region="eu"}))"#));
+        assert!(q.contains(r#"sum(sglang:num_queue_reqs{namespace="llm",site=~"us-.*"})"#));
+        assert!(!q.contains("\"ap\""), "a scraped region is not queried");
+        let path = query_path(&c, "sum(x{a=\"b c\"})");
+        assert_eq!(path, "/api/v1/query?query=sum%28x%7Ba%3D%22b%20c%22%7D%29");
+        let only_scrape =
+            Config::parse(br#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}]}"#).unwrap();
+        assert_eq!(fleet_query(&only_scrape), None);
+    }
+
+    fn series(region: &str, signal: &str, v: &str) -> String {
+        format!(
+            r#"{{"metric":{{"llm_geo_region":"{region}","llm_geo_signal":"{signal}"}},"value":[1764540000.5,"{v}"]}}"#
+        )
+    }
+
+    #[test]
+    fn answers_are_read_per_region() {
+        let c = cfg();
+        let body = format!(
+            r#"{{"status":"success","data":{{"resultType":"vector","result":[{}]}}}}"#,
+            [
+                series("eu", "waiting", "7"),
+                series("eu", "running", "24"),
+                series("eu", "replicas", "3"),
+                series("eu", "kv", "0.5"),
+                series("eu", "completed", "1200"),
+                series("eu", "scraped", "1764539998.25"),
+                series("us", "waiting", "1"),
+                series("us", "running", "NaN"),
+                series("us", "replicas", "2"),
+                series("mars", "waiting", "1"),
+            ]
+            .join(",")
+        );
+        let out = parse_answer(&c, body.as_bytes()).unwrap();
+        let eu = &out[&0];
+        assert_eq!(
+            (eu.sample.waiting, eu.sample.running),
+            (Some(7.0), Some(24.0))
+        );
+        assert_eq!(eu.replicas, 3);
+        assert_eq!(eu.sample.kv_usage, Some(0.5));
+        assert_eq!(eu.sample.completed, Some(1200.0));
+        assert_eq!(eu.scraped_ms, Some(1_764_539_998_250));
+        assert!(!out.contains_key(&1), "a NaN running sum is no figure");
+        assert_eq!(out.len(), 1);
+    }
+
+    #[test]
+    fn bad_answers_are_errors_never_panics() {
+        let c = cfg();
+        for (body, want) in [
+            (&b"<html>"[..], "not a Prometheus API answer"),
+            (br#"{"status":"error","errorType":"bad_data","error":"parse error at char 3"}"#, "parse error at char 3"),
+            (br#"{"status":"success"}"#, "without data"),
+            (br#"{"status":"success","data":{"resultType":"matrix","result":[]}}"#, "matrix"),
+            (br#"{"status":"success","data":{"resultType":"vector","result":[{"metric":{},"value":["x","1"]}]}}"#, "not a Prometheus API answer"),
+        ] {
+            let e = parse_answer(&c, body).unwrap_err();
+            assert!(e.contains(want), "{e}");
+        }
+        let empty = br#"{"status":"success","data":{"resultType":"vector","result":[]}}"#;
+        assert!(parse_answer(&c, empty).unwrap().is_empty());
+        let huge = vec![b' '; MAX_ANSWER_BYTES + 1];
+        assert!(parse_answer(&c, &huge).unwrap_err().contains("larger"));
+        // No replica: no figures.
+        let zero = format!(
+            r#"{{"status":"success","data":{{"resultType":"vector","result":[{},{},{}]}}}}"#,
+            series("eu", "waiting", "0"),
+            series("eu", "running", "0"),
+            series("eu", "replicas", "0")
+        );
+        assert!(parse_answer(&c, zero.as_bytes()).unwrap().is_empty());
+    }
+}
