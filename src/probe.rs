@@ -901,6 +901,11 @@ impl Probe {
                 RegionStat::MaxModelLen,
                 r.max_model_len.map_or(0, u64::from),
             );
+            rg(
+                host,
+                RegionStat::Replicas,
+                u64::from(r.replicas.unwrap_or(1)),
+            );
         }
         // Last: the filters copy the snapshot in when this changes.
         g(host, Global::ProbeSnapshotVersion, snap.version);
@@ -1045,6 +1050,7 @@ mod tests {
         assert_eq!(mid.scraped_ms, Some(T0 + 500), "as of Prometheus' scrape");
         assert_eq!(mid.inflight_at_scrape, 1.0, "this Envoy's in-flight then");
         assert_eq!(mid.slots(8), 24);
+        assert_eq!(host.value(Stat::Region(1, RegionStat::Replicas)), 3);
         // A failed query: a failed scrape for mid, one warning. (The first
         // round's query was answered with the metrics text: one already.)
         let before = host.value(Stat::Region(1, RegionStat::MetricsScrapeFailure));

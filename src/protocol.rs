@@ -182,10 +182,11 @@ pub enum RegionStat {
     CacheBeliefRefuted,
     MaxModelLen,
     ModelsReadFailure,
+    Replicas,
 }
 
 impl RegionStat {
-    pub const ALL: [RegionStat; 20] = [
+    pub const ALL: [RegionStat; 21] = [
         RegionStat::RqTotal,
         RegionStat::RqActive,
         RegionStat::FallbackRqTotal,
@@ -206,6 +207,7 @@ impl RegionStat {
         RegionStat::CacheBeliefRefuted,
         RegionStat::MaxModelLen,
         RegionStat::ModelsReadFailure,
+        RegionStat::Replicas,
     ];
 
     fn spec(self) -> (&'static str, StatKind) {
@@ -230,6 +232,7 @@ impl RegionStat {
             RegionStat::CacheReliabilityPct => ("prefix_reliability_pct", Gauge),
             RegionStat::CacheBeliefRefuted => ("prefix_belief_refuted", Counter),
             RegionStat::MaxModelLen => ("max_model_len", Gauge),
+            RegionStat::Replicas => ("replicas", Gauge),
             RegionStat::ModelsReadFailure => ("models_read_failure", Counter),
         }
     }
