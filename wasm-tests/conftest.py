@@ -20,14 +20,17 @@ def run_dir(request):
 
 @pytest.fixture
 def fleet_factory(run_dir):
+    """Starts fleets (harness.Fleet.start's arguments, e.g. replicas={"near": 3}
+    and prometheus=True) and stops every process of each, its Prometheus
+    included, when the test ends, whether it passed or not."""
     started = []
 
-    def make(overrides=None, engine_extra=None, envoys=1, fallback=False, envoy_edit=None):
+    def make(overrides=None, engine_extra=None, envoys=1, fallback=False, envoy_edit=None, **kwargs):
         f = harness.Fleet(run_dir)
         started.append(f)
         try:
-            return f.start(overrides, engine_extra, envoys, fallback, envoy_edit)
-        except Exception:
+            return f.start(overrides, engine_extra, envoys, fallback, envoy_edit, **kwargs)
+        except BaseException:
             f.stop()
             raise
 

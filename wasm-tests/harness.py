@@ -5,7 +5,13 @@ until they are ready, and tears everything down even when a test fails.
 The Envoy configuration is the repository's own `envoy/envoy.yaml`, loaded
 with PyYAML and rewritten only where a test must differ: ports, the .wasm
 path, and plugin-configuration overrides merged into the JSON all three
-roots share.
+roots share; a region started as several replicas gets one endpoint per
+replica, and a fleet with a Prometheus gets a `prometheus` cluster.
+
+A region may run as several emulator replicas (`Fleet.start(replicas=
+{"near": 3})`), and a real Prometheus (/usr/bin/prometheus, installed by
+scripts/setup) can scrape them (`start_prometheus`, `Fleet.start(prometheus=
+True)`) for tests of load read from a Prometheus API.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ EMULATOR = ROOT / "target" / "release" / "engine-emulator"
 ENVOY = ROOT / ".venv" / "bin" / "envoy"
 DEMO_CONFIG = ROOT / "envoy" / "envoy.yaml"
 RUNS = ROOT / "wasm-tests" / "_runs"
+PROMETHEUS = Path("/usr/bin/prometheus")
+# The Envoy cluster render_config adds for a fleet's Prometheus.
+PROMETHEUS_CLUSTER = "prometheus"
 
 # The demo's three regions: name -> (cluster, emulated network delay ms, engine kind).
 DEMO_REGIONS = {
@@ -222,8 +231,29 @@ class Envoy:
                 self.proc.wait(timeout=10)
 
 
-def render_config(engines: dict[str, Engine] | None, admin_port: int, port: int,
-                  overrides: dict | None = None, base: Path = DEMO_CONFIG) -> dict:
+def static_cluster(name: str, port: int) -> dict:
+    """A STATIC plain-HTTP/1.1 cluster of one loopback endpoint, declared as
+    envoy/envoy.yaml declares its region clusters."""
+    return {
+        "name": name,
+        "connect_timeout": "1s",
+        "type": "STATIC",
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}],
+        },
+    }
+
+
+def render_config(engines: dict[str, Engine | list[Engine]] | None, admin_port: int, port: int,
+                  overrides: dict | None = None, base: Path = DEMO_CONFIG,
+                  prometheus_port: int | None = None) -> dict:
+    """The demo Envoy config on the given ports. `engines` maps an engine
+    name of ALL_ENGINES to the engine started for it, or to the list of
+    replicas started for that region (each becomes an endpoint wherever the
+    demo config has the region's engine). With `prometheus_port`, a STATIC
+    cluster PROMETHEUS_CLUSTER points at a Prometheus on that loopback port."""
     cfg = yaml.safe_load(base.read_text())
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
     for lis in cfg["static_resources"]["listeners"]:
@@ -231,18 +261,27 @@ def render_config(engines: dict[str, Engine] | None, admin_port: int, port: int,
     if engines is not None:
         # An engine's port in the demo config is its cluster's first
         # endpoint; every endpoint on that port (a region cluster's failover
-        # endpoints too) is moved to where the test started the engine.
-        by_cluster = {c: e for n, (c, _, _) in ALL_ENGINES.items() if (e := engines.get(n))}
+        # endpoints too) is moved to where the test started the engine, or
+        # becomes one endpoint per replica (same metadata: same region).
+        as_list = {n: (e if isinstance(e, list) else [e]) for n, e in engines.items()}
+        by_cluster = {c: es for n, (c, _, _) in ALL_ENGINES.items() if (es := as_list.get(n))}
         clusters = cfg["static_resources"]["clusters"]
         demo_port = {cl["name"]: cl["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
                      ["address"]["socket_address"]["port_value"] for cl in clusters}
-        moved = {demo_port[c]: e.port for c, e in by_cluster.items() if c in demo_port}
+        moved = {demo_port[c]: [e.port for e in es] for c, es in by_cluster.items() if c in demo_port}
         for cl in clusters:
             for group in cl["load_assignment"]["endpoints"]:
+                out = []
                 for lb in group["lb_endpoints"]:
-                    sa = lb["endpoint"]["address"]["socket_address"]
-                    if sa["port_value"] in moved:
-                        sa["port_value"] = moved[sa["port_value"]]
+                    ports = moved.get(lb["endpoint"]["address"]["socket_address"]["port_value"])
+                    for p in ports or [None]:
+                        lb2 = copy.deepcopy(lb)
+                        if p is not None:
+                            lb2["endpoint"]["address"]["socket_address"]["port_value"] = p
+                        out.append(lb2)
+                group["lb_endpoints"] = out
+    if prometheus_port is not None:
+        cfg["static_resources"]["clusters"].append(static_cluster(PROMETHEUS_CLUSTER, prometheus_port))
     plugin = deep_merge(plugin_config(cfg), overrides or {})
     for p in wasm_plugins(cfg):
         p["vm_config"]["code"]["local"]["filename"] = str(WASM)
@@ -355,13 +394,205 @@ def filler(seed: str, n_bytes: int) -> str:
 
 
 @dataclass
+class Prometheus:
+    """A real Prometheus on loopback scraping emulator replicas (every
+    sample carries the target's `region` and `replica` labels)."""
+
+    proc: subprocess.Popen
+    port: int
+    run_dir: Path
+    config_path: Path
+    log_path: Path
+    targets: dict[str, list[tuple[str, int]]]  # region -> [(replica, port)]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def api(self, path: str, **params) -> dict:
+        """GET /api/v1/<path>; the answer's `data` (raises on an API error)."""
+        from urllib.parse import urlencode
+
+        url = f"{self.url}/api/v1/{path}" + (f"?{urlencode(params)}" if params else "")
+        with urllib.request.urlopen(url, timeout=10) as r:
+            body = json.loads(r.read())
+        if body.get("status") != "success":
+            raise RuntimeError(f"prometheus {path} {params}: {body}")
+        return body["data"]
+
+    def query(self, promql: str) -> list:
+        """An instant query at now: the result list as the API returns it
+        (for a vector: [{"metric": {labels}, "value": [ts, "v"]}, ...])."""
+        return self.api("query", query=promql)["result"]
+
+    def by(self, promql: str, label: str = "region") -> dict[str, float]:
+        """An instant vector query as {value of `label`: sample value}."""
+        return {s["metric"].get(label, ""): float(s["value"][1]) for s in self.query(promql)}
+
+    def wait_for(self, promql: str, expected: dict[str, float], label: str = "region",
+                 timeout: float = 10.0) -> dict[str, float]:
+        """Until `by(promql, label)` equals `expected` (a scrape or two
+        behind the engines); returns it, or raises with the last answer."""
+        deadline = time.time() + timeout
+        got = None
+        while time.time() < deadline:
+            got = self.by(promql, label)
+            if got == expected:
+                return got
+            time.sleep(0.2)
+        raise AssertionError(f"prometheus {promql!r}: {got} after {timeout} s, expected {expected}")
+
+    def wait_targets_up(self, timeout: float = 20.0) -> None:
+        """Until every target has been scraped and is up."""
+        want = {r for ts in self.targets.values() for r, _ in ts}
+        deadline = time.time() + timeout
+        up: dict = {}
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                up = self.by("up", "replica")
+            except OSError:
+                up = {}
+            if set(up) == want and all(v == 1 for v in up.values()):
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"prometheus targets not all up after {timeout} s: {up}; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def start_prometheus(run_dir: Path, targets: dict[str, list], scrape_interval: str = "1s",
+                     timeout: float = 30.0, wait_targets: bool = True) -> Prometheus:
+    """Starts /usr/bin/prometheus on a free loopback port, scraping each
+    target's /metrics on 127.0.0.1 every `scrape_interval`, and waits until
+    it is ready and (unless not `wait_targets`: then call wait_targets_up)
+    has scraped every target once (all `up`). Prometheus 2.42 applies its
+    targets on a fixed 5 s tick, so the first scrapes come ~5 s after start.
+
+    `targets` maps a region to its replicas: Engines (labelled with their
+    names) or bare ports (labelled `<region>-<i>`). Every series gets the
+    labels `region` and `replica` (and Prometheus' own `job`, `instance`).
+    Config, log (prometheus.log) and TSDB (prom-data/) are in run_dir."""
+    if not PROMETHEUS.exists():
+        raise RuntimeError(f"missing {PROMETHEUS}: run scripts/setup (it installs Prometheus)")
+    named = {region: [(t.name, t.port) if isinstance(t, Engine) else (f"{region}-{i}", int(t))
+                      for i, t in enumerate(ts)] for region, ts in targets.items()}
+    config = {
+        "global": {"scrape_interval": scrape_interval, "scrape_timeout": scrape_interval,
+                   "evaluation_interval": scrape_interval},
+        "scrape_configs": [{
+            "job_name": "engines",
+            "metrics_path": "/metrics",
+            "static_configs": [{"targets": [f"127.0.0.1:{port}"], "labels": {"region": region, "replica": name}}
+                               for region, ts in named.items() for name, port in ts],
+        }],
+    }
+    config_path = run_dir / "prometheus.yml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    log_path = run_dir / "prometheus.log"
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(PROMETHEUS), f"--config.file={config_path}", f"--storage.tsdb.path={run_dir / 'prom-data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"), cwd=run_dir)
+    prom = Prometheus(proc, port, run_dir, config_path, log_path, named)
+    try:
+        deadline = time.time() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited with {proc.returncode}; see {log_path}")
+            try:
+                with urllib.request.urlopen(f"{prom.url}/-/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"prometheus not ready in {timeout:.0f} s; see {log_path}")
+            time.sleep(0.1)
+        if wait_targets:
+            prom.wait_targets_up(max(1.0, deadline - time.time()))
+    except BaseException:
+        prom.stop()
+        raise
+    return prom
+
+
+class Load:
+    """`n` concurrent slow chat requests sent straight to one replica (not
+    through Envoy), each decoding `max_tokens` tokens: with more requests
+    than the replica's --max-concurrency, the rest wait in its queue, as on
+    a saturated engine (vllm:num_requests_running at the limit,
+    vllm:num_requests_waiting > 0). close() drops the connections."""
+
+    def __init__(self, engine: Engine, n: int, max_tokens: int = 5000, timeout: float = 60.0):
+        import threading
+
+        self.engine = engine
+        self.conns = [http.client.HTTPConnection("127.0.0.1", engine.port, timeout=timeout) for _ in range(n)]
+        self.statuses: list[int | None] = [None] * n
+        body = json.dumps({"model": "emulated-model", "max_tokens": max_tokens,
+                           "messages": [{"role": "user", "content": "saturate"}]})
+
+        def run(i: int, conn: http.client.HTTPConnection) -> None:
+            try:
+                conn.request("POST", "/v1/chat/completions", body=body,
+                             headers={"content-type": "application/json"})
+                resp = conn.getresponse()
+                resp.read()
+                self.statuses[i] = resp.status
+            except (OSError, http.client.HTTPException):
+                pass  # close() dropped it, or the replica was stopped
+
+        self.threads = [threading.Thread(target=run, args=(i, c), daemon=True) for i, c in enumerate(self.conns)]
+        for t in self.threads:
+            t.start()
+
+    def close(self) -> None:
+        for c in self.conns:
+            sock = c.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        for t in self.threads:
+            t.join(timeout=5)
+
+
+def saturate(engine: Engine, n: int, max_tokens: int = 5000) -> Load:
+    """Saturates one replica with `n` concurrent slow requests (see Load)."""
+    return Load(engine, n, max_tokens)
+
+
+@dataclass
 class Fleet:
-    """Three emulated regions and one Envoy, as in the demo."""
+    """Three emulated regions and one Envoy, as in the demo.
+
+    A region is one emulator by default, named as the region; started with
+    `replicas={"near": 3}` it is three, named near-0, near-1, near-2 (the
+    emulator's --name: their x-engine-replica header and /admin/stats
+    name), all endpoints of the region's cluster. `replicas[region]` lists
+    a region's replicas; `engines[region]` is its first."""
 
     run_dir: Path
     engines: dict[str, Engine] = field(default_factory=dict)
     fallbacks: dict[str, Engine] = field(default_factory=dict)
     envoys: list[Envoy] = field(default_factory=list)
+    replicas: dict[str, list[Engine]] = field(default_factory=dict)
+    prometheus: Prometheus | None = None
+
+    def __post_init__(self):
+        for name, e in self.engines.items():
+            self.replicas.setdefault(name, [e])
 
     @property
     def envoy(self) -> Envoy:
@@ -372,19 +603,44 @@ class Fleet:
         return self.envoy.port
 
     def start(self, overrides: dict | None = None, engine_extra: dict | None = None, envoys: int = 1,
-              fallback: bool = False, envoy_edit=None) -> "Fleet":
+              fallback: bool = False, envoy_edit=None, replicas: dict[str, int] | None = None,
+              prometheus: bool = False, scrape_interval: str = "1s") -> "Fleet":
+        """Starts the engines, then (with `prometheus`) a Prometheus scraping
+        every replica of the three regions, then the Envoys (with a cluster
+        PROMETHEUS_CLUSTER when there is a Prometheus). `engine_extra` maps
+        a region to flags for all its replicas, or a replica name (near-2)
+        to flags for that one (applied after the region's)."""
+        extra = engine_extra or {}
         for name, (_, delay, mode) in DEMO_REGIONS.items():
-            self.engines[name] = start_engine(name, self.run_dir, delay, mode, (engine_extra or {}).get(name))
+            n = (replicas or {}).get(name, 1)
+            if n < 1:
+                raise ValueError(f"{name}: {n} replicas")
+            names = [name] if n == 1 else [f"{name}-{i}" for i in range(n)]
+            self.replicas[name] = []
+            for rname in names:
+                flags = merge_engine_flags(extra.get(name) or [], extra.get(rname) or []) \
+                    if rname != name else extra.get(name)
+                self.replicas[name].append(start_engine(rname, self.run_dir, delay, mode, flags))
+            self.engines[name] = self.replicas[name][0]
         if fallback:
             for name, (_, delay, mode) in FALLBACK_REGIONS.items():
                 self.fallbacks[name] = start_engine(name, self.run_dir, delay, mode)
+        if prometheus:
+            # Its first scrapes come ~5 s after it starts: wait for them
+            # while the Envoys start.
+            self.prometheus = start_prometheus(self.run_dir, dict(self.replicas), scrape_interval,
+                                               wait_targets=False)
+        prom_port = self.prometheus.port if self.prometheus else None
         for i in range(envoys):
-            cfg = render_config({**self.engines, **self.fallbacks}, free_port(), free_port(), overrides)
+            cfg = render_config({**self.replicas, **self.fallbacks}, free_port(), free_port(), overrides,
+                                prometheus_port=prom_port)
             if envoy_edit is not None:
                 envoy_edit(cfg)
             self.envoys.append(start_envoy(self.run_dir, cfg, name=f"envoy{i}"))
         for e in self.envoys:
             self.wait_snapshot(e)
+        if self.prometheus is not None:
+            self.prometheus.wait_targets_up()
         return self
 
     def wait_snapshot(self, envoy: Envoy, timeout: float = 20.0) -> None:
@@ -398,18 +654,30 @@ class Fleet:
             time.sleep(0.1)
         raise RuntimeError(f"no complete fleet snapshot after {timeout} s; see {envoy.log_path}")
 
-    def restart_engine(self, name: str, extra: list | None = None) -> Engine:
-        old = self.engines[name]
+    def restart_engine(self, name: str, extra: list | None = None, replica: int = 0) -> Engine:
+        """Restarts region `name`'s engine (its replica number `replica`)
+        on the same port, under the same name."""
+        reps = self.replicas.setdefault(name, [self.engines[name]])
+        old = reps[replica]
         old.kill()
         _, delay, mode = DEMO_REGIONS[name]
-        self.engines[name] = start_engine(name, self.run_dir, delay, mode, extra, port=old.port)
-        return self.engines[name]
+        reps[replica] = start_engine(old.name, self.run_dir, delay, mode, extra, port=old.port)
+        self.engines[name] = reps[0]
+        return reps[replica]
 
     def stop(self) -> None:
-        for e in self.envoys:
-            e.stop()
-        for e in [*self.engines.values(), *self.fallbacks.values()]:
-            e.kill()
+        try:
+            for e in self.envoys:
+                e.stop()
+        finally:
+            try:
+                if self.prometheus is not None:
+                    self.prometheus.stop()
+            finally:
+                engines = [*self.engines.values(), *self.fallbacks.values(),
+                           *(e for es in self.replicas.values() for e in es)]
+                for e in {id(e): e for e in engines}.values():
+                    e.kill()
 
 
 def routes(cfg: dict) -> list[dict]:
