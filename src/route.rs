@@ -423,11 +423,13 @@ impl Router {
                 None => {
                     // Neither the load guard, the ramp nor the draw moves a
                     // conversation away from its stored state.
-                    decision.region = h;
+                    // The region the cost chose, if not the holder, is the
+                    // cheapest other: the runner-up.
+                    let chosen = std::mem::replace(&mut decision.region, h);
                     decision.reason = cost::Reason::Response;
                     decision.passed_over = None;
                     if decision.runner_up == Some(h) {
-                        decision.runner_up = None;
+                        decision.runner_up = (chosen != h).then_some(chosen);
                     }
                 }
                 Some(why) if cfg.responses.holder_unavailable == HolderUnavailable::Reject => {

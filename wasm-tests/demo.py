@@ -212,6 +212,32 @@ def scene_spoof(fleet: Fleet) -> None:
     check(seen == "region_near", f"the engine saw x-llm-cluster {seen!r}, expected 'region_near'")
 
 
+def scene_responses(fleet: Fleet) -> None:
+    heading(6, "a Responses API conversation is stored by the engine that answered it (mid, while near "
+               "is down); after near recovers, its follow-up (previous_response_id) goes back to mid, the "
+               "only region that has it")
+    near = fleet.engines["near"]
+    near.set_state(healthy=False)
+    ok, _ = wait_gauge(fleet, "near", "healthy", lambda v: v == 0)
+    check(ok, f"the probe did not mark near unhealthy within {PROBE_WAIT_S} s")
+    first = {"model": "emulated-model", "instructions": "Be brief.", "input": "Where is parcel 1142?",
+             "max_output_tokens": 16}
+    r = show("responses turn 1", request(fleet.port, "POST", "/v1/responses", first))
+    expect_route(r, "responses turn 1 (near unhealthy)", "mid", "rtt")
+    near.set_state(healthy=True)
+    ok, _ = wait_gauge(fleet, "near", "healthy", lambda v: v == 1)
+    check(ok, f"the probe did not mark near healthy again within {PROBE_WAIT_S} s")
+    try:
+        rid = r.json()["id"]
+    except (ValueError, KeyError, TypeError):
+        check(False, f"responses turn 1: no response id in {r.body[:200]!r}")
+        return
+    note(f"mid stored response {rid}")
+    follow = {**first, "input": "Can it be redirected?", "previous_response_id": rid}
+    r = show("responses turn 2 (previous_response_id)", request(fleet.port, "POST", "/v1/responses", follow))
+    expect_route(r, "responses turn 2 (near healthy, response stored on mid)", "mid", "response")
+
+
 def summary(fleet: Fleet) -> None:
     print(f"\n[{elapsed()}] Requests per region (Envoy stats wasmcustom.llm_geo_router.region.<name>.rq_total)")
     stats = fleet.envoy.stats()
@@ -260,6 +286,7 @@ def main() -> int:
         scene_queue(fleet, messages)
         scene_malformed(fleet)
         scene_spoof(fleet)
+        scene_responses(fleet)
         summary(fleet)
     except Exception as exc:  # noqa: BLE001 - report any harness failure as a demo failure
         failures.append(f"{type(exc).__name__}: {exc}")
