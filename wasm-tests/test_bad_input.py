@@ -48,8 +48,10 @@ def test_invalid_requests_get_a_clean_400(fleet):
     assert not harness.traps(fleet.envoy)
 
 
-def test_requests_the_router_does_not_understand_go_to_the_default_region_untouched(fleet):
-    # Not JSON at all (curl -d style form body): untouched, the engine answers.
+def test_requests_the_router_does_not_understand_go_untouched_to_the_nearest_routable_region(fleet):
+    # Not read: placed by RTT and load (every region idle and healthy here:
+    # near, the nearest). Not JSON at all (curl -d style form body):
+    # untouched, the engine answers.
     r = request(fleet.port, "POST", CHAT, "prompt=hello", headers={"content-type": "application/x-www-form-urlencoded"})
     assert r.headers.get("x-echo-x-llm-cluster") == "region_near"
     assert r.status == 400  # the engine's own answer
@@ -57,7 +59,8 @@ def test_requests_the_router_does_not_understand_go_to_the_default_region_untouc
     r = request(fleet.port, "GET", "/v1/models")
     assert r.status == 200 and r.headers["x-echo-x-llm-cluster"] == "region_near"
     r = request(fleet.port, "POST", "/v1/embeddings", '{"input": "x"}')
-    assert r.status == 404 and r.headers["x-echo-x-llm-cluster"] == "region_near"
+    assert r.status == 200 and r.headers["x-echo-x-llm-cluster"] == "region_near"
+    assert r.route == {"region": "near", "reason": "rtt"}, r.route
     r = request(fleet.port, "GET", CHAT)
     assert r.status == 405 and r.headers["x-echo-x-llm-cluster"] == "region_near"
     # Compressed bodies are not read.
