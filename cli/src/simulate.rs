@@ -8,8 +8,10 @@
 
 use crate::CliError;
 use llm_geo_router_sim::deploy::{self, Deployment};
-use llm_geo_router_sim::fleet::Fleet;
+use llm_geo_router_sim::fleet::{Fleet, MAX_REPLICAS};
+use llm_geo_router_sim::geo::Source;
 use llm_geo_router_sim::policy::PolicyName;
+use llm_geo_router_sim::sim::Options;
 use llm_geo_router_sim::workload::Workload;
 use llm_geo_router_sim::{plot, report, simulate_all, trace};
 use std::path::Path;
@@ -46,7 +48,26 @@ Every other policy (a baseline) runs once per --deployment, labelled
                      own traffic (its own prefix tree, in-flight counts and
                      round-robin counter)
 Outside the oracle, gorgo reads the engines' queues by a scrape every
-probe.tick_ms (the plugin's probe tick, 1000 ms unless --config sets it).";
+probe.tick_ms (the plugin's probe tick, 1000 ms unless --config sets it).
+
+A region may be several engine replicas behind one entry point (--replicas
+N, or the fleet's regions[].replicas): the entry point sends each request,
+and each probe callout, to one replica by Envoy's least-request rule (two
+replicas drawn at random, the one with fewer requests taken). The
+geo-router reads the regions' load as --load-source says:
+  scrape             (default) its probe scrapes /metrics through the
+                     region's cluster: one replica's figures, the one the
+                     entry point picks; max_concurrency configured as the
+                     region's total (replicas x slots)
+  scrape-replica     the same scrape, max_concurrency configured as one
+                     replica's slots
+  prometheus         one query per probe round to a Prometheus that scrapes
+                     every replica every --prometheus-interval-ms and
+                     answers with the sums over each region's replicas, the
+                     replica count and when it scraped them
+                     (load_source: prometheus, max_concurrency per replica);
+                     it runs in the engine region nearest each client region
+With one replica per region, scrape and scrape-replica are the same.";
 
 pub const AFTER: &str = "\
 JSON (--json): {\"policies\": {\"<label>\": {\"policy\", \"deployment\",
@@ -55,7 +76,7 @@ JSON (--json): {\"policies\": {\"<label>\": {\"policy\", \"deployment\",
 \"proxies\", \"utilisation\": {<region>: x}, \"queued_share\",
 \"occupancy\": {<region>: {p50, p95, max}}, \"queue_time_share\": {<region>: x},
 \"reasons\": {<reason>: n}, \"probe_scrapes_per_min\",
-\"probe_busy_share\"}}}
+\"probe_busy_share\", \"probe_queries_per_min\", \"load_source\"}}}
 with <label> geo-router or <policy>@<deployment>. shed: refused by the ladder
 (429); capped: a ladder cap applied (max_tokens clamped, or the prompt
 refused with 413); requests - completed - shed - 413s failed in an outage.
@@ -71,7 +92,10 @@ request waiting. null where there is no sample.
 probe_scrapes_per_min (geo-router, else null): /metrics scrapes each Envoy's
 probe sent each region's engine per minute of the run (60 at a probe.tick_ms
 of 1000 while idle, 240 at a probe.busy_tick_ms of 250); probe_busy_share:
-the share of the run its probes ticked at probe.busy_tick_ms.
+the share of the run its probes ticked at probe.busy_tick_ms;
+probe_queries_per_min: the queries each Envoy's probe sent Prometheus per
+minute (0 unless --load-source prometheus); load_source: scrape,
+scrape-replica or prometheus@<interval>ms (geo-router, else null).
 
 Exit status: 0 on success; 2 on a wrong option or a file that cannot be read
 or is invalid (the message names it); 1 when the plots cannot be written.";
@@ -151,6 +175,26 @@ pub struct Args {
     #[arg(verbatim_doc_comment, long, value_name = "N", default_value = "1",
           value_parser = crate::args::positive_whole::<usize>, allow_negative_numbers = true, help_heading = "Inputs")]
     proxies: usize,
+    /// Split every region's engine into N replicas behind its one entry
+    /// point, each with 1/N of its slots (rounded, replicas alike) and of its
+    /// prefix cache; requests and probe callouts to the region go to one
+    /// replica by least request. Default: as the fleet file says (one)
+    #[arg(verbatim_doc_comment, long, value_name = "N",
+          value_parser = crate::args::positive_whole::<u32>, allow_negative_numbers = true, help_heading = "Inputs")]
+    replicas: Option<u32>,
+    /// Where the geo-router reads the regions' load: scrape (its probe's
+    /// /metrics callout through the region's cluster, max_concurrency the
+    /// region's total), scrape-replica (the same, max_concurrency one
+    /// replica's) or prometheus (one query per probe round, sums over the
+    /// replicas as of Prometheus' last scrape, max_concurrency per replica)
+    #[arg(verbatim_doc_comment, long, value_name = "SOURCE", default_value = "scrape",
+          value_parser = Source::parse, help_heading = "Inputs")]
+    load_source: Source,
+    /// With --load-source prometheus: Prometheus' scrape_interval, ms
+    /// (default 15000, Prometheus' own default)
+    #[arg(verbatim_doc_comment, long, value_name = "MS",
+          value_parser = crate::args::positive, allow_negative_numbers = true, help_heading = "Inputs")]
+    prometheus_interval_ms: Option<f64>,
     /// Multiply the trace's request rate by F: every request's t_ms is
     /// divided by F before simulating, so think times between a session's
     /// turns shrink too (F > 1) and the span is 1/F as long; the fleet's
@@ -242,6 +286,28 @@ pub fn run(a: Args) -> Result<String, CliError> {
     let trace_path = a.trace.as_str();
     let fleet = Fleet::parse(&read("fleet", fleet_path)?)
         .map_err(|e| CliError::Input(format!("--fleet {fleet_path}: {e}")))?;
+    let fleet = match a.replicas {
+        Some(n) if n > MAX_REPLICAS => {
+            return Err(CliError::Usage(format!(
+                "--replicas {n}: at most {MAX_REPLICAS}"
+            )))
+        }
+        Some(n) => fleet
+            .split_replicas(n)
+            .map_err(|e| CliError::Input(format!("--fleet {fleet_path}: --replicas {n}: {e}")))?,
+        None => fleet,
+    };
+    let source = match (a.load_source, a.prometheus_interval_ms) {
+        (Source::Prometheus { interval_ms }, given) => Source::Prometheus {
+            interval_ms: given.unwrap_or(interval_ms),
+        },
+        (s, None) => s,
+        (_, Some(_)) => {
+            return Err(CliError::Usage(
+                "--prometheus-interval-ms is for --load-source prometheus".into(),
+            ))
+        }
+    };
     let text = String::from_utf8(read("trace", trace_path)?)
         .map_err(|_| CliError::Input(format!("--trace {trace_path}: not UTF-8")))?;
     let mut requests =
@@ -258,8 +324,12 @@ pub fn run(a: Args) -> Result<String, CliError> {
         .map_err(|e| CliError::Input(format!("--trace {trace_path}: {e}")))?;
     let deployments = deployments(&a.deployment, &fleet, &work)?;
     let jobs = deploy::jobs(&policies, &deployments);
-    let runs = simulate_all(&fleet, &work, &jobs, overrides.as_ref(), a.proxies)
-        .map_err(CliError::Input)?;
+    let options = Options {
+        proxies: a.proxies,
+        source,
+    };
+    let runs =
+        simulate_all(&fleet, &work, &jobs, overrides.as_ref(), options).map_err(CliError::Input)?;
     let summaries: Vec<report::Summary> = runs
         .iter()
         .map(|r| report::summarize(&fleet, &work, r))

@@ -165,10 +165,12 @@ fn simulate_json_has_the_documented_shape_for_every_policy_and_deployment() {
                 "completed",
                 "deployment",
                 "e2e_ms",
+                "load_source",
                 "occupancy",
                 "per_region_requests",
                 "policy",
                 "probe_busy_share",
+                "probe_queries_per_min",
                 "probe_scrapes_per_min",
                 "proxies",
                 "queue_time_share",
@@ -188,8 +190,12 @@ fn simulate_json_has_the_documented_shape_for_every_policy_and_deployment() {
             let per_min = p["probe_scrapes_per_min"].as_f64().unwrap();
             assert!(per_min >= 55.0, "{name}: {per_min}");
             assert!(is_number(&p["probe_busy_share"]), "{name}");
+            assert_eq!(p["probe_queries_per_min"], 0.0, "{name}");
+            assert_eq!(p["load_source"], "scrape", "{name}");
         } else {
             assert!(p["probe_scrapes_per_min"].is_null(), "{name}");
+            assert!(p["probe_queries_per_min"].is_null(), "{name}");
+            assert!(p["load_source"].is_null(), "{name}");
         }
         for dist in ["ttft_ms", "e2e_ms"] {
             let d = &p[dist];
@@ -425,6 +431,22 @@ fn bad_inputs_are_refused_with_what_to_fix() {
             &format!("invalid value '{bad}' for '--proxies <N>': must be a whole number > 0"),
         );
     }
+    for bad in ["0", "65", "1.5"] {
+        let out = cli(&with(&["--replicas", bad])
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>());
+        assert_eq!(out.status.code(), Some(2), "--replicas {bad}");
+    }
+    refused_with(
+        &["--load-source", "pull"],
+        "invalid value 'pull' for '--load-source <SOURCE>': unknown load source 'pull'; \
+         known: scrape, scrape-replica, prometheus",
+    );
+    refused_with(
+        &["--prometheus-interval-ms", "5000"],
+        "--prometheus-interval-ms is for --load-source prometheus",
+    );
     for bad in ["0", "-2", "inf", "NaN", "fast"] {
         refused_with(
             &["--rate-scale", bad],
@@ -534,6 +556,63 @@ fn proxies_and_rate_scale() {
     let help = ok(&["simulate", "--help"]);
     assert!(
         help.contains("--proxies <N>") && help.contains("think times"),
+        "{help}"
+    );
+}
+
+#[test]
+fn replicas_and_load_sources() {
+    let dir = scratch("replicas");
+    let (fleet, trace) = tiny(&dir, 80);
+    let json = |extra: &[&str]| -> Value {
+        let mut args = vec![
+            "simulate",
+            "--fleet",
+            s(&fleet),
+            "--trace",
+            s(&trace),
+            "--policy",
+            "geo-router,least-request",
+            "--deployment",
+            "per-client-region",
+            "--json",
+        ];
+        args.extend(extra);
+        serde_json::from_str(&ok(&args)).unwrap()
+    };
+    let geo = |v: &Value| v["policies"]["geo-router"].clone();
+    let one = json(&[]);
+    // One replica per region: as before, whatever the scrape's slots.
+    assert_eq!(json(&["--replicas", "1"]), one);
+    assert_eq!(
+        geo(&json(&["--load-source", "scrape-replica"]))["ttft_ms"],
+        geo(&one)["ttft_ms"]
+    );
+    // Three: the baselines see the same regions, split behind entry points.
+    let three = json(&["--replicas", "3"]);
+    assert_ne!(three, one);
+    let prom = json(&["--replicas", "3", "--load-source", "prometheus"]);
+    let p = geo(&prom);
+    assert_eq!(p["load_source"], "prometheus@15000ms");
+    assert_eq!(p["probe_scrapes_per_min"], 0.0);
+    let q = p["probe_queries_per_min"].as_f64().unwrap();
+    assert!((55.0..=70.0).contains(&q), "one query a probe round: {q}");
+    assert_eq!(
+        prom["policies"]["least-request@per-client-region"],
+        three["policies"]["least-request@per-client-region"]
+    );
+    let fast = json(&[
+        "--replicas",
+        "3",
+        "--load-source",
+        "prometheus",
+        "--prometheus-interval-ms",
+        "5000",
+    ]);
+    assert_eq!(geo(&fast)["load_source"], "prometheus@5000ms");
+    let help = ok(&["simulate", "--help"]);
+    assert!(
+        help.contains("--replicas <N>") && help.contains("least-request"),
         "{help}"
     );
 }

@@ -57,6 +57,11 @@ impl<E> EventQueue<E> {
         self.heap.pop().map(|e| (e.at, e.event))
     }
 
+    /// When the next event is due.
+    pub fn next_at(&self) -> Option<f64> {
+        self.heap.peek().map(|e| e.at)
+    }
+
     pub fn len(&self) -> usize {
         self.heap.len()
     }
@@ -78,6 +83,7 @@ mod tests {
         q.push(1.0, "second at 1");
         q.push(0.5, "earliest");
         q.push(1.0, "third at 1");
+        assert_eq!(q.next_at(), Some(0.5));
         let order: Vec<&str> = std::iter::from_fn(|| q.pop().map(|(_, e)| e)).collect();
         assert_eq!(
             order,

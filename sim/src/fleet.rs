@@ -8,6 +8,9 @@
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+/// Replicas a region may have.
+pub const MAX_REPLICAS: u32 = 64;
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Fleet {
@@ -27,11 +30,18 @@ pub struct Region {
     /// One network round trip between each client region and this region.
     pub rtt_ms: BTreeMap<String, f64>,
     /// Requests the engine runs at once; beyond this they queue (FIFO).
+    /// With `replicas`, per replica.
     pub max_concurrency: u32,
     pub prefill_ms_per_token: f64,
     pub decode_ms_per_token: f64,
-    /// Prefix cache capacity in tokens.
+    /// Prefix cache capacity in tokens (per replica: each has its own).
     pub cache_tokens: u64,
+    /// Optional: engine replicas behind the region's one entry point, each
+    /// with `max_concurrency` slots and its own `cache_tokens` of cache;
+    /// the entry point balances requests over them (`sim`: Envoy's
+    /// least-request). Default 1.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub replicas: u32,
     /// Optional: one network round trip between this region and other
     /// engine regions (its own name: within the region, default 0). The
     /// matrix is symmetric: a pair may be given on either side, or on both
@@ -39,6 +49,21 @@ pub struct Region {
     /// (`Fleet::region_rtt`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub region_rtt_ms: BTreeMap<String, f64>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
+}
+
+impl Region {
+    /// Slots the region runs at once: `max_concurrency` × `replicas`.
+    pub fn slots(&self) -> u32 {
+        self.max_concurrency.saturating_mul(self.replicas.max(1))
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -131,6 +156,13 @@ impl Fleet {
             if r.max_concurrency == 0 {
                 return Err(format!("{}: must be at least 1", at("max_concurrency")));
             }
+            if !(1..=MAX_REPLICAS).contains(&r.replicas) {
+                return Err(format!(
+                    "{}: {} must be 1 to {MAX_REPLICAS}",
+                    at("replicas"),
+                    r.replicas
+                ));
+            }
             for (f, v) in [
                 ("prefill_ms_per_token", r.prefill_ms_per_token),
                 ("decode_ms_per_token", r.decode_ms_per_token),
@@ -170,6 +202,28 @@ impl Fleet {
             }
         }
         Ok(())
+    }
+
+    /// Every region as `replicas` engine replicas behind its entry point,
+    /// each with 1/`replicas` of the region's slots (rounded to the nearest
+    /// whole slot, at least one: replicas are alike, as one deployment's
+    /// pods are, so the region's total may move by a slot or two) and of its
+    /// prefix cache. `replicas` 1 gives the fleet back unchanged where it has
+    /// one engine per region.
+    pub fn split_replicas(&self, replicas: u32) -> Result<Fleet, String> {
+        if !(1..=MAX_REPLICAS).contains(&replicas) {
+            return Err(format!("replicas: {replicas} must be 1 to {MAX_REPLICAS}"));
+        }
+        let mut f = self.clone();
+        for r in &mut f.regions {
+            let slots = f64::from(r.slots());
+            let cache = r.cache_tokens.saturating_mul(u64::from(r.replicas.max(1)));
+            r.max_concurrency = ((slots / f64::from(replicas)).round() as u32).max(1);
+            r.cache_tokens = cache / u64::from(replicas);
+            r.replicas = replicas;
+        }
+        f.validate()?;
+        Ok(f)
     }
 
     /// One round trip from client region `client` to region `region`.
@@ -322,5 +376,46 @@ mod tests {
             ),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_region_splits_into_alike_replicas() {
+        let f = Fleet::parse(OK.as_bytes()).unwrap();
+        assert_eq!(f.regions[0].replicas, 1);
+        // Written without replicas while there is one.
+        let text = serde_json::to_string(&f).unwrap();
+        assert!(!text.contains("replicas"), "{text}");
+        assert_eq!(f.split_replicas(1).unwrap(), f);
+        // 24 slots and 600000 tokens of cache: 3 replicas of 8 and 200000.
+        let three = f.split_replicas(3).unwrap();
+        let r = &three.regions[0];
+        assert_eq!(
+            (r.replicas, r.max_concurrency, r.cache_tokens, r.slots()),
+            (3, 8, 200_000, 24)
+        );
+        assert_eq!(
+            Fleet::parse(&serde_json::to_vec(&three).unwrap()),
+            Ok(three.clone())
+        );
+        // Rounded to whole slots, alike: 24 / 5 is 4.8, 5 each.
+        let five = f.split_replicas(5).unwrap();
+        assert_eq!(
+            (five.regions[0].max_concurrency, five.regions[0].slots()),
+            (5, 25)
+        );
+        // From the region's total, whatever it was split into before.
+        assert_eq!(
+            three.split_replicas(2).unwrap().regions[0].max_concurrency,
+            12
+        );
+        assert_eq!(
+            three.split_replicas(1).unwrap().regions[0].cache_tokens,
+            600_000
+        );
+        assert!(f.split_replicas(0).unwrap_err().contains("must be 1 to 64"));
+        let bad = |from: &str, to: &str| Fleet::parse(OK.replace(from, to).as_bytes()).unwrap_err();
+        let mc = r#""max_concurrency": 24"#;
+        assert!(bad(mc, r#""max_concurrency": 24, "replicas": 0"#)
+            .starts_with("regions[0].replicas: 0 must be 1 to 64"));
     }
 }

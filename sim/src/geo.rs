@@ -47,15 +47,93 @@ impl Knowledge {
     }
 }
 
+/// Where the geo-router reads each region's load (waiting and running
+/// requests) from, and the `max_concurrency` its operator configures for
+/// it. With one engine per region every variant but `Prometheus` is the
+/// plugin as it always ran.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Source {
+    /// `load_source: scrape`: the probe reads `/metrics` through the
+    /// region's cluster, which lands on one replica, the one the region's
+    /// entry point picks for it; the operator configures `max_concurrency`
+    /// as `slots` says.
+    Scrape(Slots),
+    /// `load_source: prometheus`: one query per full probe round to the
+    /// `prometheus` cluster, answered with the sums over the region's
+    /// replicas as of Prometheus' last scrape of each (every `interval_ms`);
+    /// `max_concurrency` is one replica's (the plugin multiplies it by the
+    /// replicas the answer counts).
+    Prometheus { interval_ms: f64 },
+}
+
+/// What an operator with a `scrape` source configures as `max_concurrency`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slots {
+    /// The region's total (replicas × each one's slots): the region's
+    /// capacity, as one plans it. The default.
+    Region,
+    /// One replica's (vLLM's `max_num_seqs`), knowing that the scrape reads
+    /// one replica.
+    Replica,
+}
+
+impl Default for Source {
+    fn default() -> Self {
+        Source::Scrape(Slots::Region)
+    }
+}
+
+/// Prometheus' default `scrape_interval`.
+pub const DEFAULT_PROMETHEUS_INTERVAL_MS: f64 = 15_000.0;
+
+/// The Envoy cluster the simulated plugin reaches Prometheus by.
+pub const PROMETHEUS_CLUSTER: &str = "prometheus";
+
+impl Source {
+    /// `scrape`, `scrape-replica` or `prometheus` (at
+    /// `DEFAULT_PROMETHEUS_INTERVAL_MS`; `interval_ms` sets it).
+    pub fn parse(text: &str) -> Result<Source, String> {
+        match text.trim() {
+            "scrape" => Ok(Source::Scrape(Slots::Region)),
+            "scrape-replica" => Ok(Source::Scrape(Slots::Replica)),
+            "prometheus" => Ok(Source::Prometheus {
+                interval_ms: DEFAULT_PROMETHEUS_INTERVAL_MS,
+            }),
+            t => Err(format!(
+                "unknown load source '{t}'; known: scrape, scrape-replica, prometheus"
+            )),
+        }
+    }
+
+    /// `scrape`, `scrape-replica` or `prometheus@<interval>ms`.
+    pub fn label(self) -> String {
+        match self {
+            Source::Scrape(Slots::Region) => "scrape".into(),
+            Source::Scrape(Slots::Replica) => "scrape-replica".into(),
+            Source::Prometheus { interval_ms } => format!("prometheus@{interval_ms}ms"),
+        }
+    }
+
+    /// The `max_concurrency` the operator configures for `region`.
+    pub fn max_concurrency(self, region: &crate::fleet::Region) -> u32 {
+        match self {
+            Source::Scrape(Slots::Region) => region.slots(),
+            Source::Scrape(Slots::Replica) | Source::Prometheus { .. } => region.max_concurrency,
+        }
+    }
+}
+
 /// The plugin configuration one client region's Envoy gets: the fleet's
-/// regions as `knowledge` allows, the tier taken from the trace as a trusted
-/// header, and `overrides` (a partial plugin configuration, everything but
-/// `regions`) merged on top.
+/// regions as `knowledge` allows, their load read as `source` says, the
+/// tier taken from the trace as a trusted header, and `overrides` (a
+/// partial plugin configuration, everything but `regions`) merged on top.
+/// `capacity_rps` is always the region's (all its replicas).
 pub fn plugin_config(
     fleet: &Fleet,
     client: usize,
     knowledge: Knowledge,
     mean_output_tokens: f64,
+    source: Source,
     overrides: Option<&Value>,
 ) -> Result<Config, String> {
     let default_service_ms = llm_geo_router::config::DEFAULT_SERVICE_MS;
@@ -63,32 +141,45 @@ pub fn plugin_config(
         .regions
         .iter()
         .enumerate()
-        .map(|(r, region)| match knowledge {
-            Knowledge::Operator => json!({
-                "name": region.name,
-                "cluster": region.name,
-                "capacity_rps": f64::from(region.max_concurrency) * 1000.0 / default_service_ms,
-                "max_concurrency": region.max_concurrency,
-            }),
-            Knowledge::Exact => {
-                // The mean time a request holds a slot is dominated by decode.
-                let service_ms = (region.decode_ms_per_token * mean_output_tokens).max(1.0);
-                json!({
+        .map(|(r, region)| {
+            let slots = f64::from(region.slots());
+            let mut v = match knowledge {
+                Knowledge::Operator => json!({
                     "name": region.name,
                     "cluster": region.name,
-                    "capacity_rps": f64::from(region.max_concurrency) * 1000.0 / service_ms,
-                    "max_concurrency": region.max_concurrency,
-                    "prefill_ms_per_token": region.prefill_ms_per_token,
-                    "service_ms": service_ms,
-                    "rtt_ms": fleet.rtt(client, r),
-                })
+                    "capacity_rps": slots * 1000.0 / default_service_ms,
+                    "max_concurrency": source.max_concurrency(region),
+                }),
+                Knowledge::Exact => {
+                    // The mean time a request holds a slot is dominated by decode.
+                    let service_ms = (region.decode_ms_per_token * mean_output_tokens).max(1.0);
+                    json!({
+                        "name": region.name,
+                        "cluster": region.name,
+                        "capacity_rps": slots * 1000.0 / service_ms,
+                        "max_concurrency": source.max_concurrency(region),
+                        "prefill_ms_per_token": region.prefill_ms_per_token,
+                        "service_ms": service_ms,
+                        "rtt_ms": fleet.rtt(client, r),
+                    })
+                }
+            };
+            if let (Source::Prometheus { .. }, Value::Object(o)) = (source, &mut v) {
+                o.insert("load_source".into(), json!("prometheus"));
             }
+            v
         })
         .collect();
     let mut doc = json!({
         "regions": regions,
         "tiers": {"trust_header": true},
     });
+    if let (Source::Prometheus { .. }, Value::Object(d)) = (source, &mut doc) {
+        d.insert(
+            "prometheus".into(),
+            json!({ "cluster": PROMETHEUS_CLUSTER }),
+        );
+    }
     if let Some(o) = overrides {
         let Value::Object(o) = o else {
             return Err("must be a JSON object (a plugin configuration without regions)".into());
@@ -138,13 +229,22 @@ pub struct Routing {
     pub predicted_queue_ms: Option<f32>,
 }
 
-/// A probe callout the simulation must answer: the engine of `region` is
-/// read half a round trip later and the answer arrives a round trip later.
+/// A probe callout the simulation must answer: its target is read half a
+/// round trip later and the answer arrives a round trip later.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Callout {
     pub token: u32,
-    pub region: usize,
-    pub metrics: bool,
+    pub to: To,
+}
+
+/// Where a probe callout goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum To {
+    /// The entry point of `region` (its cluster): the metrics scrape
+    /// (`metrics`) or another callout (health, model list).
+    Region { region: usize, metrics: bool },
+    /// The `prometheus` cluster's instant query.
+    Prometheus,
 }
 
 /// One Envoy of the geo-router: the plugin's own guard, router and probe
@@ -161,6 +261,8 @@ pub struct Envoy {
     streams: HashMap<usize, RouterStream>,
     /// Metrics callouts the probe sent (all regions).
     pub scrapes: u64,
+    /// Queries the probe sent Prometheus.
+    pub queries: u64,
 }
 
 impl Envoy {
@@ -184,6 +286,7 @@ impl Envoy {
             host,
             streams: HashMap::new(),
             scrapes: 0,
+            queries: 0,
             cfg,
         }
     }
@@ -306,21 +409,33 @@ impl Envoy {
     pub fn tick(&mut self, now_ms: u64) -> (Vec<Callout>, u8) {
         self.host.now_ms = now_ms;
         self.probe.on_tick(&mut self.host);
+        let prometheus = self.cfg.prometheus.cluster.clone();
         let callouts = self
             .host
             .callouts
             .drain(..)
             .filter_map(|(token, cluster, path)| {
+                if prometheus.as_deref() == Some(cluster.as_str()) {
+                    return Some(Callout {
+                        token,
+                        to: To::Prometheus,
+                    });
+                }
                 let region = self.cfg.regions.iter().position(|r| r.cluster == cluster)?;
                 let metrics = self.cfg.regions.get(region)?.metrics_path == path;
                 Some(Callout {
                     token,
-                    region,
-                    metrics,
+                    to: To::Region { region, metrics },
                 })
             })
             .collect::<Vec<Callout>>();
-        self.scrapes += callouts.iter().filter(|c| c.metrics).count() as u64;
+        for c in &callouts {
+            match c.to {
+                To::Region { metrics: true, .. } => self.scrapes += 1,
+                To::Prometheus => self.queries += 1,
+                To::Region { .. } => {}
+            }
+        }
         (callouts, self.probe.fleet().level())
     }
 
@@ -331,6 +446,16 @@ impl Envoy {
             .tick_ms
             .unwrap_or(u64::from(self.cfg.probe.tick_ms))
             .max(1)
+    }
+
+    /// What this Envoy's probe last published (shared data), if anything.
+    pub fn snapshot(&self) -> Option<llm_geo_router::snapshot::Snapshot> {
+        let (bytes, _) = self
+            .host
+            .store
+            .map
+            .get(llm_geo_router::protocol::SNAPSHOT_KEY)?;
+        llm_geo_router::snapshot::Snapshot::decode(bytes).ok()
     }
 
     /// A callout's answer arrived.
@@ -344,6 +469,7 @@ impl Envoy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use llm_geo_router::config::LoadSource;
 
     fn fleet() -> Fleet {
         Fleet::parse(
@@ -359,7 +485,7 @@ mod tests {
     #[test]
     fn config_comes_from_the_fleet_with_overrides() {
         let f = fleet();
-        let c = plugin_config(&f, 1, Knowledge::Exact, 100.0, None).unwrap();
+        let c = plugin_config(&f, 1, Knowledge::Exact, 100.0, Source::default(), None).unwrap();
         assert_eq!(c.regions[0].rtt_ms, 80.0);
         assert_eq!(c.regions[1].service_ms, 2500.0);
         assert_eq!(c.regions[1].prefill_ms_per_token, 0.2);
@@ -368,7 +494,7 @@ mod tests {
         assert!(c.tiers.trust_header);
         // What an operator knows: slots; the rest at the documented defaults,
         // whatever the engines and the trace are.
-        let c = plugin_config(&f, 1, Knowledge::Operator, 100.0, None).unwrap();
+        let c = plugin_config(&f, 1, Knowledge::Operator, 100.0, Source::default(), None).unwrap();
         let d =
             Config::parse(br#"{"regions": [{"name": "x", "cluster": "x", "capacity_rps": 1}]}"#)
                 .unwrap();
@@ -381,7 +507,7 @@ mod tests {
         }
         assert_eq!(c.regions[1].max_concurrency, 10);
         let o = json!({"cost": {"w_queue": 2.0}, "probe": {"tick_ms": 500, "timeout_ms": 500}});
-        let c = plugin_config(&f, 0, Knowledge::Exact, 100.0, Some(&o)).unwrap();
+        let c = plugin_config(&f, 0, Knowledge::Exact, 100.0, Source::default(), Some(&o)).unwrap();
         assert_eq!(
             (c.cost.w_queue, c.cost.w_rtt, c.probe.tick_ms),
             (2.0, 1.0, 500)
@@ -391,6 +517,7 @@ mod tests {
             0,
             Knowledge::Operator,
             100.0,
+            Source::default(),
             Some(&json!({"regions": []})),
         )
         .unwrap_err();
@@ -400,9 +527,50 @@ mod tests {
             0,
             Knowledge::Operator,
             100.0,
+            Source::default(),
             Some(&json!({"cost": {"w_rt": 1}})),
         )
         .unwrap_err();
         assert!(e.contains("w_rt"), "{e}");
+    }
+
+    #[test]
+    fn what_the_operator_configures_for_each_load_source() {
+        let f = fleet().split_replicas(2).unwrap();
+        let cfg = |source| plugin_config(&f, 0, Knowledge::Operator, 100.0, source, None).unwrap();
+        // Scrape: the region's total (default) or one replica's slots; no
+        // Prometheus.
+        let c = cfg(Source::default());
+        assert_eq!(
+            (c.regions[0].max_concurrency, c.regions[1].max_concurrency),
+            (20, 10)
+        );
+        assert_eq!(c.regions[0].load_source, LoadSource::Scrape);
+        assert_eq!(c.prometheus.cluster, None);
+        let c = cfg(Source::Scrape(Slots::Replica));
+        assert_eq!(
+            (c.regions[0].max_concurrency, c.regions[1].max_concurrency),
+            (10, 5)
+        );
+        // Prometheus: per replica, every region read from the cluster.
+        let c = cfg(Source::Prometheus {
+            interval_ms: 15_000.0,
+        });
+        assert_eq!(c.regions[0].max_concurrency, 10);
+        assert!(c
+            .regions
+            .iter()
+            .all(|r| r.load_source == LoadSource::Prometheus));
+        assert_eq!(c.prometheus.cluster.as_deref(), Some(PROMETHEUS_CLUSTER));
+        // The capacity estimate is the region's whatever the source.
+        assert_eq!(
+            c.regions[0].capacity_rps,
+            cfg(Source::default()).regions[0].capacity_rps
+        );
+        assert_eq!(
+            Source::parse("prometheus").unwrap().label(),
+            "prometheus@15000ms"
+        );
+        assert!(Source::parse("pull").unwrap_err().contains("known: scrape"));
     }
 }

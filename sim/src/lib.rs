@@ -26,26 +26,27 @@ pub mod workload;
 use deploy::Job;
 use fleet::Fleet;
 use serde_json::Value;
-use sim::Run;
+use sim::{Options, Run};
 use workload::Workload;
 
 /// Runs each job (a policy and its deployment, `deploy::jobs`) on its own
 /// fresh engines, in parallel; the results come back in the order asked and
-/// do not depend on the scheduling. The geo-router runs as `proxies` Envoys
-/// per client region (`sim::run_with`).
+/// do not depend on the scheduling. The geo-router runs as
+/// `options.proxies` Envoys per client region reading the regions' load
+/// from `options.source` (`sim::run_options`).
 pub fn simulate_all(
     fleet: &Fleet,
     work: &Workload,
     jobs: &[Job],
     overrides: Option<&Value>,
-    proxies: usize,
+    options: Options,
 ) -> Result<Vec<Run>, String> {
     std::thread::scope(|scope| {
         let handles: Vec<_> = jobs
             .iter()
             .map(|j| {
                 scope.spawn(move || {
-                    sim::run_with(fleet, work, j.policy, &j.deployment, overrides, proxies)
+                    sim::run_options(fleet, work, j.policy, &j.deployment, overrides, options)
                 })
             })
             .collect();
@@ -77,7 +78,7 @@ mod tests {
         ];
         let jobs = deploy::jobs(&PolicyName::ALL, &deployments);
         assert_eq!(jobs.len(), 2 + 6 * 3);
-        let all = simulate_all(&s.fleet, &work, &jobs, None, 1).unwrap();
+        let all = simulate_all(&s.fleet, &work, &jobs, None, Options::default()).unwrap();
         for (j, r) in jobs.iter().zip(&all) {
             let alone = sim::run(&s.fleet, &work, j.policy, &j.deployment, None).unwrap();
             assert_eq!((r.policy, &r.deployment), (j.policy, &j.deployment));

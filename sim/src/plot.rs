@@ -533,7 +533,7 @@ pub fn region_occupancy(title: &str, fleet: &Fleet, runs: &[&Run]) -> String {
                 .iter()
                 .enumerate()
                 .map(|(r, region)| {
-                    let slots = f64::from(region.max_concurrency.max(1));
+                    let slots = f64::from(region.slots().max(1));
                     run.occupancy.get(r).map_or_else(Vec::new, |v| {
                         v.iter()
                             .enumerate()

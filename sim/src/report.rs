@@ -68,7 +68,7 @@ pub fn occupancy(fleet: &Fleet, run: &Run) -> BTreeMap<String, Option<Occupancy>
         .enumerate()
         .map(|(r, region)| {
             let samples = run.occupancy.get(r).map_or(&[][..], Vec::as_slice);
-            let slots = f64::from(region.max_concurrency);
+            let slots = f64::from(region.slots());
             let o = (!samples.is_empty() && slots > 0.0).then(|| {
                 let mut v: Vec<f64> = samples.iter().map(|(n, _)| f64::from(*n) / slots).collect();
                 v.sort_by(f64::total_cmp);
@@ -135,6 +135,10 @@ pub struct Summary {
     /// ticked at the busy period.
     pub probe_scrapes_per_min: Option<f64>,
     pub probe_busy_share: Option<f64>,
+    /// Geo-router: queries each Envoy's probe sent Prometheus per minute.
+    pub probe_queries_per_min: Option<f64>,
+    /// Geo-router: where it read the regions' load from (`geo::Source::label`).
+    pub load_source: Option<String>,
 }
 
 pub fn summarize(fleet: &Fleet, work: &Workload, run: &Run) -> Summary {
@@ -168,7 +172,7 @@ pub fn summarize(fleet: &Fleet, work: &Workload, run: &Run) -> Summary {
         .zip(&run.busy_ms)
         .map(|(r, busy)| {
             let (lo, hi) = run.window_ms;
-            let cap = f64::from(r.max_concurrency) * (hi - lo).max(1.0);
+            let cap = f64::from(r.slots()) * (hi - lo).max(1.0);
             (r.name.clone(), busy / cap)
         })
         .collect();
@@ -202,6 +206,10 @@ pub fn summarize(fleet: &Fleet, work: &Workload, run: &Run) -> Summary {
         probe_busy_share: run
             .probe
             .map(|p| p.fast_ms / (p.envoys.max(1) as f64 * run.end_ms.max(1.0))),
+        probe_queries_per_min: run
+            .probe
+            .map(|p| p.queries as f64 / p.envoys.max(1) as f64 / (run.end_ms.max(1.0) / 60_000.0)),
+        load_source: run.source.map(|s| s.label()),
     }
 }
 
@@ -276,6 +284,8 @@ pub fn to_json(summaries: &[Summary]) -> Value {
                 "reasons": s.reasons,
                 "probe_scrapes_per_min": s.probe_scrapes_per_min,
                 "probe_busy_share": s.probe_busy_share,
+                "probe_queries_per_min": s.probe_queries_per_min,
+                "load_source": s.load_source,
             }),
         );
     }

@@ -127,6 +127,7 @@ fn regions(slots: [u32; 3], decode_ms: f64) -> Vec<Region> {
         decode_ms_per_token: decode_ms,
         cache_tokens: 600_000,
         region_rtt_ms: BTreeMap::new(),
+        replicas: 1,
     };
     let [a, b, c] = slots;
     vec![
@@ -456,6 +457,7 @@ fn continents(engines: [Engines; 3], decode_ms: f64) -> Fleet {
                 .filter(|(a, _, _)| *a == name)
                 .map(|(_, b, ms)| (b.to_string(), *ms))
                 .collect(),
+            replicas: 1,
         })
         .collect();
     Fleet {

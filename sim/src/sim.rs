@@ -21,16 +21,17 @@
 use crate::deploy::{self, Deployment};
 use crate::events::EventQueue;
 use crate::fleet::Fleet;
-use crate::geo::{self, Callout, Envoy, Handled};
+use crate::geo::{self, Callout, Envoy, Handled, Source, To};
 use crate::policy::{Ask, Baseline, PolicyName, View};
-use crate::trace;
+use crate::rng::Rng;
+use crate::trace::{self, mix};
 use crate::workload::Workload;
 use engine_emulator::config::Mode as EngineMode;
 use engine_emulator::metrics as exposition;
 use engine_emulator::model::{Admission, Engine, EngineConfig, Timing, DEFAULT_BLOCK_TOKENS};
 use engine_emulator::openai::{self, Kind};
 use llm_geo_router::effects::Answer;
-use serde_json::Value;
+use serde_json::{json, Value};
 use std::collections::BTreeSet;
 
 /// The plugin's clock is Unix milliseconds; the trace's 0 is this instant.
@@ -90,6 +91,8 @@ pub struct Run {
     pub levels: Vec<Vec<(f64, u8)>>,
     /// Geo-router: Envoys per client region (`run_with`); 1 for a baseline.
     pub proxies: usize,
+    /// Geo-router: where it read the regions' load from.
+    pub source: Option<Source>,
     /// Per region: slot time used (ms) within `window_ms`.
     pub busy_ms: Vec<f64>,
     /// The middle half of the trace's span, where utilisation is measured
@@ -113,6 +116,8 @@ pub struct ProbeLoad {
     pub envoys: usize,
     /// Metrics callouts their probes sent (every region's engine).
     pub scrapes: u64,
+    /// Queries their probes sent Prometheus.
+    pub queries: u64,
     /// Time their probes ticked at the busy period, summed over Envoys (ms).
     pub fast_ms: f64,
 }
@@ -165,6 +170,11 @@ enum Ev {
     OutageEnd(usize),
     /// Read every engine's occupancy (`Run::occupancy`).
     Sample,
+    /// Prometheus scrapes replica `replica` of region `region`.
+    PromScrape {
+        region: usize,
+        replica: usize,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,6 +193,8 @@ enum Stage {
 struct Live {
     stage: Stage,
     region: usize,
+    /// The replica of the region its entry point sent it to.
+    replica: usize,
     /// Round trip between the client and its router: 0 unless the router
     /// is in another region (`global`).
     to_router: f64,
@@ -197,11 +209,12 @@ struct Live {
     reached_at: f64,
 }
 
+/// One engine replica.
 struct Station {
     engine: Engine,
     config: EngineConfig,
-    up: bool,
-    /// Requests the engine holds (waiting or running).
+    /// Requests the engine holds (waiting or running): what its entry
+    /// point counts as its active requests.
     held: BTreeSet<usize>,
     /// Prompt tokens (as the segments count them) of the requests in its
     /// waiting queue: what a scrape reads.
@@ -265,11 +278,134 @@ impl Peers {
     }
 }
 
+/// What one replica's `/metrics` showed when Prometheus scraped it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Figures {
+    at_ms: f64,
+    running: usize,
+    waiting: usize,
+    kv: f64,
+    query_tokens: u64,
+    hit_tokens: u64,
+    completed: u64,
+}
+
+impl Figures {
+    fn of(s: &Station, at_ms: f64) -> Figures {
+        Figures {
+            at_ms,
+            running: s.engine.scheduler.running(),
+            waiting: s.engine.scheduler.waiting(),
+            kv: s.engine.cache.usage(),
+            query_tokens: s.engine.cache.query_tokens(),
+            hit_tokens: s.engine.cache.hit_tokens(),
+            completed: s.engine.completed(),
+        }
+    }
+}
+
+/// A Prometheus server scraping every replica of every region each
+/// `interval_ms` (each at its own offset in the interval, as Prometheus
+/// spreads its targets), answering the plugin's instant query from the
+/// last scrape of each.
+struct Prometheus {
+    interval_ms: f64,
+    /// Per region, per replica: its last scrape; `None` after a failed one
+    /// (Prometheus marks the series stale: the query no longer sees them).
+    last: Vec<Vec<Option<Figures>>>,
+}
+
+impl Prometheus {
+    /// The instant query's answer at `now_ms`, as Prometheus evaluates the
+    /// plugin's query (`llm_geo_router::promql::fleet_query`): per region
+    /// with at least one live series, each signal's aggregate over its
+    /// replicas, labelled `llm_geo_region` and `llm_geo_signal`.
+    fn answer(&self, names: &[String], now_ms: f64) -> Vec<u8> {
+        let secs = |ms: f64| format!("{:.3}", core_ms(ms) as f64 / 1000.0);
+        let eval = core_ms(now_ms) as f64 / 1000.0;
+        let mut result = Vec::new();
+        for (name, replicas) in names.iter().zip(&self.last) {
+            let seen: Vec<&Figures> = replicas.iter().flatten().collect();
+            if seen.is_empty() {
+                continue;
+            }
+            let n = seen.len() as f64;
+            let sum = |f: fn(&Figures) -> f64| seen.iter().map(|x| f(x)).sum::<f64>();
+            let oldest = seen.iter().map(|x| x.at_ms).fold(f64::INFINITY, f64::min);
+            for (signal, value) in [
+                ("waiting", sum(|x| x.waiting as f64).to_string()),
+                ("running", sum(|x| x.running as f64).to_string()),
+                ("kv", (sum(|x| x.kv) / n).to_string()),
+                ("replicas", n.to_string()),
+                ("completed", sum(|x| x.completed as f64).to_string()),
+                ("prefix_queries", sum(|x| x.query_tokens as f64).to_string()),
+                ("prefix_hits", sum(|x| x.hit_tokens as f64).to_string()),
+                ("scraped", secs(oldest)),
+            ] {
+                result.push(json!({
+                    "metric": {"llm_geo_region": name, "llm_geo_signal": signal},
+                    "value": [eval, value],
+                }));
+            }
+        }
+        json!({"status": "success", "data": {"resultType": "vector", "result": result}})
+            .to_string()
+            .into_bytes()
+    }
+}
+
+/// How a run is set up beyond its policy and deployment.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Options {
+    /// Geo-router: Envoys per client region (`run_with`).
+    pub proxies: usize,
+    /// Geo-router: where it reads the regions' load from.
+    pub source: Source,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            proxies: 1,
+            source: Source::default(),
+        }
+    }
+}
+
+/// Envoy's `LEAST_REQUEST` load balancer with its defaults (equal weights,
+/// `choice_count` 2): two hosts drawn at random, with replacement, and the
+/// one with fewer active requests taken (the first drawn on a tie). One
+/// replica: no draw.
+fn least_request(rng: &mut Rng, active: &[usize]) -> usize {
+    if active.len() <= 1 {
+        return 0;
+    }
+    let n = active.len() as u64;
+    let mut pick = (rng.next_u64() % n) as usize;
+    let other = (rng.next_u64() % n) as usize;
+    if active.get(other) < active.get(pick) {
+        pick = other;
+    }
+    pick
+}
+
 struct Sim<'a> {
     fleet: &'a Fleet,
     work: &'a Workload,
+    policy: PolicyName,
+    /// As run (the geo-router: always per client region, or the oracle).
+    deployment: Deployment,
+    proxies: usize,
+    source: Source,
     q: EventQueue<Ev>,
-    stations: Vec<Station>,
+    /// Per region, its engine replicas (one unless the fleet says more).
+    stations: Vec<Vec<Station>>,
+    /// Per region: not in an outage (all its replicas alike).
+    up: Vec<bool>,
+    /// Per region: its entry point's random draws (least request).
+    balancer: Vec<Rng>,
+    /// Geo-router with the `prometheus` source: what Prometheus holds.
+    prometheus: Option<Prometheus>,
     live: Vec<Live>,
     records: Vec<Record>,
     mode: Mode,
@@ -342,227 +478,315 @@ pub fn run_with(
     overrides: Option<&Value>,
     proxies: usize,
 ) -> Result<Run, String> {
-    if proxies == 0 {
-        return Err("proxies: must be at least 1".into());
-    }
-    let regions = fleet.regions.len();
-    // The geo-router is always one Envoy per client region; asked for as
-    // the oracle, it is given the engines' exact figures (`Knowledge::Exact`).
-    let deployment = match policy {
-        PolicyName::GeoRouter if *deployment == Deployment::Oracle => Deployment::Oracle,
-        PolicyName::GeoRouter => Deployment::PerClientRegion,
-        _ => deployment.clone(),
+    let options = Options {
+        proxies,
+        ..Options::default()
     };
-    let knowledge = if deployment == Deployment::Oracle {
-        geo::Knowledge::Exact
-    } else {
-        geo::Knowledge::Operator
-    };
-    let mode = match Baseline::new(policy, regions) {
-        Some(_) => {
-            let count = match deployment {
-                Deployment::PerClientRegion => fleet.client_regions.len(),
-                Deployment::Oracle | Deployment::Global(_) => 1,
-            };
-            let mut instances = Vec::with_capacity(count);
-            for _ in 0..count {
-                if let Some(baseline) = Baseline::new(policy, regions) {
-                    instances.push(Peer {
-                        baseline,
-                        outstanding: vec![0; regions],
-                    });
-                }
-            }
-            let scrape_ms = if policy == PolicyName::Gorgo && deployment != Deployment::Oracle {
-                let cfg = geo::plugin_config(
-                    fleet,
-                    0,
-                    geo::Knowledge::Operator,
-                    mean_output_tokens(work),
-                    overrides,
-                )
-                .map_err(|e| format!("--config: {e}"))?;
-                Some(f64::from(cfg.probe.tick_ms).max(1.0))
-            } else {
-                None
-            };
-            Mode::Base(Peers {
-                router_region: deployment.router_region(fleet)?,
-                deployment: deployment.clone(),
-                instances,
-                scrape_ms,
-            })
-        }
-        None => {
-            let mean_out = mean_output_tokens(work);
-            let mut envoys = Vec::new();
-            for c in 0..fleet.client_regions.len() {
-                let mut replicas = Vec::with_capacity(proxies);
-                for p in 0..proxies {
-                    let cfg = geo::plugin_config(fleet, c, knowledge, mean_out, overrides)
-                        .map_err(|e| format!("--config: {e}"))?;
-                    // Envoy (c, p)'s draws: its own SplitMix64 sequence.
-                    let seed = ((c * proxies + p + 1) as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
-                    replicas.push(Envoy::new(cfg, core_ms(0.0), seed));
-                }
-                envoys.push(replicas);
-            }
-            Mode::Geo(envoys)
-        }
-    };
-    let tick_ms = match &mode {
-        Mode::Geo(e) => e
-            .iter()
-            .flatten()
-            .next()
-            .map_or(1000.0, |e| f64::from(e.cfg.probe.tick_ms)),
-        Mode::Base(_) => 1000.0,
-    }
-    .max(1.0);
-    let stations = fleet
-        .regions
-        .iter()
-        .map(|r| {
-            let config = EngineConfig {
-                max_concurrency: r.max_concurrency as usize,
-                cache_tokens: usize::try_from(r.cache_tokens).unwrap_or(usize::MAX),
-                block_tokens: DEFAULT_BLOCK_TOKENS,
-                timing: Timing {
-                    prefill_ms_per_token: r.prefill_ms_per_token,
-                    decode_ms_per_token: r.decode_ms_per_token,
-                },
-            };
-            Station {
-                engine: Engine::new(config),
-                config,
-                up: true,
-                held: BTreeSet::new(),
-                waiting_tokens: 0,
-            }
-        })
-        .collect();
-    let n = work.requests.len();
-    let mut sim = Sim {
-        fleet,
-        work,
-        q: EventQueue::default(),
-        stations,
-        live: vec![
-            Live {
-                stage: Stage::Pending,
-                region: 0,
-                to_router: 0.0,
-                to_engine: 0.0,
-                router: 0,
-                output_tokens: 0,
-                started_at: 0.0,
-                reached_at: 0.0,
-            };
-            n
-        ],
-        records: vec![
-            Record {
-                status: Status::Failed,
-                region: None,
-                ttft_ms: None,
-                e2e_ms: None,
-                prompt_tokens: 0,
-                cached_tokens: 0,
-                clamped: false,
-                reason: None,
-                queued_ms: None,
-                predicted_queue_ms: None,
-                proxy: None,
-            };
-            n
-        ],
-        mode,
-        queued_tokens: vec![0; regions],
-        scraped: vec![0; regions],
-        health: vec![
-            HealthCheck {
-                healthy: true,
-                streak: 0
-            };
-            regions
-        ],
-        names: fleet.regions.iter().map(|r| r.name.clone()).collect(),
-        tick_ms,
-        unresolved: n,
-        starts: Vec::new(),
-        levels: vec![Vec::new(); fleet.client_regions.len()],
-        sent: vec![0; fleet.client_regions.len()],
-        busy_ms: vec![0.0; regions],
-        window_ms: {
-            let span = work.requests.last().map_or(0.0, |r| r.t_ms);
-            (0.25 * span, 0.75 * span)
-        },
-        occupancy: vec![Vec::new(); regions],
-        end_ms: 0.0,
-        reasons: std::collections::BTreeMap::new(),
-        probe_fast_ms: 0.0,
-    };
-    match &sim.mode {
-        Mode::Geo(envoys) => {
-            for (client, replicas) in envoys.iter().enumerate() {
-                for proxy in 0..replicas.len() {
-                    sim.q.push(0.0, Ev::ProbeTick { client, proxy });
-                }
-            }
-        }
-        Mode::Base(_) => sim.q.push(0.0, Ev::Tick),
-    }
-    if matches!(&sim.mode, Mode::Base(p) if p.scrape_ms.is_some()) {
-        sim.q.push(0.0, Ev::Scrape);
-    }
-    for (i, r) in work.requests.iter().enumerate() {
-        sim.q.push(r.t_ms, Ev::Arrive(i));
-    }
-    for o in &fleet.outages {
-        if let Some(r) = fleet.regions.iter().position(|x| x.name == o.region) {
-            sim.q.push(o.from_ms, Ev::OutageStart(r));
-            sim.q.push(o.to_ms, Ev::OutageEnd(r));
-        }
-    }
-    // Occupancy samples at lo, lo + SAMPLE_MS, ... before hi (only reads).
-    let (lo, hi) = sim.window_ms;
-    let mut k = 0u32;
-    loop {
-        let t = lo + f64::from(k) * SAMPLE_MS;
-        if t >= hi {
-            break;
-        }
-        sim.q.push(t, Ev::Sample);
-        k += 1;
-    }
+    run_options(fleet, work, policy, deployment, overrides, options)
+}
+
+/// `run_with`, the geo-router reading the regions' load as
+/// `options.source` says. A region of several replicas (the fleet's
+/// `replicas`) is reached through one entry point that sends each request,
+/// and each probe callout, to one of them by Envoy's least-request rule
+/// (`least_request`); with the `prometheus` source a Prometheus server
+/// scrapes every replica every `interval_ms` and answers the probe's query
+/// from what it last scraped, one round trip from the client region's
+/// nearest engine region away (where it, or the query front end, runs).
+pub fn run_options(
+    fleet: &Fleet,
+    work: &Workload,
+    policy: PolicyName,
+    deployment: &Deployment,
+    overrides: Option<&Value>,
+    options: Options,
+) -> Result<Run, String> {
+    let mut sim = Sim::new(fleet, work, policy, deployment, overrides, options)?;
     while let Some((now, ev)) = sim.q.pop() {
         sim.handle(now, ev)?;
     }
-    Ok(Run {
-        policy,
-        deployment,
-        records: sim.records,
-        starts: sim.starts,
-        levels: sim.levels,
-        proxies: if matches!(policy, PolicyName::GeoRouter) {
-            proxies
+    Ok(sim.finish())
+}
+
+impl<'a> Sim<'a> {
+    /// A run set up, its first events queued.
+    fn new(
+        fleet: &'a Fleet,
+        work: &'a Workload,
+        policy: PolicyName,
+        deployment: &Deployment,
+        overrides: Option<&Value>,
+        options: Options,
+    ) -> Result<Sim<'a>, String> {
+        let Options { proxies, source } = options;
+        if let Source::Prometheus { interval_ms } = source {
+            if !(interval_ms.is_finite() && interval_ms >= 1.0) {
+                return Err(format!(
+                    "prometheus interval: {interval_ms} ms must be at least 1 ms"
+                ));
+            }
+        }
+        if proxies == 0 {
+            return Err("proxies: must be at least 1".into());
+        }
+        let regions = fleet.regions.len();
+        // The geo-router is always one Envoy per client region; asked for as
+        // the oracle, it is given the engines' exact figures (`Knowledge::Exact`).
+        let deployment = match policy {
+            PolicyName::GeoRouter if *deployment == Deployment::Oracle => Deployment::Oracle,
+            PolicyName::GeoRouter => Deployment::PerClientRegion,
+            _ => deployment.clone(),
+        };
+        let knowledge = if deployment == Deployment::Oracle {
+            geo::Knowledge::Exact
         } else {
-            1
-        },
-        busy_ms: sim.busy_ms,
-        window_ms: sim.window_ms,
-        occupancy: sim.occupancy,
-        end_ms: sim.end_ms,
-        probe: match &sim.mode {
-            Mode::Geo(envoys) => Some(ProbeLoad {
-                envoys: envoys.iter().map(Vec::len).sum(),
-                scrapes: envoys.iter().flatten().map(|e| e.scrapes).sum(),
-                fast_ms: sim.probe_fast_ms,
+            geo::Knowledge::Operator
+        };
+        let mode = match Baseline::new(policy, regions) {
+            Some(_) => {
+                let count = match deployment {
+                    Deployment::PerClientRegion => fleet.client_regions.len(),
+                    Deployment::Oracle | Deployment::Global(_) => 1,
+                };
+                let mut instances = Vec::with_capacity(count);
+                for _ in 0..count {
+                    if let Some(baseline) = Baseline::new(policy, regions) {
+                        instances.push(Peer {
+                            baseline,
+                            outstanding: vec![0; regions],
+                        });
+                    }
+                }
+                let scrape_ms = if policy == PolicyName::Gorgo && deployment != Deployment::Oracle {
+                    let cfg = geo::plugin_config(
+                        fleet,
+                        0,
+                        geo::Knowledge::Operator,
+                        mean_output_tokens(work),
+                        Source::default(),
+                        overrides,
+                    )
+                    .map_err(|e| format!("--config: {e}"))?;
+                    Some(f64::from(cfg.probe.tick_ms).max(1.0))
+                } else {
+                    None
+                };
+                Mode::Base(Peers {
+                    router_region: deployment.router_region(fleet)?,
+                    deployment: deployment.clone(),
+                    instances,
+                    scrape_ms,
+                })
+            }
+            None => {
+                let mean_out = mean_output_tokens(work);
+                let mut envoys = Vec::new();
+                for c in 0..fleet.client_regions.len() {
+                    let mut replicas = Vec::with_capacity(proxies);
+                    for p in 0..proxies {
+                        let cfg =
+                            geo::plugin_config(fleet, c, knowledge, mean_out, source, overrides)
+                                .map_err(|e| format!("--config: {e}"))?;
+                        // Envoy (c, p)'s draws: its own SplitMix64 sequence.
+                        let seed =
+                            ((c * proxies + p + 1) as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
+                        replicas.push(Envoy::new(cfg, core_ms(0.0), seed));
+                    }
+                    envoys.push(replicas);
+                }
+                Mode::Geo(envoys)
+            }
+        };
+        let tick_ms = match &mode {
+            Mode::Geo(e) => e
+                .iter()
+                .flatten()
+                .next()
+                .map_or(1000.0, |e| f64::from(e.cfg.probe.tick_ms)),
+            Mode::Base(_) => 1000.0,
+        }
+        .max(1.0);
+        let stations: Vec<Vec<Station>> = fleet
+            .regions
+            .iter()
+            .map(|r| {
+                let config = EngineConfig {
+                    max_concurrency: r.max_concurrency as usize,
+                    cache_tokens: usize::try_from(r.cache_tokens).unwrap_or(usize::MAX),
+                    block_tokens: DEFAULT_BLOCK_TOKENS,
+                    timing: Timing {
+                        prefill_ms_per_token: r.prefill_ms_per_token,
+                        decode_ms_per_token: r.decode_ms_per_token,
+                    },
+                };
+                (0..r.replicas.max(1))
+                    .map(|_| Station {
+                        engine: Engine::new(config),
+                        config,
+                        held: BTreeSet::new(),
+                        waiting_tokens: 0,
+                    })
+                    .collect()
+            })
+            .collect();
+        // Prometheus only where the geo-router reads it.
+        let prometheus = match (source, &mode) {
+            (Source::Prometheus { interval_ms }, Mode::Geo(_)) => Some(Prometheus {
+                interval_ms,
+                // Running long before the trace: the idle engines as of 0.
+                last: stations
+                    .iter()
+                    .map(|r| r.iter().map(|s| Some(Figures::of(s, 0.0))).collect())
+                    .collect(),
             }),
-            Mode::Base(_) => None,
-        },
-        reasons: sim.reasons,
-    })
+            _ => None,
+        };
+        let n = work.requests.len();
+        let mut sim = Sim {
+            fleet,
+            work,
+            policy,
+            deployment: deployment.clone(),
+            proxies,
+            source,
+            q: EventQueue::default(),
+            stations,
+            up: vec![true; regions],
+            balancer: (0..regions)
+                .map(|r| Rng::new(mix(0x6c62_272e_07bb_0142 ^ r as u64)))
+                .collect(),
+            prometheus,
+            live: vec![
+                Live {
+                    stage: Stage::Pending,
+                    region: 0,
+                    replica: 0,
+                    to_router: 0.0,
+                    to_engine: 0.0,
+                    router: 0,
+                    output_tokens: 0,
+                    started_at: 0.0,
+                    reached_at: 0.0,
+                };
+                n
+            ],
+            records: vec![
+                Record {
+                    status: Status::Failed,
+                    region: None,
+                    ttft_ms: None,
+                    e2e_ms: None,
+                    prompt_tokens: 0,
+                    cached_tokens: 0,
+                    clamped: false,
+                    reason: None,
+                    queued_ms: None,
+                    predicted_queue_ms: None,
+                    proxy: None,
+                };
+                n
+            ],
+            mode,
+            queued_tokens: vec![0; regions],
+            scraped: vec![0; regions],
+            health: vec![
+                HealthCheck {
+                    healthy: true,
+                    streak: 0
+                };
+                regions
+            ],
+            names: fleet.regions.iter().map(|r| r.name.clone()).collect(),
+            tick_ms,
+            unresolved: n,
+            starts: Vec::new(),
+            levels: vec![Vec::new(); fleet.client_regions.len()],
+            sent: vec![0; fleet.client_regions.len()],
+            busy_ms: vec![0.0; regions],
+            window_ms: {
+                let span = work.requests.last().map_or(0.0, |r| r.t_ms);
+                (0.25 * span, 0.75 * span)
+            },
+            occupancy: vec![Vec::new(); regions],
+            end_ms: 0.0,
+            reasons: std::collections::BTreeMap::new(),
+            probe_fast_ms: 0.0,
+        };
+        match &sim.mode {
+            Mode::Geo(envoys) => {
+                for (client, replicas) in envoys.iter().enumerate() {
+                    for proxy in 0..replicas.len() {
+                        sim.q.push(0.0, Ev::ProbeTick { client, proxy });
+                    }
+                }
+            }
+            Mode::Base(_) => sim.q.push(0.0, Ev::Tick),
+        }
+        if matches!(&sim.mode, Mode::Base(p) if p.scrape_ms.is_some()) {
+            sim.q.push(0.0, Ev::Scrape);
+        }
+        // Prometheus' scrapes: each replica at its own offset in the interval,
+        // from a hash of the target as Prometheus spreads them.
+        if let Some(p) = &sim.prometheus {
+            let every = p.interval_ms;
+            for (region, r) in sim.stations.iter().enumerate() {
+                for replica in 0..r.len() {
+                    let h = mix(0x7072_6f6d ^ ((region as u64) << 16) ^ replica as u64);
+                    let offset = (h >> 11) as f64 / (1u64 << 53) as f64 * every;
+                    sim.q.push(offset, Ev::PromScrape { region, replica });
+                }
+            }
+        }
+        for (i, r) in work.requests.iter().enumerate() {
+            sim.q.push(r.t_ms, Ev::Arrive(i));
+        }
+        for o in &fleet.outages {
+            if let Some(r) = fleet.regions.iter().position(|x| x.name == o.region) {
+                sim.q.push(o.from_ms, Ev::OutageStart(r));
+                sim.q.push(o.to_ms, Ev::OutageEnd(r));
+            }
+        }
+        // Occupancy samples at lo, lo + SAMPLE_MS, ... before hi (only reads).
+        let (lo, hi) = sim.window_ms;
+        let mut k = 0u32;
+        loop {
+            let t = lo + f64::from(k) * SAMPLE_MS;
+            if t >= hi {
+                break;
+            }
+            sim.q.push(t, Ev::Sample);
+            k += 1;
+        }
+        Ok(sim)
+    }
+
+    /// The run, once every event has been handled.
+    fn finish(self) -> Run {
+        let geo = matches!(self.policy, PolicyName::GeoRouter);
+        Run {
+            policy: self.policy,
+            deployment: self.deployment,
+            records: self.records,
+            starts: self.starts,
+            levels: self.levels,
+            proxies: if geo { self.proxies } else { 1 },
+            source: geo.then_some(self.source),
+            busy_ms: self.busy_ms,
+            window_ms: self.window_ms,
+            occupancy: self.occupancy,
+            end_ms: self.end_ms,
+            probe: match &self.mode {
+                Mode::Geo(envoys) => Some(ProbeLoad {
+                    envoys: envoys.iter().map(Vec::len).sum(),
+                    scrapes: envoys.iter().flatten().map(|e| e.scrapes).sum(),
+                    queries: envoys.iter().flatten().map(|e| e.queries).sum(),
+                    fast_ms: self.probe_fast_ms,
+                }),
+                Mode::Base(_) => None,
+            },
+            reasons: self.reasons,
+        }
+    }
 }
 
 impl Sim<'_> {
@@ -594,29 +818,9 @@ impl Sim<'_> {
                 proxy,
                 callout,
             } => {
-                // The callout reaches the engine: what it answers now.
-                let answer = self.stations.get(callout.region).filter(|s| s.up).map(|s| {
-                    let mut a = Answer {
-                        status: Some(200),
-                        ..Answer::default()
-                    };
-                    if callout.metrics {
-                        let c = &s.engine.cache;
-                        let sample = exposition::Snapshot {
-                            running: s.engine.scheduler.running(),
-                            waiting: s.engine.scheduler.waiting(),
-                            cache_usage: c.usage(),
-                            query_tokens: c.query_tokens(),
-                            hit_tokens: c.hit_tokens(),
-                            completed: s.engine.completed(),
-                            requests: Vec::new(),
-                        };
-                        a.body = exposition::render(EngineMode::Vllm, trace::MODEL, "", &sample)
-                            .into_bytes();
-                    }
-                    a
-                });
-                let rtt = self.fleet.rtt(client, callout.region);
+                // The callout reaches its target: what it answers now.
+                let answer = self.probe_answer(callout.to, now);
+                let rtt = self.callout_rtt(client, callout.to);
                 self.q.push(
                     now + rtt / 2.0,
                     Ev::ProbeDeliver {
@@ -640,20 +844,107 @@ impl Sim<'_> {
             }
             Ev::OutageStart(r) => self.outage_start(r, now),
             Ev::OutageEnd(r) => {
-                if let Some(s) = self.stations.get_mut(r) {
-                    s.up = true;
+                if let Some(up) = self.up.get_mut(r) {
+                    *up = true;
                 }
             }
             Ev::Sample => {
-                for (series, s) in self.occupancy.iter_mut().zip(&self.stations) {
-                    let running = s.engine.scheduler.running();
-                    let waiting = s.engine.scheduler.waiting();
+                for (series, r) in self.occupancy.iter_mut().zip(&self.stations) {
+                    let running: usize = r.iter().map(|s| s.engine.scheduler.running()).sum();
+                    let waiting: usize = r.iter().map(|s| s.engine.scheduler.waiting()).sum();
                     let n = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
                     series.push((n(running).saturating_add(n(waiting)), n(waiting)));
                 }
             }
+            Ev::PromScrape { region, replica } => self.prometheus_scrape(region, replica, now),
         }
         Ok(())
+    }
+
+    /// What a probe callout's target answers when it reaches it: a region's
+    /// entry point passes it to one replica (the metrics of that replica
+    /// alone); Prometheus answers its query. `None`: no answer (a lost
+    /// region).
+    fn probe_answer(&mut self, to: To, now: f64) -> Option<Answer> {
+        let mut a = Answer {
+            status: Some(200),
+            ..Answer::default()
+        };
+        match to {
+            To::Region { region, metrics } => {
+                if !self.up.get(region).copied().unwrap_or(false) {
+                    return None;
+                }
+                let replica = self.balance(region);
+                let s = self.stations.get(region)?.get(replica)?;
+                if metrics {
+                    let c = &s.engine.cache;
+                    let sample = exposition::Snapshot {
+                        running: s.engine.scheduler.running(),
+                        waiting: s.engine.scheduler.waiting(),
+                        cache_usage: c.usage(),
+                        query_tokens: c.query_tokens(),
+                        hit_tokens: c.hit_tokens(),
+                        completed: s.engine.completed(),
+                        requests: Vec::new(),
+                    };
+                    a.body = exposition::render(EngineMode::Vllm, trace::MODEL, "", &sample)
+                        .into_bytes();
+                }
+            }
+            To::Prometheus => {
+                a.body = self.prometheus.as_ref()?.answer(&self.names, now);
+            }
+        }
+        Some(a)
+    }
+
+    /// One round trip between client region `client` and a callout's
+    /// target. Prometheus (or the query front end the plugin reaches) runs
+    /// in the engine region nearest the client region.
+    fn callout_rtt(&self, client: usize, to: To) -> f64 {
+        match to {
+            To::Region { region, .. } => self.fleet.rtt(client, region),
+            To::Prometheus => (0..self.fleet.regions.len())
+                .map(|r| self.fleet.rtt(client, r))
+                .fold(f64::INFINITY, f64::min),
+        }
+    }
+
+    /// The replica region `region`'s entry point sends the next request (or
+    /// probe callout) to.
+    fn balance(&mut self, region: usize) -> usize {
+        let active: Vec<usize> = self
+            .stations
+            .get(region)
+            .map(|r| r.iter().map(|s| s.held.len()).collect())
+            .unwrap_or_default();
+        match self.balancer.get_mut(region) {
+            Some(rng) => least_request(rng, &active),
+            None => 0,
+        }
+    }
+
+    /// Prometheus scrapes one replica (a lost region's fail: its series go
+    /// stale), and again an interval later.
+    fn prometheus_scrape(&mut self, region: usize, replica: usize, now: f64) {
+        let up = self.up.get(region).copied().unwrap_or(false);
+        let figures = self
+            .stations
+            .get(region)
+            .and_then(|r| r.get(replica))
+            .filter(|_| up)
+            .map(|s| Figures::of(s, now));
+        let Some(p) = &mut self.prometheus else {
+            return;
+        };
+        if let Some(slot) = p.last.get_mut(region).and_then(|r| r.get_mut(replica)) {
+            *slot = figures;
+        }
+        let every = p.interval_ms;
+        if self.unresolved > 0 {
+            self.q.push(now + every, Ev::PromScrape { region, replica });
+        }
     }
 
     /// Envoy `proxy` of client region `client` (geo-router).
@@ -676,8 +967,8 @@ impl Sim<'_> {
 
     /// A baseline's health checks.
     fn tick(&mut self, now: f64) {
-        for (h, s) in self.health.iter_mut().zip(&self.stations) {
-            h.observe(s.up);
+        for (h, up) in self.health.iter_mut().zip(&self.up) {
+            h.observe(*up);
         }
         if self.unresolved > 0 {
             self.q.push(now + self.tick_ms, Ev::Tick);
@@ -698,7 +989,7 @@ impl Sim<'_> {
             self.probe_fast_ms += period;
         }
         for callout in callouts {
-            let rtt = self.fleet.rtt(c, callout.region);
+            let rtt = self.callout_rtt(c, callout.to);
             // The callout reads the engine half a round trip later.
             self.q.push(
                 now + rtt / 2.0,
@@ -730,9 +1021,9 @@ impl Sim<'_> {
         let Some(every) = peers.scrape_ms else {
             return;
         };
-        for (seen, s) in self.scraped.iter_mut().zip(&self.stations) {
-            if s.up {
-                *seen = s.waiting_tokens;
+        for ((seen, r), up) in self.scraped.iter_mut().zip(&self.stations).zip(&self.up) {
+            if *up {
+                *seen = r.iter().map(|s| s.waiting_tokens).sum();
             }
         }
         if self.unresolved > 0 {
@@ -871,6 +1162,7 @@ impl Sim<'_> {
             *l = Live {
                 stage: Stage::InTransit,
                 region,
+                replica: 0,
                 to_router,
                 to_engine,
                 router,
@@ -902,6 +1194,12 @@ impl Sim<'_> {
         self.live.get(i).map_or(0, |l| l.region)
     }
 
+    /// The replica request `i` is at.
+    fn station_mut(&mut self, i: usize) -> Option<&mut Station> {
+        let (region, replica) = self.live.get(i).map(|l| (l.region, l.replica))?;
+        self.stations.get_mut(region)?.get_mut(replica)
+    }
+
     fn unqueue(&mut self, i: usize) {
         let region = self.region_of(i);
         let tokens = self.work.prepared.get(i).map_or(0, |p| p.segment_tokens);
@@ -912,16 +1210,19 @@ impl Sim<'_> {
 
     fn engine_arrive(&mut self, i: usize, now: f64) {
         let region = self.region_of(i);
-        let up = self.stations.get(region).is_some_and(|s| s.up);
+        let up = self.up.get(region).copied().unwrap_or(false);
         if !up {
             self.unqueue(i);
             self.leave(i, now, false);
             return;
         }
+        // The region's entry point picks a replica.
+        let replica = self.balance(region);
         if let Some(l) = self.live.get_mut(i) {
             l.reached_at = now;
+            l.replica = replica;
         }
-        let admission = match self.stations.get_mut(region) {
+        let admission = match self.station_mut(i) {
             Some(s) => {
                 s.held.insert(i);
                 s.engine.scheduler.arrive(i as u64)
@@ -933,7 +1234,7 @@ impl Sim<'_> {
             Admission::Queued => {
                 self.set_stage(i, Stage::Waiting);
                 let tokens = self.work.prepared.get(i).map_or(0, |p| p.segment_tokens);
-                if let Some(s) = self.stations.get_mut(region) {
+                if let Some(s) = self.station_mut(i) {
                     s.waiting_tokens += tokens;
                 }
             }
@@ -942,10 +1243,15 @@ impl Sim<'_> {
 
     fn start(&mut self, i: usize, now: f64) {
         let region = self.region_of(i);
+        let replica = self.live.get(i).map_or(0, |l| l.replica);
         let Some(prep) = self.work.prepared.get(i) else {
             return;
         };
-        let Some(s) = self.stations.get_mut(region) else {
+        let Some(s) = self
+            .stations
+            .get_mut(region)
+            .and_then(|r| r.get_mut(replica))
+        else {
             return;
         };
         let plan = s.engine.admit(i as u64, &prep.prompt);
@@ -976,8 +1282,7 @@ impl Sim<'_> {
         if self.stage(i) != Stage::Running {
             return;
         }
-        let region = self.region_of(i);
-        let next = match self.stations.get_mut(region) {
+        let next = match self.station_mut(i) {
             Some(s) => {
                 s.held.remove(&i);
                 s.engine.record_success();
@@ -1086,16 +1391,21 @@ impl Sim<'_> {
     }
 
     fn outage_start(&mut self, region: usize, now: f64) {
-        let held: Vec<usize> = match self.stations.get_mut(region) {
-            Some(s) => {
-                s.up = false;
-                // A lost region comes back as a fresh engine: empty cache.
-                s.engine = Engine::new(s.config);
-                s.waiting_tokens = 0;
-                std::mem::take(&mut s.held).into_iter().collect()
-            }
-            None => return,
+        let Some(replicas) = self.stations.get_mut(region) else {
+            return;
         };
+        if let Some(up) = self.up.get_mut(region) {
+            *up = false;
+        }
+        // A lost region comes back as fresh engines: empty caches.
+        let mut held = Vec::new();
+        for s in replicas {
+            s.engine = Engine::new(s.config);
+            s.waiting_tokens = 0;
+            held.extend(std::mem::take(&mut s.held));
+        }
+        // In request order, whatever the replicas.
+        held.sort_unstable();
         for i in held {
             match self.stage(i) {
                 Stage::Waiting => self.unqueue(i),
@@ -1110,6 +1420,7 @@ impl Sim<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::geo::Slots;
     use crate::trace::TraceRequest;
 
     fn fleet(extra: &str) -> Fleet {
@@ -1552,5 +1863,182 @@ mod tests {
             .filter(|x| x.status == Status::Failed)
             .count();
         assert!((1..=4).contains(&failed_n), "{failed_n}");
+    }
+
+    /// One region of `replicas` engines with 2 slots each, 20 ms from na.
+    fn replicated(replicas: u32) -> Fleet {
+        Fleet::parse(
+            format!(
+                r#"{{"client_regions": ["na"], "regions": [
+              {{"name": "only", "rtt_ms": {{"na": 20}}, "max_concurrency": 2, "replicas": {replicas},
+               "prefill_ms_per_token": 0.5, "decode_ms_per_token": 10, "cache_tokens": 100000}}]}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    }
+
+    /// Five requests in the first 40 ms, 20 s of decode each: from about
+    /// 1 s to 20 s the engines hold them, unchanged.
+    fn five_long() -> Vec<TraceRequest> {
+        (0..5)
+            .map(|k| {
+                let q = format!("q{k}");
+                req(
+                    10.0 * f64::from(k),
+                    &format!("s{k}"),
+                    "na",
+                    &[(&q, 50)],
+                    2000,
+                )
+            })
+            .collect()
+    }
+
+    fn geo_sim<'a>(f: &'a Fleet, w: &'a Workload, source: Source) -> Sim<'a> {
+        let options = Options { proxies: 1, source };
+        Sim::new(
+            f,
+            w,
+            PolicyName::GeoRouter,
+            &Deployment::PerClientRegion,
+            None,
+            options,
+        )
+        .unwrap()
+    }
+
+    fn step_until(sim: &mut Sim, t_ms: f64) {
+        while sim.q.next_at().is_some_and(|t| t <= t_ms) {
+            let (now, ev) = sim.q.pop().unwrap();
+            sim.handle(now, ev).unwrap();
+        }
+    }
+
+    fn the_envoy<'s>(sim: &'s Sim) -> &'s Envoy {
+        match &sim.mode {
+            Mode::Geo(e) => &e[0][0],
+            Mode::Base(_) => panic!("not the geo-router"),
+        }
+    }
+
+    /// Per replica of region 0: (running, waiting).
+    fn loads(sim: &Sim) -> Vec<(usize, usize)> {
+        sim.stations[0]
+            .iter()
+            .map(|s| (s.engine.scheduler.running(), s.engine.scheduler.waiting()))
+            .collect()
+    }
+
+    #[test]
+    fn least_request_takes_the_less_loaded_of_two_draws() {
+        let mut rng = Rng::new(7);
+        let before = rng.clone().next_u64();
+        assert_eq!(least_request(&mut rng, &[9]), 0);
+        assert_eq!(rng.next_u64(), before, "one replica: no draw");
+        let mut rng = Rng::new(7);
+        let mut picks = [0u32; 3];
+        for _ in 0..9000 {
+            picks[least_request(&mut rng, &[3, 0, 3])] += 1;
+        }
+        // The idle one unless both draws miss it: 1 - (2/3)^2 = 5/9.
+        assert!((4700..5300).contains(&picks[1]), "{picks:?}");
+        let mut picks = [0u32; 3];
+        for _ in 0..9000 {
+            picks[least_request(&mut rng, &[1, 1, 1])] += 1;
+        }
+        assert!(picks.iter().all(|n| (2700..3300).contains(n)), "{picks:?}");
+    }
+
+    #[test]
+    fn prometheus_answers_the_sums_over_a_regions_replicas() {
+        let f = replicated(3);
+        let w = Workload::new(&f, five_long()).unwrap();
+        let interval_ms = 5000.0;
+        let mut sim = geo_sim(&f, &w, Source::Prometheus { interval_ms });
+        step_until(&mut sim, 12_000.0);
+        let loads = loads(&sim);
+        let (running, waiting) = loads.iter().fold((0, 0), |(r, w), (a, b)| (r + a, w + b));
+        assert_eq!(running + waiting, 5, "{loads:?}");
+        assert!(
+            loads.iter().filter(|(r, _)| *r > 0).count() >= 2,
+            "least request spreads them: {loads:?}"
+        );
+        let e = the_envoy(&sim);
+        // The plugin is told one replica's slots and asks Prometheus.
+        assert_eq!(e.cfg.regions[0].max_concurrency, 2);
+        assert_eq!(
+            e.cfg.regions[0].load_source,
+            llm_geo_router::config::LoadSource::Prometheus
+        );
+        assert_eq!(e.scrapes, 0, "no engine is scraped by the probe");
+        assert!((11..=13).contains(&e.queries), "{}", e.queries);
+        // What the core read from the sim's answer: the region's sums, its
+        // three replicas, as of Prometheus' oldest scrape of them (at most
+        // an interval and a probe round before now).
+        let snap = e.snapshot().unwrap();
+        let only = &snap.regions[0];
+        assert!(only.metrics_ok);
+        assert_eq!(only.replicas, Some(3));
+        assert_eq!(only.slots(2), 6);
+        assert_eq!(
+            (only.running, only.waiting),
+            (running as f64, waiting as f64)
+        );
+        let scraped = only.scraped_ms.unwrap();
+        assert!(
+            (core_ms(12_000.0 - interval_ms - 1100.0)..=core_ms(12_000.0)).contains(&scraped),
+            "{scraped}"
+        );
+        // This Envoy's in-flight requests then: all five.
+        assert_eq!(only.inflight_at_scrape, 5.0);
+        // A failed scrape marks the replica's series stale: two replicas
+        // counted, their sums only.
+        if let Some(p) = &mut sim.prometheus {
+            p.last[0][1] = None;
+        }
+        let body = sim
+            .prometheus
+            .as_ref()
+            .unwrap()
+            .answer(&sim.names, 12_000.0);
+        let cfg = the_envoy(&sim).cfg.clone();
+        let read = llm_geo_router::promql::parse_answer(&cfg, &body).unwrap();
+        let (r1, w1) = loads[1];
+        assert_eq!(read[&0].replicas, 2);
+        assert_eq!(
+            (read[&0].sample.running, read[&0].sample.waiting),
+            (Some((running - r1) as f64), Some((waiting - w1) as f64))
+        );
+    }
+
+    #[test]
+    fn a_scrape_through_the_entry_point_reads_one_replica() {
+        let f = replicated(3);
+        let w = Workload::new(&f, five_long()).unwrap();
+        for (slots, configured) in [(Slots::Region, 6), (Slots::Replica, 2)] {
+            let mut sim = geo_sim(&f, &w, Source::Scrape(slots));
+            step_until(&mut sim, 12_000.0);
+            let loads = loads(&sim);
+            let held: Vec<usize> = loads.iter().map(|(r, w)| r + w).collect();
+            assert_eq!(held.iter().sum::<usize>(), 5);
+            assert!(held.iter().all(|n| *n < 5), "{held:?}");
+            let e = the_envoy(&sim);
+            assert_eq!(e.cfg.regions[0].max_concurrency, configured);
+            assert_eq!(e.queries, 0);
+            assert!(e.scrapes >= 12, "{}", e.scrapes);
+            let snap = e.snapshot().unwrap();
+            let only = &snap.regions[0];
+            assert_eq!(only.replicas, None, "a scrape does not count replicas");
+            // One replica's figures: one of theirs, never the region's.
+            let seen = (only.running as usize, only.waiting as usize);
+            assert!(loads.contains(&seen), "{seen:?} not one of {loads:?}");
+        }
+        // With one engine, the scrape reads all of it.
+        let f = replicated(1);
+        let mut sim = geo_sim(&f, &w, Source::default());
+        step_until(&mut sim, 12_000.0);
+        let only = &the_envoy(&sim).snapshot().unwrap().regions[0];
+        assert_eq!(only.running + only.waiting, 5.0);
     }
 }
