@@ -297,6 +297,21 @@ pub struct DirectoryConfig {
     /// default: measured to help where engine caches are far smaller than
     /// the working set and to cost cache hits elsewhere (docs/ROUTING.md).
     pub cache_horizon: bool,
+    /// Which streamed answers carry a `usage` to read: `requested` (only
+    /// those whose request asked, `stream_options.include_usage`; the
+    /// Responses API's always do) or `always` (the engines force it:
+    /// vLLM `--enable-force-include-usage`, SGLang
+    /// `--stream-response-default-include-usage`). A stream that carries
+    /// none is not read at all: reading costs one host call per chunk.
+    pub stream_usage: StreamUsage,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum StreamUsage {
+    #[default]
+    Requested,
+    Always,
 }
 
 impl Default for DirectoryConfig {
@@ -306,6 +321,7 @@ impl Default for DirectoryConfig {
             ttl_s: 600,
             learn_from_usage: true,
             cache_horizon: false,
+            stream_usage: StreamUsage::Requested,
         }
     }
 }

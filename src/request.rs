@@ -106,6 +106,8 @@ pub struct InferenceRequest {
     /// Responses API: whether the engine keeps the response (`store`,
     /// default true).
     pub store: bool,
+    /// `stream_options.include_usage`: the stream ends with a usage chunk.
+    pub include_usage: bool,
 }
 
 impl InferenceRequest {
@@ -198,6 +200,7 @@ enum Key {
     Store,
     CacheSalt,
     CacheNamespace,
+    StreamOptions,
     Other,
 }
 
@@ -225,6 +228,7 @@ impl<'de> de::Deserialize<'de> for Key {
                     "store" => Key::Store,
                     "cache_salt" => Key::CacheSalt,
                     "prompt_cache_key" => Key::CacheNamespace,
+                    "stream_options" => Key::StreamOptions,
                     _ => Key::Other,
                 })
             }
@@ -299,7 +303,8 @@ impl<'de> Visitor<'de> for TopSeed<'_> {
             (false, false, false, false);
         let (mut seen_stream, mut seen_user, mut seen_prev, mut seen_store) =
             (false, false, false, false);
-        let (mut seen_instr, mut seen_salt, mut seen_key) = (false, false, false);
+        let (mut seen_instr, mut seen_salt, mut seen_key, mut seen_opts) =
+            (false, false, false, false);
         let mut salt: Option<String> = None;
         let mut cache_key: Option<String> = None;
         // Responses API: `instructions` comes first in the prompt wherever
@@ -353,6 +358,11 @@ impl<'de> Visitor<'de> for TopSeed<'_> {
                     out.store = v.unwrap_or(true);
                 }
                 Key::CacheSalt => salt = once(&mut map, param, &mut seen_salt, "cache_salt")?,
+                Key::StreamOptions if !responses => {
+                    let opts: Option<StreamOptions> =
+                        once(&mut map, param, &mut seen_opts, "stream_options")?;
+                    out.include_usage = opts.and_then(|o| o.include_usage).unwrap_or(false);
+                }
                 Key::CacheNamespace => {
                     cache_key = once(&mut map, param, &mut seen_key, "prompt_cache_key")?;
                 }
@@ -365,6 +375,7 @@ impl<'de> Visitor<'de> for TopSeed<'_> {
                 | Key::MaxOutputTokens
                 | Key::PreviousResponseId
                 | Key::Store
+                | Key::StreamOptions
                 | Key::Other => {
                     param.set(None);
                     map.next_value::<IgnoredAny>()?;
@@ -400,6 +411,13 @@ impl<'de> Visitor<'de> for TopSeed<'_> {
         }
         Ok(out)
     }
+}
+
+/// `stream_options`: only `include_usage` is read.
+#[derive(serde::Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
 }
 
 /// Responses API `input`: a string (one `user` message), or an array of

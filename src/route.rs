@@ -53,6 +53,9 @@ pub struct Routed {
     pub decision: Decision,
     pub kv: Option<KvAction>,
     pub stream: bool,
+    /// A stream that ends with a usage chunk because its request asked
+    /// (`stream_options.include_usage`; every Responses API stream).
+    pub stream_usage: bool,
     pub prompt_tokens: u64,
     pub weights: Weights,
     /// Shared-data calls this decision made (reads and writes).
@@ -477,6 +480,7 @@ impl Router {
             decision,
             kv,
             stream: req.stream,
+            stream_usage: req.stream && (req.include_usage || inp.endpoint == Endpoint::Responses),
             prompt_tokens,
             weights,
             shared_data_calls: lookup.calls + calls,

@@ -9,7 +9,7 @@
 
 use std::rc::Rc;
 
-use crate::config::{Config, InvalidRequests};
+use crate::config::{Config, InvalidRequests, StreamUsage};
 use crate::cost::Reason;
 use crate::effects::StreamHost;
 use crate::outcome::{Ending, VIA_UPSTREAM};
@@ -233,7 +233,12 @@ impl RouterStream {
         self.set_region(shared, host, d.region, true);
         // The fallback pool is other engines: their caches say nothing
         // about the region's.
-        if cfg.directory.learn_from_usage && !self.fallback {
+        // A stream is read only when it carries a usage: every chunk read
+        // is a host call.
+        let usage_comes = !routed.stream
+            || routed.stream_usage
+            || cfg.directory.stream_usage == StreamUsage::Always;
+        if cfg.directory.learn_from_usage && !self.fallback && usage_comes {
             self.tail = Some(Tail::default());
         }
         // A response produced by the fallback pool is in its engines: not
@@ -985,6 +990,45 @@ mod tests {
             Some("near")
         );
         assert_eq!(map.lookup(&mut host.store, "resp_9", NOW), None);
+    }
+
+    #[test]
+    fn only_streams_that_carry_a_usage_are_read() {
+        let sh = shared("");
+        let mut host = new_host(&sh);
+        let chat = |extra: &str| {
+            format!(r#"{{"messages":[{{"role":"user","content":"hi"}}],"stream":true{extra}}}"#)
+        };
+        let p = "/v1/chat/completions";
+        let (s, _) = request(&sh, &mut host, headers(p, &[]), &chat(""));
+        assert!(s.tail.is_none(), "no usage asked: not read");
+        host.next_stream();
+        let (s, _) = request(
+            &sh,
+            &mut host,
+            headers(p, &[]),
+            &chat(r#","stream_options":{"include_usage":true}"#),
+        );
+        assert!(s.tail.is_some());
+        host.next_stream();
+        let (s, _) = request(
+            &sh,
+            &mut host,
+            headers("/v1/responses", &[]),
+            r#"{"input":"x","stream":true}"#,
+        );
+        assert!(
+            s.tail.is_some(),
+            "a Responses stream always ends with its usage"
+        );
+        host.next_stream();
+        let (s, _) = request(&sh, &mut host, headers(p, &[]), CHAT);
+        assert!(s.tail.is_some(), "a JSON answer carries its usage");
+        // Engines that force usage into every stream: read them all.
+        let always = shared(r#","directory":{"stream_usage":"always"}"#);
+        let mut host = new_host(&always);
+        let (s, _) = request(&always, &mut host, headers(p, &[]), &chat(""));
+        assert!(s.tail.is_some());
     }
 
     #[test]

@@ -1,9 +1,11 @@
 """What the engines report, read by the router in a real Envoy: `usage` at
 the end of a JSON answer and in a stream's final chunk, never changing what
-the client receives; a stream without usage teaches nothing and is counted;
+the client receives; a stream that does not ask for usage is not read (with
+`directory.stream_usage: always`, one that ends without it is counted);
 the probe calibrates tokens per byte from it. Probe tick 300 ms."""
 
 import json
+import time
 
 from harness import chat, filler
 from test_brain import FAST_PROBE
@@ -50,14 +52,28 @@ def test_usage_is_read_at_the_end_of_each_answer_and_the_answer_is_unchanged(fle
     assert last["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert stat(envoy, "router.usage_missing") == 0
 
-    # A stream that does not ask: nothing to read. Counted, never guessed.
+    # A stream that does not ask carries no usage: not read at all (every
+    # chunk read is a host call), so neither missing nor reported.
     r = chat(fleet.port, msgs, stream=True, max_tokens=20)
     assert r.status == 200 and sse_events(r.body)[-1] == b"data: [DONE]"
     assert b'"usage":{' not in r.body
-    wait_stat(envoy, "router.usage_missing", lambda v: v == 1)
+    time.sleep(0.5)
+    assert stat(envoy, "router.usage_missing") == 0
     assert stat(envoy, "usage.reports") == 2
 
     # A refused request (400) reports nothing either way.
     r = chat(fleet.port, msgs, max_tokens=-1)
     assert r.status == 400
-    assert stat(envoy, "router.usage_missing") == 1 and stat(envoy, "usage.reports") == 2
+    assert stat(envoy, "router.usage_missing") == 0 and stat(envoy, "usage.reports") == 2
+
+
+def test_with_stream_usage_always_a_stream_without_usage_is_counted_missing(fleet_factory):
+    # The operator says the engines force usage into every stream; one that
+    # ends without it (an engine not so configured) is counted, never guessed.
+    fleet = fleet_factory({"probe": FAST_PROBE, "directory": {"stream_usage": "always"}})
+    envoy = fleet.envoy
+    msgs = [{"role": "user", "content": filler("usage-always", 400)}]
+    r = chat(fleet.port, msgs, stream=True, max_tokens=10)
+    assert r.status == 200 and b'"usage":{' not in r.body
+    wait_stat(envoy, "router.usage_missing", lambda v: v == 1)
+    assert stat(envoy, "usage.reports") == 0
