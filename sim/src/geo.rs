@@ -170,9 +170,12 @@ pub fn plugin_config(
             v
         })
         .collect();
+    // The simulated engines end every stream with a usage chunk, as vLLM
+    // with --enable-force-include-usage does: the operator says so.
     let mut doc = json!({
         "regions": regions,
         "tiers": {"trust_header": true},
+        "directory": {"stream_usage": "always"},
     });
     if let (Source::Prometheus { .. }, Value::Object(d)) = (source, &mut doc) {
         d.insert(
