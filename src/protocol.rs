@@ -69,6 +69,7 @@ pub enum Global {
     RouterResidencyRejected,
     RouterContextRejected,
     RouterOutcomeUnattributed,
+    RouterBodyWaitTimeout,
     LadderLevel,
     LadderLevelChangedUnixS,
     LadderCapacityRatioPct,
@@ -91,7 +92,7 @@ pub enum Global {
 }
 
 impl Global {
-    pub const ALL: [Global; 27] = [
+    pub const ALL: [Global; 28] = [
         Global::Arrivals,
         Global::GuardLevel,
         Global::GuardInvalidRequest,
@@ -100,6 +101,7 @@ impl Global {
         Global::RouterResidencyRejected,
         Global::RouterContextRejected,
         Global::RouterOutcomeUnattributed,
+        Global::RouterBodyWaitTimeout,
         Global::LadderLevel,
         Global::LadderLevelChangedUnixS,
         Global::LadderCapacityRatioPct,
@@ -132,6 +134,7 @@ impl Global {
             Global::RouterResidencyRejected => ("router.residency_rejected", Counter),
             Global::RouterContextRejected => ("router.context_rejected", Counter),
             Global::RouterOutcomeUnattributed => ("router.outcome_unattributed", Counter),
+            Global::RouterBodyWaitTimeout => ("router.body_wait_timeout", Counter),
             Global::LadderLevel => ("ladder.level", Gauge),
             Global::LadderLevelChangedUnixS => ("ladder.level_changed_unix_s", Gauge),
             Global::LadderCapacityRatioPct => ("ladder.capacity_ratio_pct", Gauge),

@@ -257,7 +257,8 @@ def clusters(ports: dict[str, int]) -> list[dict]:
 
 
 def assemble(flavour: str, ports: dict[str, int], admin_port: int, port: int, run_dir: Path | None,
-             plugin_override: dict | None = None, wasm_filters: bool = True) -> dict:
+             plugin_override: dict | None = None, wasm_filters: bool = True,
+             drop_allow_stop_iteration: bool = False) -> dict:
     """One Envoy bootstrap from the manifests. With run_dir, the filters are
     fetched over ECDS (from files, where Istio serves them over ADS);
     without, their configurations are inline (for --mode validate, which
@@ -275,6 +276,9 @@ def assemble(flavour: str, ports: dict[str, int], admin_port: int, port: int, ru
     for f in patches(name, "HTTP_FILTER") if wasm_filters else []:
         ref = f["patch"]["value"]
         tc = local_wasm(exts[ref["name"]]["typed_config"])
+        if drop_allow_stop_iteration:
+            # What istiod < 1.28 makes of the patch: the field discarded.
+            del tc["config"]["allow_on_headers_stop_iteration"]
         plugin_json(tc["config"])
         if run_dir is None:
             http_filters.append({"name": ref["name"], "typed_config": tc})
@@ -347,14 +351,17 @@ FAST_PROBE = {"probe": {"tick_ms": 300, "timeout_ms": 300, "snapshot_max_age_ms"
 FORGED = {"x-llm-cluster": "outbound|8000||far.llm.example.com", "x-llm-tier": "critical", "x-llm-kv-action": "fetch"}
 
 
-def start_istio_fleet(flavour: str, run_dir: Path, wasm_filters: bool = True) -> harness.Fleet:
+def start_istio_fleet(flavour: str, run_dir: Path, wasm_filters: bool = True, plugin_override: dict | None = None,
+                      drop_allow_stop_iteration: bool = False) -> harness.Fleet:
     fleet = harness.Fleet(run_dir)
     try:
         for n, (_, delay, mode) in {**harness.DEMO_REGIONS, **harness.FALLBACK_REGIONS}.items():
             engine = harness.start_engine(n, run_dir, delay, mode)
             (fleet.engines if n in harness.DEMO_REGIONS else fleet.fallbacks)[n] = engine
         ports = {n: e.port for n, e in {**fleet.engines, **fleet.fallbacks}.items()}
-        cfg = assemble(flavour, ports, harness.free_port(), harness.free_port(), run_dir, FAST_PROBE, wasm_filters)
+        cfg = assemble(flavour, ports, harness.free_port(), harness.free_port(), run_dir,
+                       harness.deep_merge(copy.deepcopy(FAST_PROBE), plugin_override or {}), wasm_filters,
+                       drop_allow_stop_iteration)
         fleet.envoys.append(harness.start_envoy(run_dir, cfg, name=f"envoy-{flavour}"))
         fleet.wait_snapshot(fleet.envoy)
     except Exception:
@@ -398,6 +405,59 @@ def test_without_the_filters_the_fallback_route_and_early_mutation_hold(flavour,
             assert r.replica == "near", r.headers
             for h in ("x-llm-cluster", "x-llm-tier", "x-llm-kv-action"):
                 assert r.headers[f"x-echo-{h}"] == "-", (h, r.headers)
+    finally:
+        fleet.stop()
+
+
+MISSING_FIELD = "allow_on_headers_stop_iteration"
+
+
+@pytest.mark.parametrize("on_timeout", ["pass_through", "reject"])
+def test_body_wait_guard_without_allow_on_headers_stop_iteration(on_timeout, run_dir):
+    """The manifests' filters as istiod < 1.28 delivers them: without
+    allow_on_headers_stop_iteration, Envoy stops the whole stream when the
+    router pauses for the body and never delivers it. The router's root
+    tick expires the pause after body_wait.timeout_ms, logs the
+    misconfiguration once naming the field, and lets the request through
+    unrouted (the fallback route) or answers 503, as body_wait.on_timeout
+    says. No trap: the resumed stream's headers are not touched again."""
+    timeout_ms = 400
+    fleet = start_istio_fleet("gateway", run_dir, plugin_override={
+        "body_wait": {"timeout_ms": timeout_ms, "on_timeout": on_timeout}}, drop_allow_stop_iteration=True)
+    try:
+        for i in range(3):
+            r = chat(fleet.port, [{"role": "user", "content": f"no allow {i}"}], timeout=10)
+            # Not before the bound, and well before any stream timeout.
+            assert timeout_ms * 0.9 <= r.total_ms < timeout_ms + 2000, r.total_ms
+            if on_timeout == "pass_through":
+                # Unrouted: the fallback route to the nearest region, no
+                # decision header, no cluster header upstream.
+                assert r.status == 200, r.body[:300]
+                assert r.replica == "near" and "x-llm-route" not in r.headers, r.headers
+            else:
+                assert r.status == 503, r.body[:300]
+                assert r.json()["error"]["code"] == "body_wait_timeout"
+        log = fleet.envoy.log()
+        lines = [l for l in log.splitlines() if "MISCONFIGURED" in l]
+        # Once per worker (concurrency 2), naming the field.
+        assert 1 <= len(lines) <= 2, lines
+        assert all(MISSING_FIELD in l for l in lines)
+        assert fleet.envoy.stat("wasmcustom.llm_geo_router.router.body_wait_timeout") == 3
+        assert not harness.traps(fleet.envoy)
+    finally:
+        fleet.stop()
+
+
+def test_without_the_guard_the_misconfigured_router_hangs(run_dir):
+    """What the guard prevents (and what makes the test above fail-able):
+    with body_wait.timeout_ms 0 the same request gets no answer."""
+    fleet = start_istio_fleet("gateway", run_dir, plugin_override={"body_wait": {"timeout_ms": 0}},
+                              drop_allow_stop_iteration=True)
+    try:
+        with pytest.raises(TimeoutError):
+            chat(fleet.port, [{"role": "user", "content": "hangs"}], timeout=3)
+        assert "MISCONFIGURED" not in fleet.envoy.log()
+        # With the field, the same Envoy answers at once.
     finally:
         fleet.stop()
 
