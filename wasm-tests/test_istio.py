@@ -314,6 +314,19 @@ def test_install_doc_names_what_the_manifests_use():
     assert harness.WASM.stat().st_size > 256 * 1024  # why apply would fail
 
 
+def test_every_route_to_an_engine_removes_the_internal_headers():
+    """The cluster_header routes and the VirtualService's fallback route
+    forward none of the plugin's internal headers."""
+    for flavour, (name, routing, _) in FLAVOURS.items():
+        for p in patches(name, "HTTP_ROUTE"):
+            assert sorted(p["patch"]["value"]["request_headers_to_remove"]) == sorted(INTERNAL_HEADERS), flavour
+            assert p["patch"]["value"]["route"]["auto_host_rewrite"] is True, flavour
+        vs = next(d for d in docs(routing) if d["kind"] == "VirtualService")
+        for h in vs["spec"]["http"]:
+            if "route" in h:
+                assert sorted(h["headers"]["request"]["remove"]) == sorted(INTERNAL_HEADERS), (flavour, h["name"])
+
+
 def test_no_outlier_detection_on_the_region_clusters():
     # It would move the probe's health callouts to the failover endpoints
     # and hide a lost region (docs/OPERATIONS.md, "Losing a region").
@@ -370,9 +383,13 @@ def vs_routes(routing: str) -> list[dict]:
         else:
             (m,) = h["match"]
             dest = h["route"][0]["destination"]
-            out.append({"name": h["name"], "match": {"prefix": m["uri"]["prefix"]},
-                        "route": {"cluster": f"outbound|{dest['port']['number']}||{dest['host']}",
-                                  "timeout": h["timeout"]}})
+            r = {"name": h["name"], "match": {"prefix": m["uri"]["prefix"]},
+                 "route": {"cluster": f"outbound|{dest['port']['number']}||{dest['host']}",
+                           "timeout": h["timeout"]}}
+            if "headers" in h:
+                assert set(h["headers"]) == {"request"} and set(h["headers"]["request"]) == {"remove"}
+                r["request_headers_to_remove"] = h["headers"]["request"]["remove"]
+            out.append(r)
     return out
 
 
