@@ -96,17 +96,22 @@ impl BodyWait {
     }
 
     /// The log line for the first expiry (then `None`: logged once).
-    pub fn warning(&mut self, timeout_ms: u64, action: BodyWaitAction) -> Option<String> {
+    pub fn warning(
+        &mut self,
+        role: &str,
+        timeout_ms: u64,
+        action: BodyWaitAction,
+    ) -> Option<String> {
         if self.warned {
             return None;
         }
         self.warned = true;
-        Some(warning(timeout_ms, action))
+        Some(warning(role, timeout_ms, action))
     }
 }
 
 /// The misconfiguration, named for the operator who reads Envoy's log.
-pub fn warning(timeout_ms: u64, action: BodyWaitAction) -> String {
+pub fn warning(role: &str, timeout_ms: u64, action: BodyWaitAction) -> String {
     let then = match action {
         BodyWaitAction::PassThrough => {
             "passing such requests through unrouted after the wait (body_wait.on_timeout pass_through)"
@@ -116,11 +121,11 @@ pub fn warning(timeout_ms: u64, action: BodyWaitAction) -> String {
         }
     };
     format!(
-        "llm-geo-router router: MISCONFIGURED: a request paused for its body got none within {timeout_ms} ms. \
-         The router's Wasm filter config most likely lacks allow_on_headers_stop_iteration: true, so Envoy stops \
+        "llm-geo-router {role}: MISCONFIGURED: a request paused for its body got none within {timeout_ms} ms. \
+         The {role}'s Wasm filter config most likely lacks allow_on_headers_stop_iteration: true, so Envoy stops \
          the whole stream and never delivers the body (Istio before 1.28 drops that field from EnvoyFilter \
          patches; check with istioctl proxy-config ecds <pod> -o json). {then}; counted in \
-         llm_geo_router.router.body_wait_timeout. Logged once per worker."
+         llm_geo_router.{role}.body_wait_timeout. Logged once per worker."
     )
 }
 
@@ -187,11 +192,12 @@ mod tests {
     #[test]
     fn warns_once_naming_the_field() {
         let mut w = BodyWait::new();
-        let first = w.warning(1000, BodyWaitAction::PassThrough);
+        let first = w.warning("router", 1000, BodyWaitAction::PassThrough);
         assert!(first
             .as_deref()
-            .is_some_and(|m| m.contains("allow_on_headers_stop_iteration")));
-        assert!(w.warning(1000, BodyWaitAction::Reject).is_none());
+            .is_some_and(|m| m.contains("allow_on_headers_stop_iteration")
+                && m.contains("router.body_wait_timeout")));
+        assert!(w.warning("router", 1000, BodyWaitAction::Reject).is_none());
         let r = reply();
         assert_eq!(r.status, 503);
         assert!(String::from_utf8_lossy(&r.body).contains("body_wait_timeout"));

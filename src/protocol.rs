@@ -64,6 +64,7 @@ pub enum Global {
     Arrivals,
     GuardLevel,
     GuardInvalidRequest,
+    GuardBodyWaitTimeout,
     RouterInvalidRequest,
     RouterPassthrough,
     RouterResidencyRejected,
@@ -92,10 +93,11 @@ pub enum Global {
 }
 
 impl Global {
-    pub const ALL: [Global; 28] = [
+    pub const ALL: [Global; 29] = [
         Global::Arrivals,
         Global::GuardLevel,
         Global::GuardInvalidRequest,
+        Global::GuardBodyWaitTimeout,
         Global::RouterInvalidRequest,
         Global::RouterPassthrough,
         Global::RouterResidencyRejected,
@@ -129,6 +131,7 @@ impl Global {
             Global::Arrivals => ("arrivals", Counter),
             Global::GuardLevel => ("guard.level", Gauge),
             Global::GuardInvalidRequest => ("guard.invalid_request", Counter),
+            Global::GuardBodyWaitTimeout => ("guard.body_wait_timeout", Counter),
             Global::RouterInvalidRequest => ("router.invalid_request", Counter),
             Global::RouterPassthrough => ("router.passthrough", Counter),
             Global::RouterResidencyRejected => ("router.residency_rejected", Counter),

@@ -692,6 +692,32 @@ def test_body_wait_guard_without_allow_on_headers_stop_iteration(on_timeout, run
         fleet.stop()
 
 
+def test_body_wait_guard_covers_the_guard_filter_when_a_level_caps_the_tier(run_dir):
+    """At ladder level 3 the guard caps free requests' output tokens, so it
+    too pauses for the body: without the field it waits the bound, says so
+    once naming the field, resumes the request, and the router (which then
+    pauses the same way) does the same: the request passes unrouted after
+    about two bounds instead of hanging."""
+    timeout_ms = 400
+    fleet = start_istio_fleet("gateway", run_dir, plugin_override={
+        "ladder": {"forced_level": 3}, "body_wait": {"timeout_ms": timeout_ms}}, drop_allow_stop_iteration=True)
+    try:
+        assert fleet.envoy.stat("wasmcustom.llm_geo_router.ladder.level") == 3
+        for i in range(2):
+            r = chat(fleet.port, [{"role": "user", "content": f"capped, no allow {i}"}], timeout=10)
+            assert r.status == 200, r.body[:300]
+            assert r.replica == "near" and "x-llm-route" not in r.headers, r.headers
+            assert 2 * timeout_ms * 0.9 <= r.total_ms < 2 * timeout_ms + 3000, r.total_ms
+        log = fleet.envoy.log()
+        for role in ("guard", "router"):
+            lines = [l for l in log.splitlines() if f"llm-geo-router {role}: MISCONFIGURED" in l]
+            assert 1 <= len(lines) <= 2 and all(MISSING_FIELD in l for l in lines), (role, lines)
+            assert fleet.envoy.stat(f"wasmcustom.llm_geo_router.{role}.body_wait_timeout") == 2
+        assert not harness.traps(fleet.envoy)
+    finally:
+        fleet.stop()
+
+
 def test_without_the_guard_the_misconfigured_router_hangs(run_dir):
     """What the guard prevents (and what makes the test above fail-able):
     with body_wait.timeout_ms 0 the same request gets no answer."""
