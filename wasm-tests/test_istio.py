@@ -19,6 +19,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -713,6 +714,32 @@ def test_body_wait_guard_covers_the_guard_filter_when_a_level_caps_the_tier(run_
             lines = [l for l in log.splitlines() if f"llm-geo-router {role}: MISCONFIGURED" in l]
             assert 1 <= len(lines) <= 2 and all(MISSING_FIELD in l for l in lines), (role, lines)
             assert fleet.envoy.stat(f"wasmcustom.llm_geo_router.{role}.body_wait_timeout") == 2
+        assert not harness.traps(fleet.envoy)
+    finally:
+        fleet.stop()
+
+
+def test_body_wait_with_the_field_only_trips_on_a_client_that_withholds_its_body(run_dir):
+    """The guard's false positive, with the field set: a client that sends
+    its headers, then nothing for longer than the bound, is let through
+    unrouted (no trap: the resumed stream's headers are not touched), and
+    a client that sends at once is routed with no count."""
+    import socket
+    timeout_ms = 400
+    fleet = start_istio_fleet("gateway", run_dir, plugin_override={"body_wait": {"timeout_ms": timeout_ms}})
+    try:
+        r = chat(fleet.port, [{"role": "user", "content": "prompt at once"}], timeout=10)
+        assert r.status == 200 and r.route["region"] == "near", r.headers
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "late body"}], "max_tokens": 4})
+        with socket.create_connection(("127.0.0.1", fleet.port), timeout=10) as sock:
+            sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nhost: llm.example.com\r\n"
+                          f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode())
+            time.sleep(timeout_ms * 2 / 1000)
+            sock.sendall(body.encode())
+            head = sock.recv(65536).decode(errors="replace")
+        assert head.startswith("HTTP/1.1 200"), head[:300]
+        assert "x-engine-replica: near" in head.lower() and "x-llm-route" not in head.lower(), head[:600]
+        assert fleet.envoy.stat("wasmcustom.llm_geo_router.router.body_wait_timeout") == 1
         assert not harness.traps(fleet.envoy)
     finally:
         fleet.stop()
