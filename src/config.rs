@@ -82,6 +82,8 @@ pub struct Config {
     pub responses: ResponsesConfig,
     #[serde(default)]
     pub prometheus: PrometheusConfig,
+    #[serde(default)]
+    pub body_wait: BodyWaitConfig,
     /// What to do with a request to an inference path whose body is not a
     /// valid request: `reject` (400, OpenAI error JSON) or `pass_through`
     /// (send it untouched to the default region and let the engine answer).
@@ -478,6 +480,38 @@ impl Default for ContextConfig {
             refresh_ticks: 60,
         }
     }
+}
+
+/// The router's guard against a pause on the request headers that never
+/// ends: Envoy without `allow_on_headers_stop_iteration` on the filter never
+/// delivers the body (src/bodywait.rs).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct BodyWaitConfig {
+    /// How long (ms) a request may stay paused on its headers with no body
+    /// callback before the router acts; 0 disables the guard.
+    pub timeout_ms: u64,
+    /// What the router then does: `pass_through` (resume the request
+    /// unrouted: Envoy's route without the cluster header, the nearest
+    /// region, as when the VM fails open) or `reject` it (503).
+    pub on_timeout: BodyWaitAction,
+}
+
+impl Default for BodyWaitConfig {
+    fn default() -> Self {
+        BodyWaitConfig {
+            timeout_ms: 1000,
+            on_timeout: BodyWaitAction::PassThrough,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum BodyWaitAction {
+    #[default]
+    PassThrough,
+    Reject,
 }
 
 /// The Responses API's stored responses (docs/ROUTING.md, "Endpoints").
@@ -988,6 +1022,12 @@ impl Config {
             return Err(ConfigError::new(
                 "cost.congestion_cap",
                 format!("{cap} must be within 0..=0.95"),
+            ));
+        }
+        if self.body_wait.timeout_ms > 60_000 {
+            return Err(ConfigError::new(
+                "body_wait.timeout_ms",
+                format!("{} must be within 0..=60000", self.body_wait.timeout_ms),
             ));
         }
         let m = self.context.margin;

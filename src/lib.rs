@@ -8,6 +8,7 @@
 //! talks to `proxy_wasm`.
 
 pub mod assess;
+pub mod bodywait;
 pub mod calibration;
 pub mod config;
 pub mod context;

@@ -52,6 +52,7 @@ fn places() -> Vec<(&'static str, String)> {
         ("context.", with(r#""context":{"zz_unknown":1}"#)),
         ("responses.", with(r#""responses":{"zz_unknown":1}"#)),
         ("prometheus.", with(r#""prometheus":{"zz_unknown":1}"#)),
+        ("body_wait.", with(r#""body_wait":{"zz_unknown":1}"#)),
     ]
 }
 

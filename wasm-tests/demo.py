@@ -208,8 +208,10 @@ def scene_spoof(fleet: Fleet) -> None:
                   headers={"x-llm-cluster": "region_far"}))
     expect_route(r, "spoofed cluster header", "near", "rtt")
     seen = r.headers.get("x-echo-x-llm-cluster")
-    note(f"the engine received x-llm-cluster: {seen!r} (set by the router)")
-    check(seen == "region_near", f"the engine saw x-llm-cluster {seen!r}, expected 'region_near'")
+    note(f"served by {r.headers.get('x-engine-replica')!r}; the engine received x-llm-cluster: {seen!r} "
+         "(the route removes the router's internal headers upstream)")
+    check(r.headers.get("x-engine-replica") == "near", f"served by {r.headers.get('x-engine-replica')!r}, expected near")
+    check(seen == "-", f"the engine saw x-llm-cluster {seen!r}, expected none")
 
 
 def scene_responses(fleet: Fleet) -> None:

@@ -656,7 +656,10 @@ def check_passthrough(c: Case, r: Resp) -> str | None:
     m = UNREAD_ROUTE.match(r.headers.get("x-llm-route", ""))
     if not m or m.group(2) not in ("rtt", "load", "spread", "draw", "pin"):
         return f"decision {r.headers.get('x-llm-route')!r}"
-    if not engine_answered(r) or r.headers.get("x-echo-x-llm-cluster") != f"region_{m.group(1)}":
+    # The engine names itself on its 200s (its error answers do not); the
+    # cluster header is removed before the upstream, so the echo is "-".
+    replica = re.sub(r"-\d+$", "", r.headers.get("x-engine-replica", m.group(1)))
+    if not engine_answered(r) or replica != m.group(1) or r.headers.get("x-echo-x-llm-cluster") != "-":
         return f"expected the engine at region_{m.group(1)}, got {r.status} {r.headers}"
     return None
 

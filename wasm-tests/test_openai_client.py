@@ -8,6 +8,7 @@ default region is unhealthy; and the client's own retry of a 429 with
 `Retry-After` from the guard. Probe tick 300 ms."""
 
 import asyncio
+import re
 import threading
 import time
 
@@ -35,8 +36,15 @@ def route(raw) -> dict:
 
 
 def served_by(raw) -> str:
-    """The region whose engine answered (the emulator echoes the cluster)."""
-    return raw.headers["x-echo-x-llm-cluster"].removeprefix("region_")
+    """The region whose engine answered: the emulator names itself on
+    completions (a region's replicas are <region>-<n>); embeddings and
+    model lists name no replica, and x-llm-cluster is no longer forwarded
+    for the engine to echo, so for those the router's decision says."""
+    replica = raw.headers.get("x-engine-replica")
+    if replica is None:
+        assert raw.headers["x-echo-x-llm-cluster"] == "-"  # an engine answered
+        return route(raw)["region"]
+    return re.sub(r"-\d+$", "", replica)
 
 
 def set_health(fleet, name: str, healthy: bool) -> None:

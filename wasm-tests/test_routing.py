@@ -115,13 +115,22 @@ def test_client_cannot_choose_the_cluster(fleet):
     r = chat(fleet.port, [{"role": "user", "content": filler("pick-far", 500)}],
              headers={"x-llm-cluster": "region_far"})
     assert r.status == 200
-    assert r.replica == "near"
-    # What the engine received is the router's value, not the client's.
-    assert r.headers["x-echo-x-llm-cluster"] == "region_near"
-    # Also for requests the router does not understand.
+    assert r.replica == "near" and r.route["region"] == "near"
+    # The cluster header is internal: the engine receives neither the
+    # client's value nor the router's.
+    assert r.headers["x-echo-x-llm-cluster"] == "-"
+    # Also for requests the router does not understand (their answers name
+    # no replica: the engines' request counts show where it went; far's
+    # probe may read /v1/models too, but only every refresh_ticks ticks).
+    def models_served():
+        return {n: e.stats()["requests"].get("/v1/models", 0) for n, e in fleet.engines.items()}
+    before = models_served()
     r = harness.request(fleet.port, "GET", "/v1/models", headers={"x-llm-cluster": "region_far"})
+    after = models_served()
     assert r.status == 200
-    assert r.headers["x-echo-x-llm-cluster"] == "region_near"
+    assert r.route["region"] == "near"
+    assert r.headers["x-echo-x-llm-cluster"] == "-"
+    assert after["near"] > before["near"] and after["far"] == before["far"], (before, after)
 
 
 def test_killed_region_is_not_routed_to_once_detected_and_loses_no_request(fleet):

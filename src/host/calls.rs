@@ -102,6 +102,17 @@ pub fn send_response(status: u32, headers: &[(&str, &str)], body: &[u8]) {
     let _ = hostcalls::send_http_response(status, headers.to_vec(), Some(body));
 }
 
+/// Make context `id` (an HTTP context of this VM) the one the next host
+/// calls act on; false if the host knows no such context (it ended).
+pub fn set_effective_context(id: u32) -> bool {
+    hostcalls::set_effective_context(id).is_ok()
+}
+
+/// Resume the effective context's paused request.
+pub fn resume_request() -> bool {
+    hostcalls::resume_http_request().is_ok()
+}
+
 /// Re-evaluate the route after changing the header it selects on.
 pub fn clear_route_cache() {
     let _ = hostcalls::call_foreign_function("clear_route_cache", None);

@@ -14,10 +14,12 @@ use std::rc::Rc;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 
-use crate::config::Config;
+use crate::bodywait::{self, BodyWait};
+use crate::config::{BodyWaitAction, BodyWaitConfig, Config};
+use crate::effects::Effects;
 use crate::guard::{Guard, GuardStream};
 use crate::probe::Probe;
-use crate::protocol::OBSERVATIONS_QUEUE;
+use crate::protocol::{Global, Stat, OBSERVATIONS_QUEUE};
 use crate::router::{RouterShared, RouterStream};
 use crate::stream::Flow;
 use crate::view::View;
@@ -49,12 +51,17 @@ enum Role {
 struct GuardRoot {
     guard: Guard,
     stats: Stats,
+    body_wait: BodyWaitConfig,
+    /// This worker's requests paused on their headers for the body.
+    waits: RefCell<BodyWait>,
 }
 
 struct RouterRoot {
     shared: RouterShared,
     stats: Stats,
     queue: Queue,
+    /// This worker's requests paused on their headers for the body.
+    waits: RefCell<BodyWait>,
 }
 
 struct ProbeRoot {
@@ -168,18 +175,36 @@ impl RootContext for Root {
                 }
                 State::Probe(Box::new(root))
             }
-            Role::Guard => State::Guard(Rc::new(GuardRoot {
-                guard: Guard::new(config, calls::now_ms()),
-                stats,
-            })),
-            Role::Router => State::Router(Rc::new(RouterRoot {
-                shared: RouterShared::new(config),
-                stats,
-                queue: Queue {
-                    vm_id,
-                    ..Queue::default()
-                },
-            })),
+            Role::Guard => {
+                let body_wait = config.body_wait.clone();
+                let tick = bodywait::tick_ms(body_wait.timeout_ms);
+                if tick > 0 {
+                    calls::set_tick_ms(tick);
+                }
+                State::Guard(Rc::new(GuardRoot {
+                    guard: Guard::new(config, calls::now_ms()),
+                    stats,
+                    body_wait,
+                    waits: RefCell::new(BodyWait::new()),
+                }))
+            }
+            Role::Router => {
+                // HTTP contexts have no timers: the root's tick expires
+                // the requests paused too long for their body.
+                let tick = bodywait::tick_ms(config.body_wait.timeout_ms);
+                if tick > 0 {
+                    calls::set_tick_ms(tick);
+                }
+                State::Router(Rc::new(RouterRoot {
+                    shared: RouterShared::new(config),
+                    stats,
+                    queue: Queue {
+                        vm_id,
+                        ..Queue::default()
+                    },
+                    waits: RefCell::new(BodyWait::new()),
+                }))
+            }
         };
         log(
             LogLevel::Info,
@@ -193,10 +218,29 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        if let State::Probe(p) = &mut self.state {
-            let mut host = Host::new(&p.stats);
-            host.queue = Some(&p.queue);
-            p.probe.on_tick(&mut host);
+        match &mut self.state {
+            State::Probe(p) => {
+                let mut host = Host::new(&p.stats);
+                host.queue = Some(&p.queue);
+                p.probe.on_tick(&mut host);
+            }
+            State::Router(r) => expire_body_waits(
+                "router",
+                &r.waits,
+                &r.shared.cfg.body_wait,
+                &r.stats,
+                Global::RouterBodyWaitTimeout,
+                self.context_id,
+            ),
+            State::Guard(g) => expire_body_waits(
+                "guard",
+                &g.waits,
+                &g.body_wait,
+                &g.stats,
+                Global::GuardBodyWaitTimeout,
+                self.context_id,
+            ),
+            State::Unconfigured => {}
         }
     }
 
@@ -209,13 +253,15 @@ impl RootContext for Root {
         }
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(match &self.state {
             State::Guard(g) => Box::new(GuardFilter {
+                id: context_id,
                 root: g.clone(),
                 stream: GuardStream::new(),
             }),
             State::Router(r) => Box::new(RouterFilter {
+                id: context_id,
                 root: r.clone(),
                 stream: RouterStream::new(),
             }),
@@ -230,6 +276,51 @@ fn role_name(role: Role) -> &'static str {
         Role::Guard => "guard",
         Role::Router => "router",
     }
+}
+
+/// A filter's requests paused longer than `body_wait.timeout_ms` with no
+/// body callback: log the misconfiguration once, count each, and resume or
+/// answer it through its own context (the host defers the action until this
+/// callback returns).
+fn expire_body_waits(
+    role: &str,
+    waits: &RefCell<BodyWait>,
+    cfg: &BodyWaitConfig,
+    stats: &Stats,
+    stat: Global,
+    root_id: u32,
+) {
+    if waits.borrow().is_empty() {
+        return;
+    }
+    let expired = waits.borrow_mut().expire(calls::now_ms(), cfg.timeout_ms);
+    if expired.is_empty() {
+        return;
+    }
+    if let Some(msg) = waits
+        .borrow_mut()
+        .warning(role, cfg.timeout_ms, cfg.on_timeout)
+    {
+        log(LogLevel::Critical, &msg);
+    }
+    let mut host = Host::new(stats);
+    for id in expired {
+        if !calls::set_effective_context(id) {
+            continue;
+        }
+        host.count(Stat::Global(stat), 1);
+        match cfg.on_timeout {
+            BodyWaitAction::PassThrough => {
+                if calls::resume_request() {
+                    waits.borrow_mut().resumed(id);
+                }
+            }
+            BodyWaitAction::Reject => {
+                act(Flow::Reply(bodywait::reply()));
+            }
+        }
+    }
+    calls::set_effective_context(root_id);
 }
 
 /// The body once complete, if the stream wants it; else what to tell Envoy
@@ -257,11 +348,21 @@ fn act(flow: Flow) -> Action {
 }
 
 struct GuardFilter {
+    id: u32,
     root: Rc<GuardRoot>,
     stream: GuardStream,
 }
 
 impl Context for GuardFilter {}
+
+impl Drop for GuardFilter {
+    fn drop(&mut self) {
+        // The request ended (no on_log here: the guard needs none).
+        if let Ok(mut waits) = self.root.waits.try_borrow_mut() {
+            waits.done(self.id);
+        }
+    }
+}
 
 impl HttpContext for GuardFilter {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
@@ -274,10 +375,24 @@ impl HttpContext for GuardFilter {
                 end_of_stream,
             )
         });
+        if matches!(flow, Flow::Pause) {
+            self.root
+                .waits
+                .borrow_mut()
+                .paused(self.id, calls::now_ms());
+        }
         act(flow)
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        // As in the router: a request the guard's tick resumed is not
+        // touched again (its headers are no longer readable).
+        let mut waits = self.root.waits.borrow_mut();
+        waits.arrived(self.id);
+        if waits.was_resumed(self.id) {
+            return Action::Continue;
+        }
+        drop(waits);
         let body = match complete_body(self.stream.wants_body(), body_size, end_of_stream) {
             Ok(body) => body,
             Err(action) => return action,
@@ -291,6 +406,7 @@ impl HttpContext for GuardFilter {
 }
 
 struct RouterFilter {
+    id: u32,
     root: Rc<RouterRoot>,
     stream: RouterStream,
 }
@@ -310,10 +426,22 @@ impl HttpContext for RouterFilter {
                 end_of_stream,
             )
         });
+        if matches!(flow, Flow::Pause) {
+            root.waits.borrow_mut().paused(self.id, calls::now_ms());
+        }
         act(flow)
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        // Envoy delivers the body: the pause was honoured as StopIteration,
+        // or the guard resumed the request, whose headers the filter can no
+        // longer read or set (it goes on unrouted).
+        let mut waits = self.root.waits.borrow_mut();
+        waits.arrived(self.id);
+        if waits.was_resumed(self.id) {
+            return Action::Continue;
+        }
+        drop(waits);
         let body = match complete_body(self.stream.wants_body(), body_size, end_of_stream) {
             Ok(body) => body,
             Err(action) => return action,
@@ -347,6 +475,7 @@ impl HttpContext for RouterFilter {
     }
 
     fn on_log(&mut self) {
+        self.root.waits.borrow_mut().done(self.id);
         let root = self.root.clone();
         let mut host = Host::new(&root.stats);
         host.queue = Some(&root.queue);
