@@ -57,10 +57,16 @@ def test_three_replicas_share_near_and_prometheus_sums_their_load(fleet_factory)
     path = "/v1/chat/completions"
     before = {e.name: e.stats()["requests"].get(path, 0) for e in near}
     served = Counter()
-    for i in range(9):
+    # Cold prompts go to near, the nearest, unless one RTT sample of a
+    # loaded machine makes mid look as close: count near's nine.
+    for i in range(40):
         r = chat(fleet.port, [{"role": "user", "content": f"spread {i}"}])
-        assert r.status == 200 and r.route.get("region") == "near", (r.status, r.route)
-        served[r.replica] += 1
+        assert r.status == 200, (r.status, r.route)
+        if r.route.get("region") == "near":
+            served[r.replica] += 1
+        if sum(served.values()) == 9:
+            break
+    assert sum(served.values()) == 9, served
     assert set(served) == set(NEAR), served
     assert {e.name: e.stats()["requests"].get(path, 0) - before[e.name] for e in near} == served
 
