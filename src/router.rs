@@ -35,6 +35,26 @@ pub struct RouterShared {
 }
 
 impl RouterShared {
+    /// What this Envoy knows about a request besides the snapshot: its
+    /// in-flight requests per region (read into the reused buffer) and the
+    /// residency header's value, if configured and sent.
+    fn local_inputs(
+        &self,
+        host: &mut dyn StreamHost,
+    ) -> (std::cell::RefMut<'_, Vec<f64>>, Option<String>) {
+        let mut inflight = self.inflight.borrow_mut();
+        for (i, v) in inflight.iter_mut().enumerate() {
+            *v = host.stat(Stat::Region(i, RegionStat::RqActive)) as f64;
+        }
+        let residency = self
+            .cfg
+            .residency
+            .header
+            .as_deref()
+            .and_then(|h| host.request_header(h));
+        (inflight, residency)
+    }
+
     pub fn new(cfg: Rc<Config>) -> RouterShared {
         RouterShared {
             router: Router::new(&cfg),
@@ -148,15 +168,7 @@ impl RouterStream {
         let cfg = &*shared.cfg;
         let now = host.now_ms();
         let fresh = view.current(cfg, host, now);
-        let mut inflight = shared.inflight.borrow_mut();
-        for (i, v) in inflight.iter_mut().enumerate() {
-            *v = host.stat(Stat::Region(i, RegionStat::RqActive)) as f64;
-        }
-        let residency = cfg
-            .residency
-            .header
-            .as_deref()
-            .and_then(|h| host.request_header(h));
+        let (inflight, residency) = shared.local_inputs(host);
         let session = host.request_header(&cfg.headers.session);
         let inputs = RouteInputs {
             endpoint,
@@ -294,15 +306,7 @@ impl RouterStream {
         host.count(Stat::Global(Global::RouterPassthrough), 1);
         let now = host.now_ms();
         let fresh = view.current(cfg, host, now);
-        let mut inflight = shared.inflight.borrow_mut();
-        for (i, v) in inflight.iter_mut().enumerate() {
-            *v = host.stat(Stat::Region(i, RegionStat::RqActive)) as f64;
-        }
-        let residency = cfg
-            .residency
-            .header
-            .as_deref()
-            .and_then(|h| host.request_header(h));
+        let (inflight, residency) = shared.local_inputs(host);
         let inputs = UnreadInputs {
             residency: residency.as_deref(),
             snapshot: fresh.as_ref().map(|f| &*f.snapshot),
