@@ -57,6 +57,17 @@ FALLBACK_REGIONS = {
 ALL_ENGINES = {**DEMO_REGIONS, **FALLBACK_REGIONS}
 
 
+def terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 10 s, if it still runs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -222,13 +233,7 @@ class Envoy:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        terminate(self.proc)
 
 
 def static_cluster(name: str, port: int) -> dict:
@@ -460,13 +465,7 @@ class Prometheus:
         raise RuntimeError(f"prometheus targets not all up after {timeout} s: {up}; see {self.log_path}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        terminate(self.proc)
 
 
 def start_prometheus(run_dir: Path, targets: dict[str, list], scrape_interval: str = "1s",

@@ -58,6 +58,25 @@ fn s(p: &Path) -> &str {
 }
 
 /// Scenario d (an outage, sessions, tiers) cut to its first `n` requests.
+/// `simulate --json` of the geo-router and least-request per client
+/// region on `fleet` and `trace`, with `extra` arguments.
+fn geo_and_least_request(fleet: &Path, trace: &Path, extra: &[&str]) -> Value {
+    let mut args = vec![
+        "simulate",
+        "--fleet",
+        s(fleet),
+        "--trace",
+        s(trace),
+        "--policy",
+        "geo-router,least-request",
+        "--deployment",
+        "per-client-region",
+        "--json",
+    ];
+    args.extend(extra);
+    serde_json::from_str(&ok(&args)).unwrap()
+}
+
 fn tiny(dir: &Path, n: usize) -> (PathBuf, PathBuf) {
     ok(&[
         "generate",
@@ -496,22 +515,7 @@ fn bad_inputs_are_refused_with_what_to_fix() {
 fn proxies_and_rate_scale() {
     let dir = scratch("proxies");
     let (fleet, trace) = tiny(&dir, 80);
-    let json = |extra: &[&str]| -> Value {
-        let mut args = vec![
-            "simulate",
-            "--fleet",
-            s(&fleet),
-            "--trace",
-            s(&trace),
-            "--policy",
-            "geo-router,least-request",
-            "--deployment",
-            "per-client-region",
-            "--json",
-        ];
-        args.extend(extra);
-        serde_json::from_str(&ok(&args)).unwrap()
-    };
+    let json = |extra: &[&str]| geo_and_least_request(&fleet, &trace, extra);
     let one = json(&[]);
     let four = json(&["--proxies", "4"]);
     let geo = |v: &Value| v["policies"]["geo-router"].clone();
@@ -564,22 +568,7 @@ fn proxies_and_rate_scale() {
 fn replicas_and_load_sources() {
     let dir = scratch("replicas");
     let (fleet, trace) = tiny(&dir, 80);
-    let json = |extra: &[&str]| -> Value {
-        let mut args = vec![
-            "simulate",
-            "--fleet",
-            s(&fleet),
-            "--trace",
-            s(&trace),
-            "--policy",
-            "geo-router,least-request",
-            "--deployment",
-            "per-client-region",
-            "--json",
-        ];
-        args.extend(extra);
-        serde_json::from_str(&ok(&args)).unwrap()
-    };
+    let json = |extra: &[&str]| geo_and_least_request(&fleet, &trace, extra);
     let geo = |v: &Value| v["policies"]["geo-router"].clone();
     let one = json(&[]);
     // One replica per region: as before, whatever the scrape's slots.
