@@ -204,7 +204,15 @@ impl Tuner {
             prefill = configured
                 .iter()
                 .enumerate()
-                .map(|(r, &rate0)| self.fit_prefill(r, rate0, weights))
+                .map(|(r, &rate0)| {
+                    // A region with too little evidence of its own takes the
+                    // rate the whole window shows (the regions serve the same
+                    // model), shrunk towards its configured rate: better
+                    // than the configured guess alone, which a region seldom
+                    // chosen would otherwise keep.
+                    self.fit_prefill(Some(r), rate0, weights)
+                        .or_else(|| self.fit_prefill(None, rate0, weights))
+                })
                 .collect();
             weights = self.fit_weights(cfg, prior, configured, &prefill)?;
         }
@@ -267,12 +275,19 @@ impl Tuner {
         ))
     }
 
-    fn fit_prefill(&self, region: usize, rate0: f64, (w_rtt, w_queue): (f64, f64)) -> Option<f64> {
+    /// The prefill rate `region`'s observations show (every region's with
+    /// `None`), shrunk towards `rate0`; `None` below `MIN_REGION_SAMPLES`.
+    fn fit_prefill(
+        &self,
+        region: Option<usize>,
+        rate0: f64,
+        (w_rtt, w_queue): (f64, f64),
+    ) -> Option<f64> {
         let (mut suy, mut suu, mut n) = (0.0, 0.0, 0usize);
         for o in self
             .window
             .iter()
-            .filter(|o| usize::from(o.region) == region)
+            .filter(|o| region.is_none_or(|r| usize::from(o.region) == r))
         {
             if o.uncached_tokens < MIN_UNCACHED_TOKENS {
                 continue;
@@ -356,6 +371,26 @@ mod tests {
         assert!((r1 - 0.1).abs() < 0.02, "{r1}");
         assert!(fit.w_queue > 1.5, "{}", fit.w_queue);
         assert!((fit.w_rtt - 1.0).abs() < 0.5, "{}", fit.w_rtt);
+    }
+
+    #[test]
+    fn a_region_with_little_evidence_takes_the_fleets_rate() {
+        // The configured rate (0.1) is a guess; every engine prefills at
+        // 0.05 ms/token. Region 0 has plenty of observations, region 1 three,
+        // region 2 none: both take what the window shows, not the guess.
+        let cfg = TuningConfig::default();
+        let mut t = Tuner::new(&cfg);
+        for i in 0..40u32 {
+            t.push(obs(0, 5.0, 0.0, 1000 + 97 * i, 0.05, 1.0));
+        }
+        for i in 0..3u32 {
+            t.push(obs(1, 40.0, 0.0, 2000 + 300 * i, 0.05, 1.0));
+        }
+        let fit = t.fit(&cfg, (1.0, 1.0), &[0.1, 0.1, 0.1]).unwrap();
+        let rate = |r: usize| fit.prefill_ms_per_token[r].unwrap();
+        for r in [0, 1, 2] {
+            assert!((rate(r) - 0.05).abs() < 0.012, "region {r}: {}", rate(r));
+        }
     }
 
     #[test]
