@@ -21,7 +21,11 @@ def demo_regions():
 
 
 def test_hot_system_prompt_stays_with_its_holder_until_the_move_pays(fleet_factory):
-    fleet = fleet_factory({"probe": FAST_PROBE})
+    # The ladder stays at level 0: the 24-client burst below is more demand
+    # than the demo's stated capacity, and a rising ladder would send tiers to
+    # the fallback pool, which this fleet does not run (seen in CI: 503s from
+    # region_*_fallback at level 4). The ladder has its own tests.
+    fleet = fleet_factory({"probe": FAST_PROBE, "ladder": {"forced_level": 0}})
     system = filler("hot-system", 8000)
     # Warm the nearest region with the shared system prompt.
     r = chat(fleet.port, [{"role": "system", "content": system}, {"role": "user", "content": "warm"}])
@@ -43,13 +47,16 @@ def test_hot_system_prompt_stays_with_its_holder_until_the_move_pays(fleet_facto
                 msgs = [{"role": "system", "content": system}, {"role": "user", "content": f"{tag} {i} q {j}"}]
                 r = chat(fleet.port, msgs, max_tokens=150, timeout=60)
                 served.append((r.status, r.replica, r.route))
+                if r.status != 200:
+                    failed.append((r.status, r.replica, r.headers, r.body[:300]))
 
+        failed: list = []
         threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=120)
-        assert len(served) == 4 * clients and all(s == 200 for s, _, _ in served), served
+        assert len(served) == 4 * clients and not failed, (len(served), failed)
         return served
 
     # Six clients at a time: near (8 slots) always has a free slot, so the
