@@ -323,18 +323,24 @@ def start_envoy(run_dir: Path, cfg: dict, name: str = "envoy", concurrency: int 
 def wait_ready(proc: subprocess.Popen, admin_port: int, log_path: Path, timeout: float = 60.0) -> None:
     """Until Envoy's admin /ready answers 200; raises if Envoy exits or the
     timeout passes (the caller stops the process)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    wait_http_ok("envoy", proc, f"http://127.0.0.1:{admin_port}/ready", log_path, time.time() + timeout)
+
+
+def wait_http_ok(what: str, proc: subprocess.Popen, url: str, log_path: Path, deadline: float) -> None:
+    """Until `url` answers 200; raises if `proc` exits first or `deadline`
+    (a time.time() value) passes."""
+    while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"envoy exited with {proc.returncode}; see {log_path}")
+            raise RuntimeError(f"{what} exited with {proc.returncode}; see {log_path}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/ready", timeout=2) as r:
+            with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
                     return
         except OSError:
             pass
+        if time.time() > deadline:
+            raise RuntimeError(f"{what} not ready by its deadline; see {log_path}")
         time.sleep(0.1)
-    raise RuntimeError(f"envoy not ready in {timeout:.0f} s; see {log_path}")
 
 
 @dataclass
@@ -505,18 +511,7 @@ def start_prometheus(run_dir: Path, targets: dict[str, list], scrape_interval: s
     prom = Prometheus(proc, port, run_dir, config_path, log_path, named)
     try:
         deadline = time.time() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {proc.returncode}; see {log_path}")
-            try:
-                with urllib.request.urlopen(f"{prom.url}/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"prometheus not ready in {timeout:.0f} s; see {log_path}")
-            time.sleep(0.1)
+        wait_http_ok("prometheus", proc, f"{prom.url}/-/ready", log_path, deadline)
         if wait_targets:
             prom.wait_targets_up(max(1.0, deadline - time.time()))
     except BaseException:
