@@ -126,26 +126,45 @@ pub struct PromptPrefix {
     /// The chain hash of the last full block (names the whole hashed prompt).
     pub last_block: Option<u64>,
     /// Every block's chain hash, in order (8 bytes per 64-byte block), so a
-    /// session's previous prompt can be matched exactly at any length.
+    /// session's previous prompt can be matched exactly at any length;
+    /// outside the namespace (`block_hash` applies it).
     pub hashes: Vec<u64>,
+    /// The cache namespace applied to the hashes above, if any.
+    pub namespace: Option<u64>,
 }
 
 impl PromptPrefix {
-    /// Move every block hash into the cache namespace `ns` (a request's
+    /// Move the prompt into the cache namespace `ns` (a request's model,
     /// `cache_salt` / `prompt_cache_key`): `h → xxh3(h, seed = ns)`. The
     /// chain stays prefix-closed within a namespace and shares nothing
     /// with another, as if `ns` had seeded the chain (the namespace may be
-    /// read after the prompt, so it is applied afterwards).
+    /// read after the prompt, so it is applied afterwards). The checkpoints
+    /// and the first and last blocks are moved now; the per-block hashes
+    /// only when read (`block_hash`), so a long prompt costs no pass.
     pub fn namespace(&mut self, ns: u64) {
         let f = |h: u64| xxh3_64_with_seed(&h.to_le_bytes(), ns);
-        for h in &mut self.hashes {
-            *h = f(*h);
-        }
         for c in &mut self.checkpoints {
             c.hash = f(c.hash);
         }
         self.first_block = self.first_block.map(f);
         self.last_block = self.last_block.map(f);
+        self.namespace = Some(ns);
+    }
+
+    /// The chain hash of the first `i + 1` blocks, in the prompt's namespace.
+    pub fn block_hash(&self, i: usize) -> Option<u64> {
+        let h = *self.hashes.get(i)?;
+        Some(match self.namespace {
+            Some(ns) => xxh3_64_with_seed(&h.to_le_bytes(), ns),
+            None => h,
+        })
+    }
+
+    /// Every block's chain hash in the prompt's namespace (tests, tools).
+    pub fn block_hashes(&self) -> Vec<u64> {
+        (0..self.hashes.len())
+            .filter_map(|i| self.block_hash(i))
+            .collect()
     }
 }
 

@@ -12,8 +12,8 @@
 //! `instructions` as a `system` message followed by `input` (a string is a
 //! `user` message; message items as chat messages; any other item as its
 //! `type`, then its name, arguments, output and summary). A request's
-//! cache namespace (`cache_salt`, `prompt_cache_key`) enters every block's
-//! chain hash, so prompts in different namespaces never look shared.
+//! cache namespace (the model, `cache_salt`, `prompt_cache_key`) enters every
+//! block's chain hash, so prompts in different namespaces never look shared.
 
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use std::cell::Cell;
@@ -263,13 +263,16 @@ fn once<'de, A: MapAccess<'de>, T: de::Deserialize<'de>>(
     map.next_value::<T>()
 }
 
-/// The cache namespace: `cache_salt` and `prompt_cache_key`, as one seed.
-fn namespace(salt: Option<&str>, key: Option<&str>) -> Option<u64> {
-    if salt.is_none() && key.is_none() {
+/// The cache namespace: the model (vLLM keys its blocks by the LoRA adapter
+/// as well as the tokens, and two models never share a cache),
+/// `cache_salt` and `prompt_cache_key`, as one seed.
+fn namespace(model: Option<&str>, salt: Option<&str>, key: Option<&str>) -> Option<u64> {
+    if model.is_none() && salt.is_none() && key.is_none() {
         return None;
     }
-    let mut bytes = Vec::with_capacity(18 + salt.map_or(0, str::len) + key.map_or(0, str::len));
-    for part in [salt, key] {
+    let len = |p: Option<&str>| p.map_or(0, str::len);
+    let mut bytes = Vec::with_capacity(27 + len(model) + len(salt) + len(key));
+    for part in [model, salt, key] {
         match part {
             Some(v) => {
                 bytes.push(1);
@@ -406,7 +409,7 @@ impl<'de> Visitor<'de> for TopSeed<'_> {
             }
         }
         out.prompt = hasher.finish();
-        if let Some(ns) = namespace(salt.as_deref(), cache_key.as_deref()) {
+        if let Some(ns) = namespace(out.model.as_deref(), salt.as_deref(), cache_key.as_deref()) {
             out.prompt.namespace(ns);
         }
         Ok(out)
@@ -1171,7 +1174,7 @@ mod tests {
         // Instructions first in the prompt, wherever they are in the body.
         for body in [
             r#"{"instructions":"Be terse, always.","input":"What is the capital of France?"}"#,
-            r#"{"input":"What is the capital of France?","model":"m","instructions":"Be terse, always."}"#,
+            r#"{"input":"What is the capital of France?","instructions":"Be terse, always."}"#,
             r#"{"input":[{"role":"user","content":[{"type":"input_text","text":"What is the capital of France?"}]}],"instructions":"Be terse, always."}"#,
             r#"{"input":[{"content":"What is the capital of France?","type":"message","role":"user"}],"instructions":"Be terse, always."}"#,
         ] {
@@ -1210,7 +1213,10 @@ mod tests {
             {"role":"user","content":"And how were they built?"}]}"#;
         let (a, b) = (resp(turn1).unwrap().prompt, resp(turn2).unwrap().prompt);
         assert!(a.blocks >= 4);
-        assert_eq!(&b.hashes[..a.blocks as usize], &a.hashes[..]);
+        assert_eq!(
+            &b.block_hashes()[..a.blocks as usize],
+            &a.block_hashes()[..]
+        );
         assert!(b.blocks > a.blocks);
     }
 
@@ -1231,27 +1237,55 @@ mod tests {
         assert_eq!(a, a2, "the same namespace shares");
         for other in [&plain.prompt, &b, &k] {
             assert_eq!(other.bytes, a.bytes);
-            assert!(a.hashes.iter().all(|h| !other.hashes.contains(h)));
+            let theirs = other.block_hashes();
+            assert!(a.block_hashes().iter().all(|h| !theirs.contains(h)));
             assert_ne!(other.first_block, a.first_block);
         }
-        assert_eq!(a.first_block, a.hashes.first().copied());
-        assert_eq!(a.last_block, a.hashes.last().copied());
+        let hashes = a.block_hashes();
+        assert_eq!(a.first_block, hashes.first().copied());
+        assert_eq!(a.last_block, hashes.last().copied());
         assert!(a
             .checkpoints
             .iter()
-            .all(|c| a.hashes[c.blocks as usize - 1] == c.hash));
+            .all(|c| hashes[c.blocks as usize - 1] == c.hash));
         // Prefix-closed within a namespace.
         let longer = chat(r#"{"messages":[{"role":"user","content":"the same long prompt text in every namespace, repeated so that it spans several blocks of sixty-four bytes each, which it now does, and more"}],"cache_salt":"tenant-a"}"#).unwrap().prompt;
         assert!(a.blocks >= 2);
         assert_eq!(
-            &longer.hashes[..a.hashes.len() - 1],
-            &a.hashes[..a.hashes.len() - 1]
+            &longer.block_hashes()[..hashes.len() - 1],
+            &hashes[..hashes.len() - 1]
         );
         let e = chat(r#"{"messages":[{"role":"user","content":"x"}],"cache_salt":5}"#).unwrap_err();
         assert_eq!(e.param, Some("cache_salt"));
         assert!(chat(r#"{"messages":[{"role":"user","content":"x"}],"cache_salt":null}"#).is_ok());
         let e = resp(r#"{"input":"x","prompt_cache_key":"a","prompt_cache_key":"b"}"#).unwrap_err();
         assert!(e.message.contains("duplicate"));
+    }
+
+    #[test]
+    fn two_models_or_adapters_never_share_a_block() {
+        let text = "the same long prompt text for every adapter, ".repeat(8);
+        let with = |model: &str| {
+            chat(&format!(
+                r#"{{"model":"{model}","messages":[{{"role":"user","content":"{text}"}}]}}"#
+            ))
+            .unwrap()
+            .prompt
+        };
+        let (a, a2, b) = (with("base"), with("base"), with("base-lora-sql"));
+        assert!(a.blocks >= 2);
+        assert_eq!(a, a2, "the same model shares its prefixes");
+        let theirs = b.block_hashes();
+        assert!(a.block_hashes().iter().all(|h| !theirs.contains(h)));
+        assert!(a.checkpoints.iter().all(|c| !b.checkpoints.contains(c)));
+        assert_ne!(a.first_block, b.first_block);
+        // The model field's place in the body does not matter.
+        let after = chat(&format!(
+            r#"{{"messages":[{{"role":"user","content":"{text}"}}],"model":"base"}}"#
+        ))
+        .unwrap()
+        .prompt;
+        assert_eq!(after, a);
     }
 
     #[test]
