@@ -414,9 +414,17 @@ impl Env<'_> {
             // Varies per request, as Envoy's request ids do: the draw runs.
             draw: now_ms.wrapping_mul(0x9e37_79b9_7f4a_7c15),
         };
-        self.router
+        let mut routed = self
+            .router
             .route(self.cfg, store, &inp)
-            .map_err(|e| format!("{e:?}"))
+            .map_err(|e| format!("{e:?}"))?;
+        // The answer starts where it was routed: the prefix and the
+        // session are recorded there, as the filter does then.
+        let region = routed.decision.region;
+        if let Some(l) = routed.learning.as_mut() {
+            routed.shared_data_calls += self.router.learn(store, l, region, now_ms);
+        }
+        Ok(routed)
     }
 }
 

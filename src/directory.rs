@@ -40,8 +40,8 @@ pub struct Directory {
     pub layout: u32,
 }
 
-/// What a lookup learnt, and what the write after routing needs.
-#[derive(Debug, Clone, Default)]
+/// What a lookup learnt, and what the write once the request is served needs.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Lookup {
     /// Per region: blocks of the prompt it holds (a checkpoint's position).
     pub cached_blocks: Vec<u32>,

@@ -1,18 +1,22 @@
 //! One routing decision, end to end, over explicit inputs: parse the body,
 //! hash the prompt, look up the prefix directory and the session record,
-//! decide, decide migration, record the prefix and the session. The
-//! `router` filter, the `explain` CLI and the benchmarks all run this same
-//! function; only the host layer gathers its inputs from Envoy.
+//! decide, decide migration (`Router::route`); then, once the answer has
+//! started and the region whose host served it is known, record the prefix
+//! and the session there (`Router::learn`). Nothing is recorded at decision
+//! time: a request retried elsewhere, refused by its engine or failed never
+//! tells a region that it holds the prompt. The `router` filter, the
+//! `explain` CLI, the simulator and the benchmarks all run these same
+//! functions; only the host layer gathers their inputs from Envoy.
 
 use crate::config::{Config, HolderUnavailable};
 use crate::context::{self, Exceeded};
 use crate::cost::{self, Decision, Weights};
-use crate::directory::{layout_of, Directory};
+use crate::directory::{layout_of, Directory, Lookup};
 use crate::migration::{self, KvAction};
-use crate::prefix::PromptHasher;
+use crate::prefix::{Checkpoint, PromptHasher};
 use crate::request::{self, Endpoint, RequestError};
 use crate::responses::ResponseMap;
-use crate::session::Sessions;
+use crate::session::{SessionEntry, Sessions};
 use crate::snapshot::Snapshot;
 use crate::store::SharedStore;
 use crate::tuning::Observation;
@@ -58,11 +62,13 @@ pub struct Routed {
     pub stream_usage: bool,
     pub prompt_tokens: u64,
     pub weights: Weights,
-    /// Shared-data calls this decision made (reads and writes).
+    /// Shared-data calls this decision made (reads; the writes come with
+    /// `Router::learn`).
     pub shared_data_calls: u32,
-    /// What the router believed about the chosen region, to be checked
-    /// against the engine's `usage`.
-    pub belief: Belief,
+    /// What the directory and the session record learn once the serving
+    /// region is known; `None` for the fallback pool, whose engines are
+    /// other ones.
+    pub learning: Option<Learning>,
     /// The request names a stored response this Envoy has no record of.
     pub unknown_response: bool,
     /// A Responses API request whose answer the engine stores (`store`):
@@ -70,8 +76,8 @@ pub struct Routed {
     pub store_response: bool,
 }
 
-/// What the directory believed the chosen region held, in the router's
-/// unit (canonical bytes), and how old that belief was.
+/// What the directory believed a region held, in the router's unit
+/// (canonical bytes), and how old that belief was.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Belief {
     pub routed_ms: u64,
@@ -86,13 +92,59 @@ pub struct Belief {
     pub model: Option<String>,
 }
 
+/// The lookups a decision made, kept until the region that served the
+/// request is known: then that region is recorded as holding the prompt,
+/// and its belief checked against the engine's `usage`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Learning {
+    checkpoints: Vec<Checkpoint>,
+    lookup: Lookup,
+    session: Option<SessionEntry>,
+    /// The prompt as the session record names it: blocks, last block's hash.
+    prefix: (u32, u64),
+    /// The region the session record credited with the whole previous
+    /// prompt, and when it served it.
+    session_credit: Option<(usize, u64)>,
+    block_bytes: u64,
+    routed_ms: u64,
+    prompt_bytes: u64,
+    model: Option<String>,
+    /// Recorded already (`Router::learn` writes once).
+    recorded: bool,
+}
+
+impl Learning {
+    /// What the decision believed `region` held.
+    pub fn belief(&self, region: usize) -> Belief {
+        let held_ms = match self.session_credit {
+            Some((r, at_ms)) if r == region => Some(at_ms),
+            _ => self.lookup.oldest_hit_ms(region),
+        };
+        Belief {
+            routed_ms: self.routed_ms,
+            prompt_bytes: self.prompt_bytes,
+            believed_bytes: u64::from(self.lookup.cached_blocks.get(region).copied().unwrap_or(0))
+                * self.block_bytes,
+            held_ms,
+            cut_ms: self.lookup.cut_ms(region),
+            model: self.model.clone(),
+        }
+    }
+}
+
 impl Routed {
-    /// The report for the probe once the engine's `usage` is known.
-    pub fn usage_report(&self, usage: crate::usage::Usage) -> Option<crate::usage::UsageReport> {
-        let b = &self.belief;
+    /// The report for the probe once the engine's `usage` is known, for the
+    /// region whose engine gave it (`served`), against what the decision
+    /// believed that region held.
+    pub fn usage_report(
+        &self,
+        usage: crate::usage::Usage,
+        served: usize,
+    ) -> Option<crate::usage::UsageReport> {
+        let b = self.learning.as_ref()?.belief(served);
         let clamp = |v: u64| u32::try_from(v).unwrap_or(u32::MAX - 1);
         Some(crate::usage::UsageReport {
-            region: u16::try_from(self.decision.region).ok()?,
+            region: u16::try_from(served).ok()?,
             routed_ms: b.routed_ms,
             prompt_bytes: clamp(b.prompt_bytes),
             believed_bytes: clamp(b.believed_bytes),
@@ -100,7 +152,7 @@ impl Routed {
             cut_ms: b.cut_ms.unwrap_or(0),
             prompt_tokens: clamp(usage.prompt_tokens),
             cached_tokens: usage.cached_tokens.map(clamp),
-            model: b.model.clone(),
+            model: b.model,
         })
     }
 }
@@ -373,8 +425,8 @@ impl Router {
             if let (Some((region, at_ms)), Some((blocks, hash))) = (s.last, s.prefix) {
                 let extends = blocks
                     .checked_sub(1)
-                    .and_then(|i| req.prompt.hashes.get(i as usize))
-                    .is_some_and(|h| *h == hash);
+                    .and_then(|i| req.prompt.block_hash(i as usize))
+                    .is_some_and(|h| h == hash);
                 let within = horizons
                     .get(region)
                     .is_none_or(|h| now.saturating_sub(at_ms) < *h);
@@ -448,34 +500,20 @@ impl Router {
             },
             None => {}
         }
-        if !inp.fallback {
-            self.dir.record(
-                store,
-                &mut lookup,
-                &req.prompt.checkpoints,
-                decision.region,
-                now,
-            );
-            if let Some(s) = session {
-                let prefix = (req.prompt.blocks, req.prompt.last_block.unwrap_or(0));
-                calls += self.sessions.record(store, s, decision.region, now, prefix);
-            }
-        }
         let kv = migration_for(cfg, &decision, inp);
-        let r = decision.region;
-        let held_ms = match session_credit {
-            Some((region, at_ms)) if region == r => Some(at_ms),
-            _ => lookup.oldest_hit_ms(r),
-        };
-        let belief = Belief {
+        let lookup_calls = lookup.calls;
+        let learning = (!inp.fallback).then(|| Learning {
+            checkpoints: req.prompt.checkpoints,
+            lookup,
+            session,
+            prefix: (req.prompt.blocks, req.prompt.last_block.unwrap_or(0)),
+            session_credit,
+            block_bytes: u64::from(cfg.prefix.block_bytes),
             routed_ms: now,
             prompt_bytes: req.prompt.bytes,
-            believed_bytes: u64::from(lookup.cached_blocks.get(r).copied().unwrap_or(0))
-                * u64::from(cfg.prefix.block_bytes),
-            held_ms,
-            cut_ms: lookup.cut_ms(r),
             model: req.model,
-        };
+            recorded: false,
+        });
         Ok(Routed {
             decision,
             kv,
@@ -483,11 +521,40 @@ impl Router {
             stream_usage: req.stream && (req.include_usage || inp.endpoint == Endpoint::Responses),
             prompt_tokens,
             weights,
-            shared_data_calls: lookup.calls + calls,
-            belief,
+            shared_data_calls: lookup_calls + calls,
+            learning,
             unknown_response,
             store_response: inp.endpoint == Endpoint::Responses && req.store,
         })
+    }
+
+    /// The answer to a routed request has started, from `served`'s engine
+    /// (the region whose host served the last try): it now holds the
+    /// prompt. Records the prefix and the session there, once; returns the
+    /// shared-data calls made.
+    pub fn learn(
+        &self,
+        store: &mut dyn SharedStore,
+        learning: &mut Learning,
+        served: usize,
+        now_ms: u64,
+    ) -> u32 {
+        if std::mem::replace(&mut learning.recorded, true) {
+            return 0;
+        }
+        let mut calls = self.dir.record(
+            store,
+            &mut learning.lookup,
+            &learning.checkpoints,
+            served,
+            now_ms,
+        );
+        if let Some(s) = learning.session {
+            calls += self
+                .sessions
+                .record(store, s, served, now_ms, learning.prefix);
+        }
+        calls
     }
 }
 
@@ -725,13 +792,17 @@ mod tests {
             fallback: false,
             draw: u64::MAX,
         };
-        let first = router.route(&c, &mut store, &inp).unwrap();
+        let mut first = router.route(&c, &mut store, &inp).unwrap();
         assert_eq!(
             (first.decision.region, first.decision.reason),
             (1, Reason::Pin)
         );
         assert!(first.stream);
         assert!(first.observation().is_some());
+        assert!(store.map.is_empty(), "nothing recorded before the answer");
+        let learning = first.learning.as_mut().unwrap();
+        assert!(router.learn(&mut store, learning, 1, 1500) > 0);
+        assert_eq!(router.learn(&mut store, learning, 1, 1500), 0, "once");
         let b2 = body(&system, 1);
         inp.body = &b2;
         inp.residency = None;
@@ -762,6 +833,74 @@ mod tests {
             router.route(&c, &mut store, &inp),
             Err(Refusal::Invalid(_))
         ));
+    }
+
+    #[test]
+    fn what_a_request_teaches_goes_to_the_region_that_served_it() {
+        let c = cfg();
+        let s = snap(&c);
+        let router = Router::new(&c);
+        let mut store = MemoryStore::default();
+        let system = "a long shared document for the whole conversation. ".repeat(200);
+        let b = body(&system, 0);
+        let mut inp = RouteInputs {
+            endpoint: Endpoint::ChatCompletions,
+            body: &b,
+            session_header: Some("s1"),
+            residency: None,
+            snapshot: Some(&s),
+            snapshot_index: &[Some(0), Some(1)],
+            inflight: &[0.0, 0.0],
+            now_ms: 1000,
+            fallback: false,
+            draw: 0,
+        };
+        let cached = |store: &mut MemoryStore, at: u64| {
+            let b = body(&system, 9);
+            let inp = RouteInputs {
+                body: &b,
+                session_header: None,
+                now_ms: at,
+                ..inp
+            };
+            let r = router.route(&c, store, &inp).unwrap();
+            r.decision
+                .costs
+                .iter()
+                .map(|c| c.cached_tokens)
+                .collect::<Vec<_>>()
+        };
+        // Routed to near (closest), never answered (refused, failed):
+        // nobody is believed to hold it.
+        let first = router.route(&c, &mut store, &inp).unwrap();
+        assert_eq!(first.decision.region, 0);
+        assert_eq!(cached(&mut store, 2000), vec![0, 0]);
+        // Routed to near, retried by Envoy and answered by mid: mid holds
+        // it, near does not.
+        inp.now_ms = 3000;
+        let mut second = router.route(&c, &mut store, &inp).unwrap();
+        assert_eq!(second.decision.region, 0);
+        let learning = second.learning.as_mut().unwrap();
+        router.learn(&mut store, learning, 1, 3500);
+        let held = cached(&mut store, 4000);
+        assert_eq!(held[0], 0, "{held:?}");
+        assert!(held[1] > 1000, "{held:?}");
+        // The session record names mid too, and the usage report is mid's,
+        // against what was believed of mid (nothing, at decision time).
+        inp.now_ms = 5000;
+        let third = router.route(&c, &mut store, &inp).unwrap();
+        assert_eq!(third.decision.region, 1, "the conversation follows mid");
+        let usage = crate::usage::Usage {
+            prompt_tokens: 3000,
+            cached_tokens: Some(0),
+        };
+        let report = second.usage_report(usage, 1).unwrap();
+        assert_eq!((report.region, report.believed_bytes), (1, 0));
+        // The fallback pool's engines are other ones: nothing to learn.
+        inp.fallback = true;
+        let pooled = router.route(&c, &mut store, &inp).unwrap();
+        assert!(pooled.learning.is_none());
+        assert!(pooled.usage_report(usage, 1).is_none());
     }
 
     #[test]

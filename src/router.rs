@@ -1,11 +1,16 @@
 //! The router filter on one request: wait for an inference request's body,
 //! route it (`route`), set the cluster header and clear the route cache;
 //! send everything else to the default region untouched; remove any
-//! client-sent cluster header. For a streamed request it measures the time
-//! to first byte; when the request ends it reads from Envoy how, charges the
-//! outcome to the region whose engine had it (`outcome`) and, for a request
-//! answered on the first try by the region routed to, reports the observed
-//! TTFT with the predicted cost terms to the probe, which tunes the cost.
+//! client-sent cluster header. When a successful answer's first bytes
+//! arrive, it reads from Envoy which region's host served the last try and
+//! charges to that region, and to no other, what the answer teaches: the
+//! prompt's prefix and the session (the directory), the stored response's
+//! id and the engine's `usage`. A refused, failed or unattributable answer
+//! teaches nothing. For a stream answered on the first try by the region
+//! routed to, it reports the observed TTFT with the predicted cost terms to
+//! the probe, which tunes the cost. When the request ends it reads from
+//! Envoy how, and charges the outcome to the region whose engine had it
+//! (`outcome`).
 
 use std::rc::Rc;
 
@@ -78,6 +83,12 @@ pub struct RouterStream {
     endpoint: Option<Endpoint>,
     /// The region routed to (counted in flight there until the end).
     routed: Option<usize>,
+    /// The region whose engine answered (its host served the last try),
+    /// once a successful answer has started; `None` before, or when a
+    /// retry went to a host of no configured region.
+    served: Option<usize>,
+    /// The answer's first bytes have been seen (what they teach is learnt).
+    started: bool,
     /// The guard sent this request to the fallback pool.
     fallback: bool,
     /// The status of the response headers the client got, if any.
@@ -382,16 +393,25 @@ impl RouterStream {
     }
 
     /// Whether the next response byte is news: the first of a stream whose
-    /// TTFT is measured. Every other chunk costs nothing.
+    /// TTFT is measured, or of a successful answer whose serving region is
+    /// to learn the prompt. Every other chunk costs nothing.
     pub fn awaiting_first_byte(&self) -> bool {
-        self.pending.is_some()
+        self.pending.is_some() || self.learns()
     }
 
     /// Whether response body chunks are wanted at all: the first byte of a
     /// measured stream, or the end of an answer whose `usage` is read.
     /// Otherwise a chunk costs nothing.
     pub fn wants_response_body(&self) -> bool {
-        self.pending.is_some() || self.tail.is_some() || self.head.is_some()
+        self.pending.is_some() || self.tail.is_some() || self.head.is_some() || self.learns()
+    }
+
+    /// A successful answer to a routed request has not started yet: its
+    /// first bytes will teach the directory.
+    fn learns(&self) -> bool {
+        !self.started
+            && self.status.is_some_and(|s| (200..300).contains(&s))
+            && self.decided.as_ref().is_some_and(|d| d.learning.is_some())
     }
 
     /// A response body chunk of `size` bytes passes (`end_of_stream`: the
@@ -404,7 +424,7 @@ impl RouterStream {
         size: usize,
         end_of_stream: bool,
     ) {
-        if size > 0 && self.pending.is_some() {
+        if size > 0 && !self.started {
             self.on_first_byte(shared, host);
         }
         if size > 0 && self.head.is_some() {
@@ -427,7 +447,7 @@ impl RouterStream {
     /// A stored response's first bytes: once its `id` is read, record the
     /// region that holds it (one shared-data write per response).
     fn read_head(&mut self, shared: &RouterShared, host: &mut dyn StreamHost, size: usize) {
-        let (Some(head), Some(region)) = (&mut self.head, self.routed) else {
+        let (Some(head), Some(region)) = (&mut self.head, self.served) else {
             return;
         };
         let n = head.wanted(size);
@@ -456,7 +476,7 @@ impl RouterStream {
         };
         let report = tail
             .usage()
-            .and_then(|u| self.decided.as_ref()?.usage_report(u));
+            .and_then(|u| self.decided.as_ref()?.usage_report(u, self.served?));
         match report {
             Some(r) => host.enqueue(OBSERVATIONS_QUEUE, &r.encode()),
             None if count_missing => host.count(Stat::Global(Global::RouterUsageMissing), 1),
@@ -464,19 +484,39 @@ impl RouterStream {
         }
     }
 
-    /// The first response body byte arrived: the observed TTFT goes to the
-    /// probe, unless Envoy retried the request (then the first byte came
-    /// from another try, maybe another region: neither region's TTFT).
+    /// The first bytes of the answer arrived. A successful answer's engine
+    /// holds the prompt now: the region whose host served the last try is
+    /// recorded as holding it (the prefix directory, the session record).
+    /// A stream's observed TTFT goes to the probe when that region is the
+    /// one routed to and Envoy did not retry (a retry's first byte follows
+    /// a failed try: neither region's TTFT).
     pub fn on_first_byte(&mut self, shared: &RouterShared, host: &mut dyn StreamHost) {
-        let Some(mut p) = self.pending.take() else {
+        if std::mem::replace(&mut self.started, true) {
+            return;
+        }
+        let (Some(routed), true) = (
+            self.routed,
+            self.status.is_some_and(|s| (200..300).contains(&s)),
+        ) else {
             return;
         };
-        p.observation.observed_ms = host.now_ms().saturating_sub(p.routed_ms) as f32;
         let attempts = host
             .property(&ATTEMPTS_PROPERTY)
             .and_then(u64_le)
             .unwrap_or(1);
-        if attempts <= 1 && shared.cfg.tuning.enabled {
+        self.served = served_region(&shared.cfg, host, routed, attempts);
+        let now = host.now_ms();
+        if let (Some(served), Some(learning)) = (
+            self.served,
+            self.decided.as_mut().and_then(|d| d.learning.as_mut()),
+        ) {
+            shared.router.learn(host, learning, served, now);
+        }
+        let Some(mut p) = self.pending.take() else {
+            return;
+        };
+        p.observation.observed_ms = now.saturating_sub(p.routed_ms) as f32;
+        if attempts <= 1 && self.served == Some(routed) && shared.cfg.tuning.enabled {
             host.enqueue(OBSERVATIONS_QUEUE, &p.observation.encode());
         }
     }
@@ -544,6 +584,22 @@ fn ending(cfg: &Config, host: &mut dyn StreamHost, status: Option<u32>) -> Endin
             .map(|d| d == VIA_UPSTREAM.as_bytes());
     }
     e
+}
+
+/// The region whose host served the last try of a request routed to
+/// `routed`: the one its endpoint metadata names (`llm_geo_router.region`);
+/// without metadata, `routed` when there was no retry (the region's own
+/// endpoints come first in its cluster), else unknown.
+fn served_region(
+    cfg: &Config,
+    host: &mut dyn StreamHost,
+    routed: usize,
+    attempts: u64,
+) -> Option<usize> {
+    let named = host
+        .property(&HOST_REGION_PROPERTY)
+        .and_then(|name| cfg.regions.iter().position(|r| r.name.as_bytes() == name));
+    named.or((attempts <= 1).then_some(routed))
 }
 
 /// An integer property (Envoy serialises them as 8 little-endian bytes).
@@ -934,6 +990,123 @@ mod tests {
         let (_, f) = request(&re, &mut host2, headers("/v1/responses", &[]), FOLLOW);
         assert_eq!(f, Flow::Continue);
         assert_eq!(cluster(&mut host2).as_deref(), Some("cn"));
+    }
+
+    /// Envoy retried the request to a host of region `served` (`None`: no
+    /// retry), as its stream info tells at the answer.
+    fn retried_to(host: &mut Recorder, served: Option<&str>) {
+        if let Some(region) = served {
+            host.properties
+                .insert(ATTEMPTS_PROPERTY.join("."), 2u64.to_le_bytes().to_vec());
+            host.properties
+                .insert(HOST_REGION_PROPERTY.join("."), region.as_bytes().to_vec());
+        }
+    }
+
+    #[test]
+    fn what_an_answer_teaches_is_charged_to_the_region_that_served_it() {
+        let sh = shared("");
+        let mut host = new_host(&sh);
+        let doc = "a long document the conversation is about. ".repeat(100);
+        let chat = |turn: &str| {
+            format!(
+                r#"{{"messages":[{{"role":"user","content":"{doc}"}},{{"role":"user","content":"{turn}"}}],"stream":true,"stream_options":{{"include_usage":true}}}}"#
+            )
+        };
+        let held = |s: &RouterStream| {
+            let costs = &s.decision().unwrap().decision.costs;
+            (costs[0].cached_tokens, costs[1].cached_tokens)
+        };
+        let usage = "data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":1200,\"completion_tokens\":1,\"total_tokens\":1201,\"prompt_tokens_details\":{\"cached_tokens\":0}}}\n\ndata: [DONE]\n\n";
+        // Routed to near; Envoy retried it to mid, which answered.
+        let (mut s, _) = request(
+            &sh,
+            &mut host,
+            headers("/v1/chat/completions", &[]),
+            &chat("a"),
+        );
+        assert_eq!(cluster(&mut host).as_deref(), Some("cn"));
+        retried_to(&mut host, Some("mid"));
+        host.queues.remove(OBSERVATIONS_QUEUE);
+        answer(&mut s, &sh, &mut host, usage);
+        // The usage report is mid's; no TTFT is reported (a retry's first
+        // byte follows a failed try).
+        let sent: Vec<Vec<u8>> = host
+            .queues
+            .remove(OBSERVATIONS_QUEUE)
+            .unwrap_or_default()
+            .into();
+        assert_eq!(sent.len(), 1, "{sent:?}");
+        let report = crate::usage::UsageReport::decode(&sent[0]).unwrap();
+        assert_eq!(report.region, 1);
+        // The next turn: believed held by mid, not by near.
+        host.next_stream();
+        let (mut s, _) = request(
+            &sh,
+            &mut host,
+            headers("/v1/chat/completions", &[]),
+            &chat("b"),
+        );
+        let (near, mid) = held(&s);
+        assert_eq!(near, 0);
+        assert!(mid > 500, "{mid}");
+        assert_eq!(cluster(&mut host).as_deref(), Some("cm"));
+        // mid refuses it (a 400, as for a context limit): nothing learnt.
+        host.status = Some(400);
+        s.on_response_headers(&sh, &mut host);
+        host.response_chunk = br#"{"error":{"code":400}}"#.to_vec();
+        assert!(!s.wants_response_body());
+        s.on_log(&sh, &mut host);
+        host.next_stream();
+        let long = format!(r#"{{"messages":[{{"role":"user","content":"{doc} {doc} {doc}"}}]}}"#);
+        let (mut s, _) = request(&sh, &mut host, headers("/v1/chat/completions", &[]), &long);
+        let before = held(&s);
+        host.status = Some(400);
+        s.on_response_headers(&sh, &mut host);
+        s.on_log(&sh, &mut host);
+        host.next_stream();
+        let (s, _) = request(&sh, &mut host, headers("/v1/chat/completions", &[]), &long);
+        assert_eq!(held(&s), before, "a refused prompt is believed nowhere");
+        // A stored response retried to mid is followed to mid.
+        host.next_stream();
+        let (mut s, _) = request(
+            &sh,
+            &mut host,
+            headers("/v1/responses", &[]),
+            r#"{"model":"m","input":"hello"}"#,
+        );
+        assert_eq!(cluster(&mut host).as_deref(), Some("cn"));
+        retried_to(&mut host, Some("mid"));
+        answer(
+            &mut s,
+            &sh,
+            &mut host,
+            r#"{"id":"resp_7","object":"response","output":[]}"#,
+        );
+        host.next_stream();
+        request(&sh, &mut host, headers("/v1/responses", &[]), FOLLOW);
+        assert_eq!(cluster(&mut host).as_deref(), Some("cm"));
+        // Retried to a host of no configured region: recorded nowhere.
+        host.next_stream();
+        let (mut s, _) = request(
+            &sh,
+            &mut host,
+            headers("/v1/responses", &[]),
+            r#"{"model":"m","input":"hello again"}"#,
+        );
+        host.properties
+            .insert(ATTEMPTS_PROPERTY.join("."), 2u64.to_le_bytes().to_vec());
+        let recorded = host.value(Stat::Global(Global::RouterResponsesRecorded));
+        answer(
+            &mut s,
+            &sh,
+            &mut host,
+            r#"{"id":"resp_8","object":"response","output":[]}"#,
+        );
+        assert_eq!(
+            host.value(Stat::Global(Global::RouterResponsesRecorded)),
+            recorded
+        );
     }
 
     #[test]

@@ -369,9 +369,7 @@ impl Envoy {
             // Its response headers came first, with 200.
             host.status = Some(200);
             s.on_response_headers(&self.router, host);
-            if s.awaiting_first_byte() {
-                s.on_first_byte(&self.router, host);
-            }
+            s.on_first_byte(&self.router, host);
         }
     }
 

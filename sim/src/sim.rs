@@ -1811,11 +1811,15 @@ mod tests {
             r#", "outages": [{"region": "near", "from_ms": 20000, "to_ms": 40000}]"#,
         );
         let mut trace = Vec::new();
-        // One na conversation with a long shared prefix, a turn every second.
-        for k in 0..60u32 {
+        // One na conversation with a long shared prefix: its first turn
+        // once the probe has measured the regions, the next once that
+        // first answer has started (what a region learns, it learns from
+        // an answer), then a turn every second.
+        for k in 0..56u32 {
             let turn = format!("u{k}");
+            let t_ms = if k == 0 { 1000.0 } else { f64::from(k + 4) * 1000.0 };
             trace.push(req(
-                f64::from(k) * 1000.0,
+                t_ms,
                 "s1",
                 "na",
                 &[("doc", 4000), (&turn, 20)],
@@ -1832,9 +1836,10 @@ mod tests {
         )
         .unwrap();
         let region = |k: usize| r.records[k].region;
-        // Before the outage: near, from cache after the first turn.
+        // Before the outage (turns 0 to 15): near, from cache after the
+        // first turn.
         assert!(
-            (0..19).all(|k| region(k) == Some(0)),
+            (0..16).all(|k| region(k) == Some(0)),
             "{:?}",
             r.records
                 .iter()
@@ -1843,10 +1848,11 @@ mod tests {
         );
         assert!(r.records[5].cached_tokens >= 4000);
         // Once the probe has seen the loss (two failed checks), far serves.
+        // (turns 20 to 34: 24 s to 38 s).
         assert!(
-            (24..39).all(|k| region(k) == Some(1)),
+            (20..35).all(|k| region(k) == Some(1)),
             "{:?}",
-            (20..40).map(region).collect::<Vec<_>>()
+            (16..36).map(region).collect::<Vec<_>>()
         );
         let failed = r
             .records
