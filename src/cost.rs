@@ -973,17 +973,22 @@ mod tests {
 
     #[test]
     fn ties_are_broken_by_rendezvous_consistently() {
+        // Two proxies with the same view: the second lists the regions in
+        // the opposite order, and its probe's snapshot in the first's order.
+        // A tie goes to the same region by name, whatever the indices.
         let mut c = cfg();
         for r in &mut c.regions {
             r.rtt_ms = 10.0;
         }
+        let mut c2 = c.clone();
+        c2.regions.reverse();
         let s = snap(&c);
         let mut seen = std::collections::HashSet::new();
         for key in 0..64u64 {
-            let inp = Inputs {
-                config: &c,
+            let inp = |config, snapshot_index| Inputs {
+                config,
                 snapshot: Some(&s),
-                snapshot_index: &[Some(0), Some(1), Some(2)],
+                snapshot_index,
                 cached_blocks: &[0, 0, 0],
                 inflight: &[0.0; 3],
                 prompt_tokens: 10,
@@ -998,26 +1003,106 @@ mod tests {
                 draw: KEEP,
                 now_ms: 0,
             };
-            let a = decide(&inp).region;
-            assert_eq!(a, decide(&inp).region);
-            seen.insert(a);
+            let a = decide(&inp(&c, &[Some(0), Some(1), Some(2)]));
+            let b = decide(&inp(&c2, &[Some(2), Some(1), Some(0)]));
+            assert_eq!(a.reason, Reason::Rtt);
+            let name = c.regions[a.region].name.as_str();
+            assert_eq!(name, c2.regions[b.region].name, "key {key}");
+            seen.insert(name);
         }
         assert_eq!(seen.len(), 3, "rendezvous spreads new conversations");
     }
 
+    /// Region 1's terms and the decision, with mid's terms the only thing
+    /// that differs between `points`; asserts the other regions' costs do
+    /// not move.
+    fn sweep(c: &Config, points: &[(Snapshot, [u32; 3])]) -> Vec<(Cost, usize)> {
+        let base = run(c, Some(&points[0].0), points[0].1, [0.0; 3], 1000);
+        points
+            .iter()
+            .map(|(s, cached)| {
+                let d = run(c, Some(s), *cached, [0.0; 3], 1000);
+                assert_eq!(d.costs[0], base.costs[0]);
+                assert_eq!(d.costs[2], base.costs[2]);
+                (d.costs[1], d.region)
+            })
+            .collect()
+    }
+
+    /// Once the decision has left mid (1) for near (0) it does not come
+    /// back; and it does leave, at the point the arithmetic says.
+    fn leaves_mid_for_near_at(regions: &[usize], at: usize) {
+        let want: Vec<usize> = (0..regions.len())
+            .map(|i| if i < at { 1 } else { 0 })
+            .collect();
+        assert_eq!(regions, want);
+    }
+
     #[test]
     fn monotone_in_rtt_queue_and_cache() {
+        // mid holds 992 of the 1000 tokens: 40 + 4 ms against near's
+        // 5 + 500 ms. Each sweep moves one of mid's terms, and only it.
         let c = cfg();
-        let base = snap(&c);
-        for extra in [0.0, 10.0, 100.0, 1000.0] {
-            let mut s = base.clone();
-            s.regions[1].rtt_ms = Some(40.0 + extra);
-            let d0 = run(&c, Some(&base), [0, 62, 0], [0.0; 3], 1000);
-            let d1 = run(&c, Some(&s), [0, 62, 0], [0.0; 3], 1000);
-            assert!(d1.costs[1].total_ms >= d0.costs[1].total_ms);
-            let more_cache = run(&c, Some(&base), [0, 63, 0], [0.0; 3], 1000);
-            assert!(more_cache.costs[1].total_ms <= d0.costs[1].total_ms);
+        let held = [0, 62, 0];
+
+        // RTT: mid's round trip term is the measured RTT (w_rtt 1); it
+        // loses its 461 ms lead between 400 and 470 ms more.
+        let extras = [0.0, 10.0, 100.0, 400.0, 470.0, 1000.0];
+        let points: Vec<_> = extras
+            .iter()
+            .map(|e| {
+                let mut s = snap(&c);
+                s.regions[1].rtt_ms = Some(40.0 + e);
+                (s, held)
+            })
+            .collect();
+        let got = sweep(&c, &points);
+        for ((cost, _), e) in got.iter().zip(extras) {
+            assert_eq!(cost.rtt_ms, 40.0 + e);
+            assert_eq!((cost.prefill_ms, cost.queue_ms), (4.0, 0.0));
         }
+        leaves_mid_for_near_at(&got.iter().map(|g| g.1).collect::<Vec<_>>(), 4);
+
+        // Queue: running + waiting at mid's 4 slots. No term while a slot
+        // is free; then a quarter of the 1000 ms slot time per request
+        // ahead. Its 250 ms wait with one ahead is below the 461 ms lead,
+        // 500 ms with two is above.
+        let loads = [(0.0, 0.0), (3.0, 0.0), (4.0, 0.0), (4.0, 1.0), (4.0, 4.0)];
+        let points: Vec<_> = loads
+            .iter()
+            .map(|&(running, waiting)| {
+                let mut s = snap(&c);
+                s.regions[1].running = running;
+                s.regions[1].waiting = waiting;
+                (s, held)
+            })
+            .collect();
+        let got = sweep(&c, &points);
+        let waits: Vec<f64> = got.iter().map(|g| g.0.wait_ms).collect();
+        assert_eq!(waits, [0.0, 0.0, 250.0, 500.0, 1250.0]);
+        for (cost, _) in &got {
+            assert_eq!((cost.rtt_ms, cost.prefill_ms), (40.0, 4.0));
+            assert!(cost.queue_ms >= cost.wait_ms, "{cost:?}");
+        }
+        assert!(got.windows(2).all(|w| w[1].0.queue_ms >= w[0].0.queue_ms));
+        assert!(got
+            .windows(2)
+            .skip(1)
+            .all(|w| w[1].0.queue_ms > w[0].0.queue_ms));
+        leaves_mid_for_near_at(&got.iter().map(|g| g.1).collect::<Vec<_>>(), 3);
+
+        // Cache: each cached block (16 tokens) takes 8 ms of prefill off
+        // mid; from 8 blocks (476 ms) it beats near's 505.
+        let blocks = [62, 31, 16, 8, 2, 0];
+        let points: Vec<_> = blocks.iter().map(|&b| (snap(&c), [0, b, 0])).collect();
+        let got = sweep(&c, &points);
+        for ((cost, _), b) in got.iter().zip(blocks) {
+            assert_eq!(cost.cached_tokens, 16 * u64::from(b));
+            assert_eq!(cost.prefill_ms, 0.5 * (1000.0 - 16.0 * f64::from(b)));
+            assert_eq!((cost.rtt_ms, cost.queue_ms), (40.0, 0.0));
+        }
+        leaves_mid_for_near_at(&got.iter().map(|g| g.1).collect::<Vec<_>>(), 4);
+
         assert!(queue_ms(10.0, 4, 100.0) > queue_ms(5.0, 4, 100.0));
         assert_eq!(queue_ms(2.0, 4, 100.0), 0.0);
     }
@@ -1430,21 +1515,49 @@ mod tests {
         assert!(reasons.iter().all(|r| *r == Reason::Cache));
     }
 
+    /// The random input whose top 53 bits read as `u` in [0, 1).
+    fn at(u: f64) -> u64 {
+        ((u * (1u64 << 53) as f64) as u64) << 11
+    }
+
     #[test]
-    fn the_same_random_input_gives_the_same_decision() {
+    fn the_draw_gives_each_region_exactly_its_share_of_the_random_inputs() {
+        // Equal costs, share 0.5: the inputs below 0.25 go to the first
+        // other region (in configured order), those in [0.25, 0.5) to the
+        // second, the rest stay with the rendezvous winner.
         let mut c = drawing(50.0, 0.5);
         for r in &mut c.regions {
             r.rtt_ms = 10.0;
         }
         let s = busy(&c);
         let mut inp = inputs(&c, &s, &[0, 0, 0], None, None);
-        let mut seen = std::collections::HashSet::new();
-        for r in draws(200) {
-            inp.draw = r;
-            let d = decide(&inp);
-            assert_eq!(d, decide(&inp));
-            seen.insert(d.region);
+        let preferred = decide(&inp).region;
+        let others: Vec<usize> = (0..3).filter(|&i| i != preferred).collect();
+        let mut region = |u: f64| {
+            inp.draw = at(u);
+            decide(&inp).region
+        };
+        for (u, want) in [
+            (0.0, others[0]),
+            (0.2499, others[0]),
+            (0.2501, others[1]),
+            (0.4999, others[1]),
+            (0.5001, preferred),
+            (0.9999, preferred),
+        ] {
+            assert_eq!(region(u), want, "u = {u}");
         }
-        assert_eq!(seen.len(), 3);
+        // Unequal: near 505 ms, mid 540 (closeness 1 - 35/50 = 0.3), far
+        // outside the margin: mid takes the inputs below 0.5 x 0.3.
+        let c = drawing(50.0, 0.5);
+        let s = busy(&c);
+        let mut inp = inputs(&c, &s, &[0, 0, 0], None, None);
+        let mut region = |u: f64| {
+            inp.draw = at(u);
+            decide(&inp).region
+        };
+        for (u, want) in [(0.0, 1), (0.1499, 1), (0.1501, 0), (0.9999, 0)] {
+            assert_eq!(region(u), want, "u = {u}");
+        }
     }
 }

@@ -411,8 +411,30 @@ mod tests {
         for i in 0..200u32 {
             t.push(obs(0, 5.0, 50.0 + i as f32, 500, 0.1, 0.0));
         }
+        // There observed TTFT is 55 ms whatever the queue (50-250 ms): the
+        // data says w_queue = 0. Unbounded, the ridge (centred on the prior,
+        // 1) leaves it near that: measured 0.135. The floor holds it at
+        // exactly w_queue_min, neither at the prior nor where the data is.
+        let unbounded = TuningConfig {
+            w_queue_min: 0.0,
+            ..cfg.clone()
+        };
+        let free = t.fit(&unbounded, (1.0, 1.0), &[0.1]).unwrap().w_queue;
+        assert!(free < 0.25, "queueing never hurt: {free}");
         let fit = t.fit(&cfg, (1.0, 1.0), &[0.1]).unwrap();
-        assert!(fit.w_queue >= cfg.w_queue_min, "{}", fit.w_queue);
+        assert_eq!(fit.w_queue, cfg.w_queue_min);
+        // Queueing that costs 0.75 of its estimate, between floor and
+        // prior: the fit finds it (measured 0.786), so the floor above is
+        // the floor binding, not a fit stuck at a bound.
+        let mut t = Tuner::new(&cfg);
+        let mut x = 1u32;
+        for _ in 0..200u32 {
+            x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+            let queue = ((x >> 4) % 300) as f32;
+            t.push(obs(0, 5.0, queue, 300 + (x >> 8) % 2000, 0.1, 0.75));
+        }
+        let fit = t.fit(&cfg, (1.0, 1.0), &[0.1]).unwrap();
+        assert!((fit.w_queue - 0.75).abs() < 0.1, "{}", fit.w_queue);
     }
 
     #[test]

@@ -166,23 +166,49 @@ def test_migration_recomputes_over_a_slow_link(fleet_factory):
 
 
 def test_streamed_requests_tune_the_prefill_rate(fleet_factory):
+    # Configured 2x too low: the engines take 0.2 ms per engine token. (At
+    # 4x too low, 0.05, the fit's upper clamp, 4x the configured rate, sat
+    # on the answer and hid what the fit found.)
     regions = demo_regions()
     for r in regions:
-        r["prefill_ms_per_token"] = 0.05  # configured 4x too low; the engines take 0.2
+        r["prefill_ms_per_token"] = 0.1
     fleet = fleet_factory({"regions": regions, "probe": FAST_PROBE,
                            "tuning": {"min_samples": 16}})
     envoy = fleet.envoy
-    assert envoy.stat("wasmcustom.llm_geo_router.region.near.prefill_us_per_token") == 50
+    assert envoy.stat("wasmcustom.llm_geo_router.region.near.prefill_us_per_token") == 100
+    near_bytes = near_requests = 0
     for i in range(40):
         body = [{"role": "user", "content": filler(f"tune-{i}", 2000 + 100 * i)}]
         r = chat(fleet.port, body, stream=True, max_tokens=2)
         assert r.status == 200 and r.body.rstrip().endswith(b"data: [DONE]")
+        if r.replica == "near":
+            near_bytes += len(body[0]["content"])
+            near_requests += 1
     wait_stat(envoy, "tuning.observations", lambda v: v >= 40)
-    rate = wait_stat(envoy, "region.near.prefill_us_per_token", lambda v: v >= 120, timeout=5)
-    print("tuned prefill rate, us/token:", rate)
-    assert rate <= 300
-    # The queue weight stays within its bounds (no queueing here: no evidence, prior kept).
-    assert 500 <= envoy.stat("wasmcustom.llm_geo_router.tuning.w_queue_milli") <= 4000
+    # Two probe rounds: every observation is in the window and fitted.
+    harness.wait_ticks(envoy, 2)
+    rate = envoy.stat("wasmcustom.llm_geo_router.region.near.prefill_us_per_token")
+    w_queue = envoy.stat("wasmcustom.llm_geo_router.tuning.w_queue_milli")
+    # The rate is per token as the router counts them (these streams carry
+    # no usage, so its tokens per byte stay the configured ones): what the
+    # engine implies is its 200 us times its own prompt tokens (its counter)
+    # per router token. The fit shrinks that towards the configured rate as
+    # if the latter were 8 observations.
+    tpk = envoy.stat("wasmcustom.llm_geo_router.region.near.tokens_per_kib")
+    engine_tokens = fleet.engines["near"].stats()["cache_query_tokens"]
+    implied = 200 * engine_tokens / (near_bytes * tpk / 1024)
+    expected = (near_requests * implied + 8 * 100) / (near_requests + 8)
+    print(f"tuned prefill rate {rate} us/token; the engine implies {implied:.0f}, shrunk {expected:.0f} "
+          f"({near_requests} requests at near); w_queue {w_queue} milli")
+    # Measured 300-301 against 307 expected (implied 349) in 3 of 3 runs.
+    # A loaded machine only adds to the observed TTFT; 12 % either way is
+    # allowed. The configured guess (100), or a fit 0.7x short (~210), is
+    # outside.
+    assert abs(rate - expected) <= 0.12 * expected, (rate, expected)
+    # One request at a time on 8 slots: the engines never queue, the router
+    # predicts no queue, so the window holds no evidence about w_queue and
+    # the ridge keeps the configured 1.0 exactly (measured 1000 in 3 of 3).
+    assert w_queue == 1000, w_queue
 
 
 def replay_agreement(fleet, conversations=12, turns=5, seed=7):
@@ -250,18 +276,24 @@ def eviction_replay(fleet_factory):
 
 def test_directory_belief_under_engine_eviction_follows_the_engines_reports(fleet_factory):
     # Without the engines' reports (or with `directory.cache_horizon` off,
-    # the default) the directory believes, when engines evict, 1.886x the
-    # cached tokens they have, with hit/miss agreement 0.450 (39 of 60
-    # requests over-estimated). With the horizon on, each answer's
-    # cached_tokens teaches each region's cache capacity in tokens the
-    # engine prefilled since (its own prefix-cache counters):
-    # measured 0.767-0.783 agreement, 1.47-1.54x, 13-14 of 60
-    # over-estimated. Pinned so a change is seen; the target is the xfail
-    # below.
+    # the default) the directory believes, when engines evict, 1.9-2.8x the
+    # cached tokens they have, with hit/miss agreement 0.45-0.55 and 39-41
+    # of 60 requests over-estimated (1.886, 0.450, 39 when this test was
+    # written; 2.80, 0.550, 41 at 7c1d666). With the horizon on, each
+    # answer's cached_tokens teaches each region's cache capacity in tokens
+    # the engine prefilled since (its own prefix-cache counters): measured
+    # 0.75-0.78 agreement, 13-17 of 60 over-estimated, 1.43-1.72x (the
+    # trace is seeded, but the ratio moves with the machine's load: 1.43
+    # alone, 1.70-1.72 beside other tests on a loaded 2-core machine).
+    # The ratio therefore cannot tell the two apart with any margin; the
+    # over-estimates and the agreement do, with room either side: at most
+    # 24 (no learning 39+), at least 0.68 (no learning 0.55 at most). The
+    # ratio's bound and the agreement's upper one are pins, so that a
+    # change is seen; the target is the xfail below.
     m = eviction_replay(fleet_factory)
-    assert 0.70 <= m["agree"] <= 0.90, m
-    assert 1.2 <= m["ratio"] <= 1.8, m
-    assert m["over"] <= 18, m
+    assert m["over"] <= 24, m
+    assert 0.68 <= m["agree"] <= 0.90, m
+    assert 1.2 <= m["ratio"] <= 1.85, m
 
 
 @pytest.mark.xfail(strict=True, reason="issue 15: one age threshold per region (tokens prefilled since) cannot "

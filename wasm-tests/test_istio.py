@@ -746,15 +746,27 @@ def test_body_wait_with_the_field_only_trips_on_a_client_that_withholds_its_body
 
 
 def test_without_the_guard_the_misconfigured_router_hangs(run_dir):
-    """What the guard prevents (and what makes the test above fail-able):
-    with body_wait.timeout_ms 0 the same request gets no answer."""
+    """What the guard prevents (and what makes the tests above fail-able):
+    with body_wait.timeout_ms 0 (no guard) the same request gets no answer,
+    and it never reaches an engine: Envoy stopped the stream in the filter
+    chain. Without the misconfiguration, the same plugin configuration
+    answers at once: the hang is the missing field, not the 0."""
+    def chats_received(fleet):
+        return sum(e.stats()["requests"].get("/v1/chat/completions", 0) for e in fleet.engines.values())
+
     fleet = start_istio_fleet("gateway", run_dir, plugin_override={"body_wait": {"timeout_ms": 0}},
                               drop_allow_stop_iteration=True)
     try:
         with pytest.raises(TimeoutError):
             chat(fleet.port, [{"role": "user", "content": "hangs"}], timeout=3)
-        assert "MISCONFIGURED" not in fleet.envoy.log()
-        # With the field, the same Envoy answers at once.
+        assert chats_received(fleet) == 0
+    finally:
+        fleet.stop()
+    fleet = start_istio_fleet("gateway", run_dir, plugin_override={"body_wait": {"timeout_ms": 0}})
+    try:
+        r = chat(fleet.port, [{"role": "user", "content": "hangs"}], timeout=3)
+        assert r.status == 200 and r.route["region"] == "near", (r.status, r.headers)
+        assert chats_received(fleet) == 1
     finally:
         fleet.stop()
 

@@ -5,8 +5,8 @@ the client receives; a stream that does not ask for usage is not read (with
 the probe calibrates tokens per byte from it. Probe tick 300 ms."""
 
 import json
-import time
 
+import harness
 from harness import chat, filler
 from test_brain import FAST_PROBE
 from test_routing import wait_stat
@@ -54,10 +54,15 @@ def test_usage_is_read_at_the_end_of_each_answer_and_the_answer_is_unchanged(fle
 
     # A stream that does not ask carries no usage: not read at all (every
     # chunk read is a host call), so neither missing nor reported.
+    answered = stat(envoy, "region.near.upstream_rq_answered")
     r = chat(fleet.port, msgs, stream=True, max_tokens=20)
-    assert r.status == 200 and sse_events(r.body)[-1] == b"data: [DONE]"
+    assert r.status == 200 and r.replica == "near" and sse_events(r.body)[-1] == b"data: [DONE]"
     assert b'"usage":{' not in r.body
-    time.sleep(0.5)
+    # The router is done with the stream once it has counted its outcome
+    # (after the body's end, where a usage is read or counted missing); a
+    # report it had queued would be counted by the probe within two rounds.
+    wait_stat(envoy, "region.near.upstream_rq_answered", lambda v: v == answered + 1)
+    harness.wait_ticks(envoy, 2)
     assert stat(envoy, "router.usage_missing") == 0
     assert stat(envoy, "usage.reports") == 2
 

@@ -839,6 +839,29 @@ fn running_waiting(admin: &mut Client) -> (u64, u64) {
     )
 }
 
+fn stats_u64(admin: &mut Client, pointer: &str) -> u64 {
+    let stats = admin.request("GET", "/admin/stats", &[], b"").json();
+    stats.pointer(pointer).and_then(Value::as_u64).unwrap_or(0)
+}
+
+/// Chat completion requests the replica has received (its own counter).
+fn chat_requests(admin: &mut Client) -> u64 {
+    stats_u64(admin, "/requests/~1v1~1chat~1completions")
+}
+
+/// Answers the replica delivered completely.
+fn completed(admin: &mut Client) -> u64 {
+    stats_u64(admin, "/completed")
+}
+
+fn wait_until(admin: &mut Client, what: &str, mut cond: impl FnMut(&mut Client) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !cond(admin) {
+        assert!(Instant::now() < deadline, "not within 5 s: {what}");
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn wait_for_counts(admin: &mut Client, want: (u64, u64)) {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
@@ -895,17 +918,28 @@ fn a_client_that_goes_away_frees_its_slot_or_queue_place() {
     wait_for_counts(&mut admin, (1, 0));
     drop(whole);
     wait_for_counts(&mut admin, (0, 0));
-    // And while hung before any answer.
+    // And while hung before any answer: one client leaves, one stays.
     admin.post_json("/admin/state", &json!({"hang_inference": true}));
+    let before = chat_requests(&mut admin);
     let hung = send(chat("hung", json!({"max_tokens": 1})));
-    thread::sleep(Duration::from_millis(100));
+    let mut stays = send(chat("stays", json!({"max_tokens": 1})));
+    // Both reached the replica (its request counter) and wait, hung,
+    // before the scheduler.
+    wait_until(&mut admin, "both hung requests received", |a| {
+        chat_requests(a) == before + 2
+    });
+    assert_eq!(running_waiting(&mut admin), (0, 0));
     drop(hung);
     admin.post_json("/admin/state", &json!({"hang_inference": false}));
-    // Had it stayed, it would now run (one 500 ms token) and complete.
-    thread::sleep(Duration::from_millis(800));
+    // The one that stayed runs (one 500 ms token) and completes; had the
+    // other stayed too, it would have run as well (before it, or after it
+    // in the only slot) and been counted.
+    assert!(stays.line().starts_with("HTTP/1.1 200"));
+    wait_until(&mut admin, "the answer counted", |a| completed(a) >= 1);
     wait_for_counts(&mut admin, (0, 0));
-    let stats = admin.request("GET", "/admin/stats", &[], b"").json();
-    assert_eq!(stats["completed"], 0);
+    // Of the five requests that reached the replica, the four whose
+    // clients left were never counted as answered.
+    assert_eq!(completed(&mut admin), 1);
     // The replica still serves.
     let r = admin.post_json(
         "/v1/chat/completions",
