@@ -244,8 +244,8 @@ impl RegionStat {
             RegionStat::MaxModelLen => ("max_model_len", Gauge),
             RegionStat::Replicas => ("replicas", Gauge),
             RegionStat::ModelsReadFailure => ("models_read_failure", Counter),
-            RegionStat::CacheCapacityTokens => ("cache_capacity_tokens", Gauge),
-            RegionStat::CacheCapacityRejected => ("cache_capacity_rejected", Counter),
+            RegionStat::CacheCapacityTokens => ("kv_capacity_tokens", Gauge),
+            RegionStat::CacheCapacityRejected => ("kv_capacity_rejected", Counter),
         }
     }
 }
