@@ -151,6 +151,11 @@ pub struct Region {
     /// Prometheus (without braces); default `region="<name>"`.
     #[serde(default)]
     pub prometheus_selector: Option<String>,
+    /// KV-cache capacity of the region in tokens (all its replicas), for
+    /// engines that export none; wins over the engine's figure. Read as a
+    /// JSON number so that a bad one is refused with its field's name.
+    #[serde(default)]
+    pub cache_tokens: Option<serde_json::Number>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
@@ -162,6 +167,12 @@ pub enum LoadSource {
 }
 
 impl Region {
+    /// The configured `cache_tokens`, once validated (a whole number in
+    /// 1..=`metrics::MAX_CACHE_TOKENS`).
+    pub fn cache_tokens(&self) -> Option<u64> {
+        self.cache_tokens.as_ref().and_then(whole_tokens)
+    }
+
     /// The region's PromQL label matchers.
     pub fn selector(&self) -> String {
         self.prometheus_selector
@@ -906,6 +917,17 @@ impl Config {
             non_negative(&at("prefill_ms_per_token"), r.prefill_ms_per_token)?;
             positive(&at("service_ms"), r.service_ms)?;
             non_negative(&at("rtt_ms"), r.rtt_ms)?;
+            if let Some(n) = &r.cache_tokens {
+                if whole_tokens(n).is_none() {
+                    return Err(ConfigError::new(
+                        at("cache_tokens"),
+                        format!(
+                            "{n} must be a whole number of tokens in 1..={}",
+                            crate::metrics::MAX_CACHE_TOKENS
+                        ),
+                    ));
+                }
+            }
             if let Some(sel) = &r.prometheus_selector {
                 if sel.trim().is_empty()
                     || sel.len() > 1024
@@ -1487,6 +1509,21 @@ fn valid_header_name(s: &str) -> bool {
             .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.'))
 }
 
+/// A token count in 1..=`metrics::MAX_CACHE_TOKENS`; `1e6` is as good as
+/// `1000000`, `1.5` or `-1` is none.
+fn whole_tokens(n: &serde_json::Number) -> Option<u64> {
+    let t = n.as_u64().or_else(|| {
+        n.as_f64()
+            .filter(|f| {
+                f.fract() == 0.0 && *f >= 1.0 && *f <= crate::metrics::MAX_CACHE_TOKENS as f64
+            })
+            .map(|f| f as u64)
+    })?;
+    (1..=crate::metrics::MAX_CACHE_TOKENS)
+        .contains(&t)
+        .then_some(t)
+}
+
 fn positive(field: &str, v: f64) -> Result<(), ConfigError> {
     if v.is_finite() && v > 0.0 {
         Ok(())
@@ -1671,6 +1708,50 @@ mod tests {
             ));
             assert_eq!(e.field, field);
         }
+    }
+
+    #[test]
+    fn cache_tokens_is_a_positive_whole_number_of_tokens() {
+        let parse = |v: &str| {
+            Config::parse(
+                format!(
+                    r#"{{"regions":[{{"name":"a","cluster":"c","capacity_rps":1}},{{"name":"b","cluster":"d","capacity_rps":1,"cache_tokens":{v}}}]}}"#
+                )
+                .as_bytes(),
+            )
+        };
+        for (v, want) in [
+            ("1", 1),
+            ("262144", 262_144),
+            ("1e6", 1_000_000),
+            ("1000000000000", 1_000_000_000_000),
+        ] {
+            let c = parse(v).unwrap();
+            assert_eq!(c.regions[1].cache_tokens(), Some(want), "{v}");
+            assert_eq!(c.regions[0].cache_tokens(), None);
+        }
+        for v in [
+            "0",
+            "-1",
+            "-262144",
+            "1.5",
+            "0.0",
+            "1000000000001",
+            "1e13",
+            "18446744073709551616",
+        ] {
+            let e = parse(v).unwrap_err();
+            assert_eq!(e.field, "regions[1].cache_tokens", "{v}");
+            assert!(
+                e.reason
+                    .ends_with("must be a whole number of tokens in 1..=1000000000000"),
+                "{v}: {e}"
+            );
+        }
+        let e = parse("\"262144\"").unwrap_err();
+        assert!(e.reason.contains("invalid type: string"), "{e}");
+        let e = parse("null").unwrap();
+        assert_eq!(e.regions[1].cache_tokens(), None);
     }
 
     #[test]

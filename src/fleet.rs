@@ -9,7 +9,7 @@ use crate::assess::{assess, Assessment, Signals};
 use crate::calibration::{RegionCalibration, Verdict};
 use crate::config::Config;
 use crate::ladder::Ladder;
-use crate::metrics::EngineSample;
+use crate::metrics::{CacheCapacity, EngineSample};
 use crate::snapshot::{RegionState, Snapshot, TunedWeights};
 use crate::tuning::{Fit, Observation, Tuner};
 use crate::usage::UsageReport;
@@ -59,6 +59,9 @@ struct Region {
     max_model_len: Option<u32>,
     /// Replicas behind the entry point (`prometheus` load source).
     replicas: Option<u32>,
+    /// The engines' last valid KV-cache capacity (tokens); a later
+    /// scrape without one leaves it standing.
+    cache_tokens: Option<u64>,
 }
 
 impl Region {
@@ -126,6 +129,7 @@ impl Fleet {
                     calibration: RegionCalibration::default(),
                     max_model_len: None,
                     replicas: None,
+                    cache_tokens: None,
                 })
                 .collect(),
             ladder: Ladder::new(now_ms),
@@ -170,6 +174,11 @@ impl Fleet {
         self.regions
             .get_mut(region)
             .is_some_and(|r| r.max_model_len.replace(limit) != Some(limit))
+    }
+
+    /// The engines' last valid KV-cache capacity for the region (tokens).
+    pub fn engine_cache_tokens(&self, region: usize) -> Option<u64> {
+        self.regions.get(region)?.cache_tokens
     }
 
     /// The context limit last read for the region.
@@ -299,6 +308,9 @@ impl Fleet {
                     (Some(c), _) => Some((c, now_ms)),
                     (None, _) => None,
                 };
+                if let Some(CacheCapacity::Tokens(t)) = s.cache_capacity {
+                    r.cache_tokens = Some(t);
+                }
                 r.sample = s;
                 r.scraped_ms = Some(now_ms);
                 r.inflight_at_scrape = inflight.max(0.0);
@@ -589,6 +601,7 @@ impl Fleet {
                 cache_reliability: r.calibration.reliability(),
                 max_model_len: r.max_model_len,
                 replicas: r.replicas,
+                cache_tokens: c.cache_tokens().or(r.cache_tokens),
             })
             .collect();
         Snapshot {
@@ -954,5 +967,46 @@ mod tests {
         let (s, _) = f.publish(&c, 1000);
         // 10 more waiting in 1 s, EWMA alpha 0.5: 5 rps of unmet demand.
         assert!((s.demand_rps - 5.0).abs() < 1e-9, "{}", s.demand_rps);
+    }
+
+    #[test]
+    fn cache_capacity_config_wins_then_last_valid_engine_figure() {
+        let c = Config::parse(
+            br#"{"regions":[{"name":"a","cluster":"a","capacity_rps":1},
+                {"name":"b","cluster":"b","capacity_rps":1,"cache_tokens":5000}]}"#,
+        )
+        .unwrap();
+        let mut f = Fleet::new(&c, 0);
+        let cap = |s: &Snapshot| -> Vec<Option<u64>> {
+            s.regions.iter().map(|r| r.cache_tokens).collect()
+        };
+        assert_eq!(cap(&f.publish(&c, 0).0), vec![None, Some(5000)]);
+        let with = |c: Option<CacheCapacity>| EngineSample {
+            waiting: Some(0.0),
+            cache_capacity: c,
+            ..EngineSample::default()
+        };
+        for i in 0..2 {
+            f.on_metrics(
+                &c,
+                i,
+                Some(with(Some(CacheCapacity::Tokens(74_864)))),
+                0.0,
+                1,
+            );
+        }
+        assert_eq!(cap(&f.publish(&c, 1).0), vec![Some(74_864), Some(5000)]);
+        // A refused figure, a scrape without one, a failed scrape: the last
+        // valid figure stands, never 0.
+        f.on_metrics(
+            &c,
+            0,
+            Some(with(Some(CacheCapacity::Invalid("x".into())))),
+            0.0,
+            2,
+        );
+        f.on_metrics(&c, 0, Some(with(None)), 0.0, 3);
+        f.on_metrics(&c, 0, None, 0.0, 4);
+        assert_eq!(cap(&f.publish(&c, 4).0), vec![Some(74_864), Some(5000)]);
     }
 }

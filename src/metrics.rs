@@ -1,7 +1,8 @@
 //! Engine load metrics: turns the Prometheus text exposition (format 0.0.4)
 //! that vLLM and SGLang serve on `/metrics` into the few numbers the router
 //! weighs (queue depth, running requests, KV-cache usage, prefix-cache
-//! counters or hit rate) and an optional release digest read from a label.
+//! counters or hit rate, KV-cache capacity in tokens) and an optional
+//! release digest read from a label.
 //!
 //! This module owns the text-format parsing and the per-engine metric names.
 //! It does no I/O and keeps no state between scrapes; the probe fetches the
@@ -14,6 +15,11 @@ use std::fmt;
 /// this big is a misconfigured endpoint, and parsing it would stall the
 /// proxy's worker thread.
 pub const MAX_PAYLOAD_BYTES: usize = 4 * 1024 * 1024;
+
+/// Largest KV-cache capacity believed, in tokens, for one region: a
+/// thousand times the largest pools deployed today (a few hundred GPUs of
+/// a few million tokens each). A larger figure is a broken exporter.
+pub const MAX_CACHE_TOKENS: u64 = 1_000_000_000_000;
 
 /// Which inference server exposes the endpoint; it decides the metric names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
@@ -64,6 +70,22 @@ pub struct EngineSample {
     /// (vLLM `request_success_total`, SGLang `num_requests_total`): the
     /// probe measures the engine's drain rate from it.
     pub completed: Option<f64>,
+    /// KV-cache capacity in tokens, summed over the endpoint's engines;
+    /// `None` when the engine exports no capacity metric.
+    pub cache_capacity: Option<CacheCapacity>,
+}
+
+/// What the engine says its KV cache holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheCapacity {
+    /// Tokens, summed over data-parallel engines; always in
+    /// 1..=[`MAX_CACHE_TOKENS`].
+    Tokens(u64),
+    /// The metric is there but a figure in it is no usable capacity (zero,
+    /// negative, not a number, `None`, over [`MAX_CACHE_TOKENS`]): the
+    /// whole figure is refused, since a sum without one engine would
+    /// understate it. The text says which figure, as the engine wrote it.
+    Invalid(String),
 }
 
 /// Why a scrape gave no sample. Messages name the line so an operator can
@@ -189,8 +211,14 @@ pub fn parse_engine_metrics(
             continue;
         };
         saw_sample = true;
-        if let Some(series) = series {
-            totals.add(series, sample.value);
+        match series {
+            Some(Series::CacheConfigInfo | Series::MaxTotalTokens) => {
+                totals
+                    .capacity
+                    .add(sample.name, |l| sample.label(l), sample.value);
+            }
+            Some(series) => totals.add(series, sample.value),
+            None => {}
         }
         if wants_release {
             if let Some(spec) = release_spec {
@@ -344,6 +372,10 @@ enum Series {
     PrefixHits(PrefixFamily),
     HitRate,
     Completed,
+    /// vLLM's `cache_config_info`: the capacity is in its labels.
+    CacheConfigInfo,
+    /// SGLang's `max_total_num_tokens`: the capacity is the value.
+    MaxTotalTokens,
 }
 
 /// The spellings vLLM has used for its prefix-cache counters, most preferred
@@ -411,6 +443,7 @@ const VLLM_SERIES: &[(&str, Series)] = &[
     // With prefix caching off it prints -1, which clamps to a 0 hit rate.
     ("vllm:gpu_prefix_cache_hit_rate", Series::HitRate),
     ("vllm:request_success_total", Series::Completed),
+    ("vllm:cache_config_info", Series::CacheConfigInfo),
 ];
 
 const SGLANG_SERIES: &[(&str, Series)] = &[
@@ -419,6 +452,7 @@ const SGLANG_SERIES: &[(&str, Series)] = &[
     ("sglang:token_usage", Series::KvUsage),
     ("sglang:cache_hit_rate", Series::HitRate),
     ("sglang:num_requests_total", Series::Completed),
+    ("sglang:max_total_num_tokens", Series::MaxTotalTokens),
 ];
 
 /// Running sum of the series of one name.
@@ -459,6 +493,102 @@ struct Totals {
     prefix_hits: [Accumulator; 4],
     hit_rate: Accumulator,
     completed: Accumulator,
+    capacity: CapacitySum,
+}
+
+/// The KV-cache capacity over the series of its metric, as the scrape
+/// and the `prometheus` source (`promql`) both sum it.
+#[derive(Debug, Default)]
+pub struct CapacitySum {
+    tokens: Option<u64>,
+    /// The first refused figure; once set, the sum is refused.
+    invalid: Option<String>,
+}
+
+impl CapacitySum {
+    /// Add one series of `name` (`vllm:cache_config_info` or
+    /// `sglang:max_total_num_tokens`), given its labels and value.
+    pub fn add<L: AsRef<str>>(
+        &mut self,
+        name: &str,
+        label: impl Fn(&str) -> Option<L>,
+        value: f64,
+    ) {
+        if self.invalid.is_some() {
+            return;
+        }
+        match capacity_of(name, label, value) {
+            Ok(None) => {}
+            Ok(Some(tokens)) => {
+                let sum = self.tokens.unwrap_or(0).checked_add(tokens);
+                match sum.filter(|t| *t <= MAX_CACHE_TOKENS) {
+                    Some(t) => self.tokens = Some(t),
+                    None => {
+                        self.invalid = Some(format!(
+                            "{name}: the sum over engines is over {MAX_CACHE_TOKENS} tokens"
+                        ));
+                    }
+                }
+            }
+            Err(why) => self.invalid = Some(why),
+        }
+    }
+
+    /// `None` when no series was added (or each repeated another's pool).
+    pub fn into_capacity(self) -> Option<CacheCapacity> {
+        match (self.invalid, self.tokens) {
+            (Some(why), _) => Some(CacheCapacity::Invalid(why)),
+            (None, Some(t)) => Some(CacheCapacity::Tokens(t)),
+            (None, None) => None,
+        }
+    }
+}
+
+/// One series' capacity in tokens: vLLM's `num_gpu_blocks` × `block_size`
+/// labels (one series per data-parallel engine, `engine="N"`), SGLang's
+/// value (one series per `dp_rank`). `Ok(None)`: a series that repeats
+/// another's pool (SGLang prints one per tensor- and pipeline-parallel
+/// rank; only rank 0's is counted).
+fn capacity_of<L: AsRef<str>>(
+    name: &str,
+    label: impl Fn(&str) -> Option<L>,
+    value: f64,
+) -> Result<Option<u64>, String> {
+    if name == "vllm:cache_config_info" {
+        let figure = |l: &str| -> Result<u64, String> {
+            let v = label(l).ok_or_else(|| format!("{name} has no {l} label"))?;
+            let v = v.as_ref();
+            match v.trim().parse::<u64>() {
+                Ok(n) if n > 0 && n <= MAX_CACHE_TOKENS => Ok(n),
+                _ => Err(format!(
+                    "{name} {l}={v:?} is not a whole number in 1..={MAX_CACHE_TOKENS}"
+                )),
+            }
+        };
+        let blocks = figure("num_gpu_blocks")?;
+        let size = figure("block_size")?;
+        return blocks
+            .checked_mul(size)
+            .filter(|t| *t <= MAX_CACHE_TOKENS)
+            .map(Some)
+            .ok_or_else(|| {
+                format!(
+                    "{name} num_gpu_blocks={blocks} x block_size={size} is over {MAX_CACHE_TOKENS} tokens"
+                )
+            });
+    }
+    for rank in ["tp_rank", "pp_rank"] {
+        if label(rank).is_some_and(|r| r.as_ref().trim() != "0") {
+            return Ok(None);
+        }
+    }
+    if value.is_finite() && value >= 1.0 && value <= MAX_CACHE_TOKENS as f64 {
+        Ok(Some(value.round() as u64))
+    } else {
+        Err(format!(
+            "{name} is {value}, not a number of tokens in 1..={MAX_CACHE_TOKENS}"
+        ))
+    }
 }
 
 impl Totals {
@@ -479,6 +609,7 @@ impl Totals {
             Series::KvUsageLegacy => (Some(&mut self.kv_usage_legacy), Some(ratio)),
             Series::HitRate => (Some(&mut self.hit_rate), Some(ratio)),
             Series::Completed => (Some(&mut self.completed), count),
+            Series::CacheConfigInfo | Series::MaxTotalTokens => (None, None),
         };
         if let (Some(accumulator), Some(value)) = (accumulator, value) {
             accumulator.add(value);
@@ -503,6 +634,7 @@ impl Totals {
             hit_rate: self.hit_rate.mean(),
             release,
             completed: self.completed.total(),
+            cache_capacity: self.capacity.into_capacity(),
         }
     }
 }
@@ -704,12 +836,17 @@ mod tests {
 
     const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 
+    /// The labels of vLLM's `cache_config_info` before `engine`, as 0.10
+    /// prints them (the fields of its CacheConfig, sorted).
+    const VLLM_CACHE_LABELS: &str = "block_size=\"16\",cache_dtype=\"auto\",calculate_kv_scales=\"False\",cpu_kvcache_space_bytes=\"4294967296\",cpu_offload_gb=\"0.0\",enable_prefix_caching=\"None\"";
+
     /// Shaped like vLLM v1 (0.9+) with two data-parallel engines: labels in
     /// prometheus_client's sorted order, `_total` counters with their
     /// `_created` companions, deprecated names beside the current ones, and
     /// series this module ignores.
     fn vllm_v1_payload() -> String {
         let m = MODEL;
+        let cache = VLLM_CACHE_LABELS;
         format!(
             "# HELP python_gc_objects_collected_total Objects collected during gc\n\
 # TYPE python_gc_objects_collected_total counter\n\
@@ -749,6 +886,10 @@ vllm:prefix_cache_queries_created{{engine=\"1\",model_name=\"{m}\"}} 1.752063271
 # TYPE vllm:prefix_cache_hits_total counter\n\
 vllm:prefix_cache_hits_total{{engine=\"0\",model_name=\"{m}\"}} 6400.0\n\
 vllm:prefix_cache_hits_total{{engine=\"1\",model_name=\"{m}\"}} 1.6e+03\n\
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
+# TYPE vllm:cache_config_info gauge\n\
+vllm:cache_config_info{{{cache},engine=\"0\",gpu_memory_utilization=\"0.9\",is_attention_free=\"False\",num_cpu_blocks=\"0\",num_gpu_blocks=\"2340\",num_gpu_blocks_override=\"None\",prefix_caching_hash_algo=\"builtin\",sliding_window=\"None\",swap_space=\"4.0\",swap_space_bytes=\"4294967296.0\"}} 1.0\n\
+vllm:cache_config_info{{{cache},engine=\"1\",gpu_memory_utilization=\"0.9\",is_attention_free=\"False\",num_cpu_blocks=\"0\",num_gpu_blocks=\"2339\",num_gpu_blocks_override=\"None\",prefix_caching_hash_algo=\"builtin\",sliding_window=\"None\",swap_space=\"4.0\",swap_space_bytes=\"4294967296.0\"}} 1.0\n\
 # HELP vllm:request_success_total Count of successfully processed requests.\n\
 # TYPE vllm:request_success_total counter\n\
 vllm:request_success_total{{engine=\"0\",finished_reason=\"stop\",model_name=\"{m}\"}} 42.0\n\
@@ -776,6 +917,8 @@ vllm:time_to_first_token_seconds_count{{engine=\"0\",model_name=\"{m}\"}} 42.0\n
                 hit_rate: None,
                 release: None,
                 completed: Some(42.0),
+                // (2340 + 2339) blocks of 16 tokens.
+                cache_capacity: Some(CacheCapacity::Tokens(74_864)),
             }
         );
     }
@@ -813,6 +956,7 @@ vllm:gpu_prefix_cache_hits{model_name=\"qwen\"} 512\n";
                 hit_rate: Some(0.25),
                 release: None,
                 completed: None,
+                cache_capacity: None,
             }
         );
     }
@@ -837,6 +981,9 @@ vllm:gpu_prefix_cache_hits_total{engine=\"0\"} 77\n";
             "dp_rank=\"0\",engine_type=\"unified\",model_name=\"Qwen/Qwen2.5-7B-Instruct\",pp_rank=\"0\",tp_rank=\"0\"";
         let labels1 =
             "dp_rank=\"1\",engine_type=\"unified\",model_name=\"Qwen/Qwen2.5-7B-Instruct\",pp_rank=\"0\",tp_rank=\"0\"";
+        // Tensor-parallel rank 1 of dp_rank 0 repeats its pool.
+        let tp1 =
+            "dp_rank=\"0\",engine_type=\"unified\",model_name=\"Qwen/Qwen2.5-7B-Instruct\",pp_rank=\"0\",tp_rank=\"1\"";
         let text = format!(
             "# HELP sglang:num_running_reqs The number of running requests.\n\
 # TYPE sglang:num_running_reqs gauge\n\
@@ -866,7 +1013,12 @@ sglang:prompt_tokens_total{{{labels0}}} 8.128902e+06\n\
 # HELP sglang:num_requests_total Number of requests processed.\n\
 # TYPE sglang:num_requests_total counter\n\
 sglang:num_requests_total{{{labels0}}} 120.0\n\
-sglang:num_requests_total{{{labels1}}} 80.0\n"
+sglang:num_requests_total{{{labels1}}} 80.0\n\
+# HELP sglang:max_total_num_tokens Maximum total number of tokens in the KV cache pool.\n\
+# TYPE sglang:max_total_num_tokens gauge\n\
+sglang:max_total_num_tokens{{{labels0}}} 262144.0\n\
+sglang:max_total_num_tokens{{{labels1}}} 262144.0\n\
+sglang:max_total_num_tokens{{{tp1}}} 262144.0\n"
         );
         let sample = parse_engine_metrics(EngineKind::Sglang, text.as_bytes(), None).unwrap();
         assert_eq!(
@@ -880,7 +1032,122 @@ sglang:num_requests_total{{{labels1}}} 80.0\n"
                 hit_rate: Some(0.375),
                 release: None,
                 completed: Some(200.0),
+                // Two data-parallel pools; tp_rank 1 is not a third.
+                cache_capacity: Some(CacheCapacity::Tokens(524_288)),
             }
+        );
+    }
+
+    fn vllm_capacity(series: &[(&str, &str)]) -> Option<CacheCapacity> {
+        let mut text = String::from("vllm:num_requests_waiting 0\n");
+        for (i, (blocks, size)) in series.iter().enumerate() {
+            text.push_str(&format!(
+                "vllm:cache_config_info{{block_size=\"{size}\",cache_dtype=\"auto\",engine=\"{i}\",num_gpu_blocks=\"{blocks}\",num_gpu_blocks_override=\"None\"}} 1.0\n"
+            ));
+        }
+        parse_engine_metrics(EngineKind::Vllm, text.as_bytes(), None)
+            .unwrap()
+            .cache_capacity
+    }
+
+    fn invalid(c: Option<CacheCapacity>) -> String {
+        match c {
+            Some(CacheCapacity::Invalid(why)) => why,
+            other => panic!("expected an invalid capacity, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn vllm_capacity_is_blocks_times_block_size_summed_over_engines() {
+        assert_eq!(
+            vllm_capacity(&[("1024", "16")]),
+            Some(CacheCapacity::Tokens(16_384))
+        );
+        assert_eq!(
+            vllm_capacity(&[("1024", "16"), ("2048", "16"), ("10", "32")]),
+            Some(CacheCapacity::Tokens(16_384 + 32_768 + 320))
+        );
+        // No cache_config_info at all: no figure, not an invalid one.
+        assert_eq!(vllm_capacity(&[]), None);
+    }
+
+    #[test]
+    fn vllm_capacity_refuses_none_zero_negative_garbage_and_absurd_labels() {
+        // vLLM prints "None" before it has profiled its memory.
+        let why = invalid(vllm_capacity(&[("1024", "16"), ("None", "16")]));
+        assert_eq!(
+            why,
+            "vllm:cache_config_info num_gpu_blocks=\"None\" is not a whole number in 1..=1000000000000"
+        );
+        for (blocks, size, label) in [
+            ("0", "16", "num_gpu_blocks"),
+            ("-5", "16", "num_gpu_blocks"),
+            ("12.5", "16", "num_gpu_blocks"),
+            ("lots", "16", "num_gpu_blocks"),
+            ("", "16", "num_gpu_blocks"),
+            ("1024", "0", "block_size"),
+            ("1024", "None", "block_size"),
+            ("99999999999999999999999", "16", "num_gpu_blocks"),
+        ] {
+            let why = invalid(vllm_capacity(&[(blocks, size)]));
+            assert!(why.contains(label), "{blocks} x {size}: {why}");
+        }
+        // Each figure sane, the product absurd; and a sum past the cap.
+        let why = invalid(vllm_capacity(&[("100000000000", "16")]));
+        assert!(why.contains("is over 1000000000000 tokens"), "{why}");
+        let why = invalid(vllm_capacity(&[
+            ("40000000000", "16"),
+            ("40000000000", "16"),
+        ]));
+        assert!(why.contains("sum over engines"), "{why}");
+        // A series without the label is refused, not read as 0.
+        let text = "vllm:cache_config_info{block_size=\"16\"} 1.0\n";
+        let c = parse_engine_metrics(EngineKind::Vllm, text.as_bytes(), None).unwrap();
+        assert_eq!(
+            invalid(c.cache_capacity),
+            "vllm:cache_config_info has no num_gpu_blocks label"
+        );
+    }
+
+    #[test]
+    fn sglang_capacity_is_the_value_summed_over_dp_ranks() {
+        let parse = |lines: &str| {
+            parse_engine_metrics(EngineKind::Sglang, lines.as_bytes(), None)
+                .unwrap()
+                .cache_capacity
+        };
+        assert_eq!(
+            parse("sglang:max_total_num_tokens{model_name=\"m\"} 144870.0\n"),
+            Some(CacheCapacity::Tokens(144_870))
+        );
+        assert_eq!(
+            parse(
+                "sglang:max_total_num_tokens{dp_rank=\"0\",tp_rank=\"0\"} 1000\n\
+                 sglang:max_total_num_tokens{dp_rank=\"0\",tp_rank=\"1\"} 1000\n\
+                 sglang:max_total_num_tokens{dp_rank=\"1\",tp_rank=\"0\",pp_rank=\"0\"} 3000\n\
+                 sglang:max_total_num_tokens{dp_rank=\"1\",tp_rank=\"0\",pp_rank=\"1\"} 3000\n"
+            ),
+            Some(CacheCapacity::Tokens(4000))
+        );
+        assert_eq!(parse("sglang:num_running_reqs 1\n"), None);
+        for bad in ["0", "-1", "NaN", "+Inf", "0.5", "2e12"] {
+            let why = invalid(parse(&format!(
+                "sglang:max_total_num_tokens{{dp_rank=\"0\"}} 5000\nsglang:max_total_num_tokens{{dp_rank=\"1\"}} {bad}\n"
+            )));
+            assert!(
+                why.starts_with("sglang:max_total_num_tokens is "),
+                "{bad}: {why}"
+            );
+        }
+        // A value that is not a number is a malformed line, skipped: no figure.
+        assert_eq!(
+            parse("sglang:max_total_num_tokens lots\nsglang:num_running_reqs 1\n"),
+            None
+        );
+        // vLLM's metric means nothing to an SGLang region, and vice versa.
+        assert_eq!(
+            parse("vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"9\"} 1\n"),
+            None
         );
     }
 

@@ -22,7 +22,7 @@ use crate::config::{Config, LoadSource, ProbeConfig, ReleaseSource};
 use crate::context::parse_model_limit;
 use crate::effects::{CalloutResponse, Level, ProbeHost};
 use crate::fleet::{Fleet, HealthChange};
-use crate::metrics::parse_engine_metrics;
+use crate::metrics::{parse_engine_metrics, CacheCapacity, EngineKind};
 use crate::protocol::{
     Global, RegionStat, Stat, LADDER_OVERRIDE_KEY, LEASE_KEY, OBSERVATIONS_QUEUE, SNAPSHOT_KEY,
 };
@@ -65,6 +65,15 @@ const ALL_REGIONS: usize = usize::MAX;
 /// tick: enough to find the count when Prometheus scraped the engines.
 const INFLIGHT_HISTORY: usize = 128;
 
+/// What the last warning about a region's KV-cache capacity said, so that
+/// a figure missing or refused scrape after scrape is warned about once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CapacityWarned {
+    Nothing,
+    Missing,
+    Refused,
+}
+
 #[derive(Debug)]
 pub struct Probe {
     cfg: Rc<Config>,
@@ -77,6 +86,7 @@ pub struct Probe {
     metrics_warned: Vec<bool>,
     models_warned: Vec<bool>,
     dispatch_warned: Vec<bool>,
+    capacity_warned: Vec<CapacityWarned>,
     last_assessment: Assessment,
     /// Rounds this root context has run (holding the lease).
     rounds: u64,
@@ -133,6 +143,7 @@ impl Probe {
             metrics_warned: vec![false; n],
             models_warned: vec![false; n],
             dispatch_warned: vec![false; n],
+            capacity_warned: vec![CapacityWarned::Nothing; n],
             last_assessment: Assessment::Ok,
             rounds: 0,
             models_due: vec![0; n],
@@ -457,6 +468,7 @@ impl Probe {
                     // As of the scrape, never in the future of this answer.
                     let at = load.scraped_ms.map_or(now, |t| t.min(now));
                     let inflight = self.inflight_at(i, at, inflight_now);
+                    self.check_capacity(host, i, load.sample.cache_capacity.as_ref());
                     self.fleet.on_replicas(i, load.replicas);
                     self.fleet
                         .on_metrics(&cfg, i, Some(load.sample.clone()), inflight, at);
@@ -615,6 +627,7 @@ impl Probe {
                 if self.cfg.release.source == ReleaseSource::MetricsLabel {
                     self.release(region, sample.release.clone());
                 }
+                self.check_capacity(host, region, sample.cache_capacity.as_ref());
                 self.fleet
                     .on_metrics(&self.cfg, region, Some(sample), inflight, now);
                 self.fleet.on_engine_clock(region, now);
@@ -633,6 +646,59 @@ impl Probe {
                     .on_metrics(&self.cfg, region, None, inflight, now);
             }
         }
+    }
+
+    /// The engines' KV-cache capacity in a good scrape (or Prometheus
+    /// answer): a refused figure is counted, and a refused or missing one
+    /// is warned about once per region and kind until a valid one comes;
+    /// the fleet keeps the last valid figure. A region whose capacity is
+    /// configured (`cache_tokens`) is not warned about.
+    fn check_capacity(
+        &mut self,
+        host: &mut dyn ProbeHost,
+        region: usize,
+        capacity: Option<&CacheCapacity>,
+    ) {
+        let Some(r) = self.cfg.regions.get(region) else {
+            return;
+        };
+        if let Some(CacheCapacity::Invalid(_)) = capacity {
+            host.count(Stat::Region(region, RegionStat::CacheCapacityRejected), 1);
+        }
+        let kind = match capacity {
+            Some(CacheCapacity::Tokens(_)) => CapacityWarned::Nothing,
+            Some(CacheCapacity::Invalid(_)) => CapacityWarned::Refused,
+            None => CapacityWarned::Missing,
+        };
+        let Some(warned) = self.capacity_warned.get_mut(region) else {
+            return;
+        };
+        if kind == CapacityWarned::Nothing || r.cache_tokens().is_some() {
+            *warned = CapacityWarned::Nothing;
+            return;
+        }
+        if std::mem::replace(warned, kind) == kind {
+            return;
+        }
+        let stays = self
+            .fleet
+            .engine_cache_tokens(region)
+            .map_or("unknown".to_string(), |t| format!("{t} tokens"));
+        let metric = match r.engine {
+            EngineKind::Vllm => "vllm:cache_config_info (num_gpu_blocks x block_size)",
+            EngineKind::Sglang => "sglang:max_total_num_tokens",
+        };
+        let what = match capacity {
+            Some(CacheCapacity::Invalid(why)) => format!("KV-cache capacity ignored: {why}"),
+            _ => format!("the engine exports no KV-cache capacity ({metric})"),
+        };
+        host.log(
+            Level::Warn,
+            &format!(
+                "llm-geo-router probe: region {}: {what}; its capacity stays {stays} (set regions[].cache_tokens to give it)",
+                r.name
+            ),
+        );
     }
 
     /// The release digest in a health response, per `release.source`.
@@ -905,6 +971,11 @@ impl Probe {
                 host,
                 RegionStat::Replicas,
                 u64::from(r.replicas.unwrap_or(1)),
+            );
+            rg(
+                host,
+                RegionStat::CacheCapacityTokens,
+                r.cache_tokens.unwrap_or(0),
             );
         }
         // Last: the filters copy the snapshot in when this changes.
@@ -1547,6 +1618,81 @@ mod tests {
         assert_eq!(p.fleet.model_limit(0), Some(4096));
         assert!(host.logs.iter().any(|(_, m)| m == "llm-geo-router probe: region near: model list /v1/models not read: the body is larger than 256 KiB; its context limit stays 4096 tokens"));
         assert_eq!(host.value(Stat::Region(0, RegionStat::MaxModelLen)), 4096);
+    }
+
+    #[test]
+    fn cache_capacity_gauge_follows_the_engine_unless_configured_and_warns_once_per_kind() {
+        let c = Rc::new(
+            Config::parse(
+                br#"{"regions":[
+                  {"name":"near","cluster":"cn","capacity_rps":5,"rtt_ms":5},
+                  {"name":"mid","cluster":"cm","capacity_rps":5,"rtt_ms":40,"cache_tokens":5000}],
+                  "probe":{"tick_ms":1000,"timeout_ms":500}}"#,
+            )
+            .unwrap(),
+        );
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        let info = |blocks: &str| {
+            format!("{VLLM}vllm:cache_config_info{{block_size=\"16\",cache_dtype=\"auto\",num_gpu_blocks=\"{blocks}\",num_gpu_blocks_override=\"None\"}} 1.0\n")
+        };
+        let bodies = [
+            VLLM.to_string(),
+            VLLM.to_string(),
+            info("None"),
+            info("-3"),
+            info("1024"),
+            info("0"),
+            info("0"),
+        ];
+        let mut gauges = Vec::new();
+        for (i, body) in bodies.iter().enumerate() {
+            tick(&mut p, &mut host, T0 + 1000 * (i as u64 + 1));
+            answer_all(&mut p, &mut host, 5, Some(200), body);
+            gauges.push((
+                host.value(Stat::Region(0, RegionStat::CacheCapacityTokens)),
+                host.value(Stat::Region(1, RegionStat::CacheCapacityTokens)),
+            ));
+        }
+        // Unknown is 0 on the gauge; the override wins from the start; a
+        // refused figure leaves the last valid one.
+        assert_eq!(
+            gauges,
+            [
+                (0, 5000),
+                (0, 5000),
+                (0, 5000),
+                (0, 5000),
+                (16_384, 5000),
+                (16_384, 5000),
+                (16_384, 5000)
+            ]
+        );
+        assert_eq!(published(&host).regions[0].cache_tokens, Some(16_384));
+        assert_eq!(published(&host).regions[1].cache_tokens, Some(5000));
+        // Four refused figures at near, four at mid (counted, not warned).
+        assert_eq!(
+            host.value(Stat::Region(0, RegionStat::CacheCapacityRejected)),
+            4
+        );
+        assert_eq!(
+            host.value(Stat::Region(1, RegionStat::CacheCapacityRejected)),
+            4
+        );
+        let warnings: Vec<&str> = host
+            .logs
+            .iter()
+            .map(|(_, m)| m.as_str())
+            .filter(|m| m.contains("capacity"))
+            .collect();
+        assert_eq!(
+            warnings,
+            [
+                "llm-geo-router probe: region near: the engine exports no KV-cache capacity (vllm:cache_config_info (num_gpu_blocks x block_size)); its capacity stays unknown (set regions[].cache_tokens to give it)",
+                "llm-geo-router probe: region near: KV-cache capacity ignored: vllm:cache_config_info num_gpu_blocks=\"None\" is not a whole number in 1..=1000000000000; its capacity stays unknown (set regions[].cache_tokens to give it)",
+                "llm-geo-router probe: region near: KV-cache capacity ignored: vllm:cache_config_info num_gpu_blocks=\"0\" is not a whole number in 1..=1000000000000; its capacity stays 16384 tokens (set regions[].cache_tokens to give it)",
+            ]
+        );
     }
 
     #[test]

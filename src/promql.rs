@@ -9,15 +9,21 @@
 //! all joined with `or`. Signals: `waiting`, `running` (sums), `kv` (mean
 //! KV-cache usage), `replicas` (series of the running gauge), `completed`
 //! (the completions counters, summed), `prefix_queries`/`prefix_hits`
-//! (vLLM's prefix-cache counters, summed), `hit_rate` (SGLang's, mean) and
-//! `scraped` (the oldest scrape time of the running gauge's series).
+//! (vLLM's prefix-cache counters, summed), `hit_rate` (SGLang's, mean),
+//! `scraped` (the oldest scrape time of the running gauge's series) and
+//! `cache` (the KV-cache capacity series, not aggregated).
+//!
+//! The capacity is summed here rather than in PromQL: vLLM prints it as
+//! labels (`num_gpu_blocks` × `block_size` of `vllm:cache_config_info`),
+//! which PromQL cannot add up, and each series must pass the same checks
+//! as a scrape's (`metrics::CapacitySum`), so SGLang's series come raw too.
 
 use std::collections::HashMap;
 
 use serde::Deserialize;
 
 use crate::config::{Config, LoadSource, Region};
-use crate::metrics::{EngineKind, EngineSample};
+use crate::metrics::{CapacitySum, EngineKind, EngineSample};
 
 /// Answers read at most.
 pub const MAX_ANSWER_BYTES: usize = 1 << 20;
@@ -56,11 +62,14 @@ fn metric(engine: EngineKind, signal: &str) -> Option<&'static [&'static str]> {
         (EngineKind::Sglang, "kv") => &["sglang:token_usage"],
         (EngineKind::Sglang, "completed") => &["sglang:num_requests_total"],
         (EngineKind::Sglang, "hit_rate") => &["sglang:cache_hit_rate"],
+        (EngineKind::Vllm, "cache") => &["vllm:cache_config_info"],
+        (EngineKind::Sglang, "cache") => &["sglang:max_total_num_tokens"],
         _ => return None,
     })
 }
 
-const SIGNALS: [(&str, &str); 9] = [
+/// Each signal and its aggregation (empty: the series themselves).
+const SIGNALS: [(&str, &str); 10] = [
     ("waiting", "sum"),
     ("running", "sum"),
     ("kv", "avg"),
@@ -70,6 +79,7 @@ const SIGNALS: [(&str, &str); 9] = [
     ("prefix_hits", "sum"),
     ("hit_rate", "avg"),
     ("scraped", "min"),
+    ("cache", ""),
 ];
 
 /// The PromQL expression for one region.
@@ -85,8 +95,11 @@ pub fn region_query(region: &Region) -> String {
         if signal == "scraped" {
             inner = format!("timestamp({inner})");
         }
+        if !agg.is_empty() {
+            inner = format!("{agg}({inner})");
+        }
         parts.push(format!(
-            "label_replace(label_replace({agg}({inner}),\"{REGION_LABEL}\",\"{}\",\"\",\"\"),\"{SIGNAL_LABEL}\",\"{signal}\",\"\",\"\")",
+            "label_replace(label_replace({inner},\"{REGION_LABEL}\",\"{}\",\"\",\"\"),\"{SIGNAL_LABEL}\",\"{signal}\",\"\",\"\")",
             region.name
         ));
     }
@@ -173,6 +186,7 @@ pub fn parse_answer(cfg: &Config, body: &[u8]) -> Result<HashMap<usize, RegionLo
         ));
     }
     let mut seen: HashMap<usize, HashMap<&str, f64>> = HashMap::new();
+    let mut capacity: HashMap<usize, CapacitySum> = HashMap::new();
     for s in &data.result {
         let (Some(region), Some(signal)) = (s.metric.get(REGION_LABEL), s.metric.get(SIGNAL_LABEL))
         else {
@@ -181,6 +195,17 @@ pub fn parse_answer(cfg: &Config, body: &[u8]) -> Result<HashMap<usize, RegionLo
         let Some(i) = cfg.regions.iter().position(|r| &r.name == region) else {
             continue;
         };
+        if signal == "cache" {
+            let names = cfg.regions.get(i).and_then(|r| metric(r.engine, "cache"));
+            if let Some(name) = names.and_then(|n| n.first()) {
+                let v = parse_sample_value(&s.value.1);
+                capacity
+                    .entry(i)
+                    .or_default()
+                    .add(name, |l| s.metric.get(l), v);
+            }
+            continue;
+        }
         let Ok(v) = s.value.1.parse::<f64>() else {
             continue;
         };
@@ -210,6 +235,7 @@ pub fn parse_answer(cfg: &Config, body: &[u8]) -> Result<HashMap<usize, RegionLo
             hit_rate: sig.get("hit_rate").map(|v| v.clamp(0.0, 1.0)),
             release: None,
             completed: sig.get("completed").copied(),
+            cache_capacity: capacity.remove(&i).and_then(CapacitySum::into_capacity),
         };
         out.insert(
             i,
@@ -224,6 +250,17 @@ pub fn parse_answer(cfg: &Config, body: &[u8]) -> Result<HashMap<usize, RegionLo
         );
     }
     Ok(out)
+}
+
+/// A sample value as the API writes it (Go's formatting: `NaN`, `+Inf`);
+/// anything else that is no number reads as NaN, which the capacity
+/// checks refuse.
+fn parse_sample_value(v: &str) -> f64 {
+    match v {
+        "+Inf" | "Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        _ => v.parse::<f64>().unwrap_or(f64::NAN),
+    }
 }
 
 #[cfg(test)]
@@ -253,6 +290,14 @@ mod tests {
         assert!(q.contains(r#"avg(vllm:kv_cache_usage_perc{region="eu"} or vllm:gpu_cache_usage_perc{region="eu"})"#));
         assert!(q.contains(r#"min(timestamp(vllm:num_requests_running{region="eu"}))"#));
         assert!(q.contains(r#"sum(sglang:num_queue_reqs{namespace="llm",site=~"us-.*"})"#));
+        // The capacity series come raw, labels and all, to be summed here.
+        assert!(
+            q.contains(r#"label_replace(label_replace(vllm:cache_config_info{region="eu"},"llm_geo_region","eu","",""),"llm_geo_signal","cache","","")"#),
+            "{q}"
+        );
+        assert!(q.contains(
+            r#"label_replace(sglang:max_total_num_tokens{namespace="llm",site=~"us-.*"},"#
+        ));
         assert!(!q.contains("\"ap\""), "a scraped region is not queried");
         let path = query_path(&c, "sum(x{a=\"b c\"})");
         assert_eq!(path, "/api/v1/query?query=sum%28x%7Ba%3D%22b%20c%22%7D%29");
@@ -298,6 +343,93 @@ mod tests {
         assert_eq!(eu.scraped_ms, Some(1_764_539_998_250));
         assert!(!out.contains_key(&1), "a NaN running sum is no figure");
         assert_eq!(out.len(), 1);
+    }
+
+    fn cache_series(region: &str, labels: &str, v: &str) -> String {
+        format!(
+            r#"{{"metric":{{"__name__":"x","llm_geo_region":"{region}","llm_geo_signal":"cache",{labels}}},"value":[1764540000.5,"{v}"]}}"#
+        )
+    }
+
+    fn answer(series: &[String]) -> String {
+        format!(
+            r#"{{"status":"success","data":{{"resultType":"vector","result":[{}]}}}}"#,
+            series.join(",")
+        )
+    }
+
+    #[test]
+    fn cache_capacity_is_summed_over_replicas_from_the_series() {
+        use crate::metrics::CacheCapacity;
+        let c = cfg();
+        let load = |r: &str| {
+            vec![
+                series(r, "waiting", "0"),
+                series(r, "running", "0"),
+                series(r, "replicas", "2"),
+            ]
+        };
+        let mut body = load("eu");
+        body.push(cache_series(
+            "eu",
+            r#""instance":"a","block_size":"16","num_gpu_blocks":"1000""#,
+            "1",
+        ));
+        body.push(cache_series(
+            "eu",
+            r#""instance":"b","block_size":"16","num_gpu_blocks":"3000""#,
+            "1",
+        ));
+        body.extend(load("us"));
+        body.push(cache_series(
+            "us",
+            r#""instance":"a","tp_rank":"0""#,
+            "144870",
+        ));
+        body.push(cache_series(
+            "us",
+            r#""instance":"a","tp_rank":"1""#,
+            "144870",
+        ));
+        body.push(cache_series(
+            "us",
+            r#""instance":"b","tp_rank":"0""#,
+            "100000",
+        ));
+        let out = parse_answer(&c, answer(&body).as_bytes()).unwrap();
+        assert_eq!(
+            out[&0].sample.cache_capacity,
+            Some(CacheCapacity::Tokens(64_000))
+        );
+        assert_eq!(
+            out[&1].sample.cache_capacity,
+            Some(CacheCapacity::Tokens(244_870))
+        );
+
+        // One replica that has not profiled its memory spoils the sum;
+        // none at all is no figure.
+        let mut body = load("eu");
+        body.push(cache_series(
+            "eu",
+            r#""instance":"a","block_size":"16","num_gpu_blocks":"1000""#,
+            "1",
+        ));
+        body.push(cache_series(
+            "eu",
+            r#""instance":"b","block_size":"16","num_gpu_blocks":"None""#,
+            "1",
+        ));
+        body.extend(load("us"));
+        body.push(cache_series("us", r#""instance":"a""#, "NaN"));
+        let out = parse_answer(&c, answer(&body).as_bytes()).unwrap();
+        assert!(
+            matches!(&out[&0].sample.cache_capacity, Some(CacheCapacity::Invalid(w)) if w.contains("\"None\""))
+        );
+        assert!(
+            matches!(&out[&1].sample.cache_capacity, Some(CacheCapacity::Invalid(w)) if w.contains("is NaN"))
+        );
+        let out = parse_answer(&c, answer(&load("eu")).as_bytes()).unwrap();
+        assert_eq!(out[&0].sample.cache_capacity, None);
     }
 
     #[test]

@@ -189,10 +189,12 @@ pub enum RegionStat {
     MaxModelLen,
     ModelsReadFailure,
     Replicas,
+    CacheCapacityTokens,
+    CacheCapacityRejected,
 }
 
 impl RegionStat {
-    pub const ALL: [RegionStat; 21] = [
+    pub const ALL: [RegionStat; 23] = [
         RegionStat::RqTotal,
         RegionStat::RqActive,
         RegionStat::FallbackRqTotal,
@@ -214,6 +216,8 @@ impl RegionStat {
         RegionStat::MaxModelLen,
         RegionStat::ModelsReadFailure,
         RegionStat::Replicas,
+        RegionStat::CacheCapacityTokens,
+        RegionStat::CacheCapacityRejected,
     ];
 
     fn spec(self) -> (&'static str, StatKind) {
@@ -240,6 +244,8 @@ impl RegionStat {
             RegionStat::MaxModelLen => ("max_model_len", Gauge),
             RegionStat::Replicas => ("replicas", Gauge),
             RegionStat::ModelsReadFailure => ("models_read_failure", Counter),
+            RegionStat::CacheCapacityTokens => ("kv_capacity_tokens", Gauge),
+            RegionStat::CacheCapacityRejected => ("kv_capacity_rejected", Counter),
         }
     }
 }

@@ -105,6 +105,12 @@ pub struct RegionState {
     /// region's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<u32>,
+    /// KV-cache capacity of the region in tokens: the configured
+    /// `cache_tokens`, else the engines' own figure (vLLM
+    /// `cache_config_info`, SGLang `max_total_num_tokens`); absent when
+    /// neither says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_tokens: Option<u64>,
 }
 
 impl RegionState {
@@ -140,6 +146,7 @@ impl Default for RegionState {
             cache_reliability: None,
             max_model_len: None,
             replicas: None,
+            cache_tokens: None,
         }
     }
 }
@@ -249,5 +256,29 @@ mod tests {
             Snapshot::decode(old).unwrap().regions[0].max_model_len,
             None
         );
+        assert_eq!(Snapshot::decode(old).unwrap().regions[0].cache_tokens, None);
+    }
+
+    #[test]
+    fn the_cache_capacity_round_trips_and_is_left_out_when_unknown() {
+        let mut s = Snapshot::default();
+        s.regions.push(RegionState {
+            name: "a".into(),
+            cache_tokens: Some(1_000_000_000_000),
+            ..RegionState::default()
+        });
+        s.regions.push(RegionState {
+            name: "b".into(),
+            ..RegionState::default()
+        });
+        let bytes = s.encode();
+        assert_eq!(Snapshot::decode(&bytes).unwrap(), s);
+        let text = String::from_utf8(bytes).unwrap();
+        assert_eq!(
+            text.matches("\"cache_tokens\":1000000000000").count(),
+            1,
+            "{text}"
+        );
+        assert_eq!(text.matches("cache_tokens").count(), 1, "{text}");
     }
 }

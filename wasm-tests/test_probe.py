@@ -175,3 +175,59 @@ def test_the_probe_ticks_fast_only_while_a_region_is_busy(fleet_factory):
     wait_stat(envoy, gauge, lambda v: v == 1000, timeout=10)
     rounds, _, elapsed = _rounds_and_callouts(fleet, 2.0)
     assert rounds <= elapsed + 1, (rounds, elapsed)
+
+
+def _engine_capacity(engine) -> int:
+    """The KV-cache capacity an emulated engine states on its /metrics:
+    vLLM num_gpu_blocks x block_size labels, SGLang's gauge value."""
+    import re
+
+    text = urllib.request.urlopen(engine.url + "/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            blocks = int(re.search(r'num_gpu_blocks="(\d+)"', line).group(1))
+            size = int(re.search(r'block_size="(\d+)"', line).group(1))
+            return blocks * size
+        if line.startswith("sglang:max_total_num_tokens{"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError(f"no capacity metric in {engine.name}'s /metrics:\n{text}")
+
+
+def test_each_regions_cache_capacity_is_the_engines_unless_configured(fleet_factory):
+    import yaml
+
+    import harness
+
+    regions = harness.plugin_config(yaml.safe_load(harness.DEMO_CONFIG.read_text()))["regions"]
+    for r in regions:
+        if r["name"] == "near":
+            r["cache_tokens"] = 777777
+    # mid's 100008 tokens are 6250 whole 16-token blocks, as vLLM sizes
+    # its pool; far is SGLang, at token granularity.
+    fleet = fleet_factory(
+        {"regions": regions, "probe": {"tick_ms": 300, "timeout_ms": 300, "snapshot_max_age_ms": 3000}},
+        engine_extra={"near": ["--cache-tokens", "50000"], "mid": ["--cache-tokens", "100008"],
+                      "far": ["--cache-tokens", "123457"]})
+    envoy = fleet.envoy
+    stated = {n: _engine_capacity(e) for n, e in fleet.engines.items()}
+    assert stated == {"near": 50000, "mid": 100000, "far": 123457}, stated
+    # The configured figure wins over near's engine; mid (vLLM) and far
+    # (SGLang) have their engines'.
+    want = {"near": 777777, "mid": stated["mid"], "far": stated["far"]}
+    for name, tokens in want.items():
+        wait_stat(envoy, f"region.{name}.kv_capacity_tokens", lambda v, t=tokens: v == t)
+    wait_ticks(envoy, 3)
+    for name, tokens in want.items():
+        assert envoy.stat(f"wasmcustom.llm_geo_router.region.{name}.kv_capacity_tokens") == tokens
+        assert envoy.stat(f"wasmcustom.llm_geo_router.region.{name}.kv_capacity_rejected") == 0
+    assert "KV-cache capacity" not in envoy.log()
+
+    # far redeployed with an empty pool: SGLang says 0 tokens. Ignored, with
+    # one warning however many scrapes say it; the last valid figure stands.
+    fleet.restart_engine("far", ["--cache-tokens", "0"])
+    wait_stat(envoy, "region.far.kv_capacity_rejected", lambda v: v >= 3)
+    assert envoy.stat("wasmcustom.llm_geo_router.region.far.kv_capacity_tokens") == 123457
+    warnings = [l for l in envoy.log().splitlines() if "region far: KV-cache capacity ignored" in l]
+    assert len(warnings) == 1, warnings
+    assert "sglang:max_total_num_tokens is 0" in warnings[0], warnings
+    assert "its capacity stays 123457 tokens" in warnings[0], warnings

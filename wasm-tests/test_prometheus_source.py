@@ -118,3 +118,32 @@ def test_the_direct_scrape_of_the_same_region_sees_a_random_replica(fleet_factor
         assert gauge(envoy, "region.near.replicas") == 1
     finally:
         load.close()
+
+
+def test_prometheus_source_sums_each_replicas_cache_capacity(fleet_factory):
+    # Three vLLM replicas of unequal pools behind near, and SGLang far, both
+    # through Prometheus: the capacity is the sum of what each replica
+    # states (count x max would say 600000 for near).
+    from test_probe import _engine_capacity
+
+    rs = regions(load_source="prometheus")
+    for r in rs:
+        if r["name"] == "far":
+            r["load_source"] = "prometheus"
+    fleet = fleet_factory({**FAST, "regions": rs, "prometheus": {"cluster": harness.PROMETHEUS_CLUSTER}},
+                          engine_extra={"near-0": ["--cache-tokens", "50000"],
+                                        "near-1": ["--cache-tokens", "100000"],
+                                        "near-2": ["--cache-tokens", "200000"],
+                                        "far": ["--cache-tokens", "123457"]},
+                          replicas={"near": 3}, prometheus=True)
+    envoy = fleet.envoy
+    stated = [_engine_capacity(e) for e in fleet.replicas["near"]]
+    assert stated == [50000, 100000, 200000], stated
+    far = _engine_capacity(fleet.engines["far"])
+    wait_stat(envoy, "region.near.kv_capacity_tokens", lambda v: v == sum(stated), timeout=15)
+    wait_stat(envoy, "region.far.kv_capacity_tokens", lambda v: v == far, timeout=15)
+    # mid is scraped directly: its engine's default pool.
+    mid = _engine_capacity(fleet.engines["mid"])
+    assert gauge(envoy, "region.mid.kv_capacity_tokens") == mid
+    assert gauge(envoy, "region.near.kv_capacity_rejected") == 0
+    assert "KV-cache capacity" not in envoy.log()

@@ -886,6 +886,8 @@ impl Sim<'_> {
                         query_tokens: c.query_tokens(),
                         hit_tokens: c.hit_tokens(),
                         completed: s.engine.completed(),
+                        capacity_tokens: c.capacity_tokens(),
+                        block_tokens: c.block_tokens(),
                         requests: Vec::new(),
                     };
                     a.body = exposition::render(EngineMode::Vllm, trace::MODEL, "", &sample)

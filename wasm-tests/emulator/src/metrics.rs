@@ -19,6 +19,10 @@ pub struct Snapshot {
     pub query_tokens: u64,
     pub hit_tokens: u64,
     pub completed: u64,
+    /// The prefix cache's capacity, in tokens (whole blocks).
+    pub capacity_tokens: usize,
+    /// Tokens per cache block (vLLM's `block_size`).
+    pub block_tokens: usize,
     /// Requests received per path.
     pub requests: Vec<(String, u64)>,
 }
@@ -64,6 +68,22 @@ impl Out {
     fn counter(&mut self, name: &str, help: &str, v: u64) {
         self.family(name, "counter", help);
         self.sample(name, v as f64);
+    }
+
+    /// vLLM's info gauge of its CacheConfig: every field a label (as
+    /// vLLM 0.10 prints them, sorted), the value 1. The capacity is
+    /// `num_gpu_blocks` blocks of `block_size` tokens.
+    fn vllm_cache_config_info(&mut self, blocks: usize, block_size: usize) {
+        let name = "vllm:cache_config_info";
+        self.family(name, "gauge", "Information of the LLMEngine CacheConfig");
+        let _ = writeln!(
+            self.text,
+            "{name}{{block_size=\"{block_size}\",cache_dtype=\"auto\",calculate_kv_scales=\"False\",\
+             cpu_kvcache_space_bytes=\"4294967296\",cpu_offload_gb=\"0.0\",enable_prefix_caching=\"True\",\
+             gpu_memory_utilization=\"0.9\",is_attention_free=\"False\",num_cpu_blocks=\"0\",\
+             num_gpu_blocks=\"{blocks}\",num_gpu_blocks_override=\"None\",prefix_caching_hash_algo=\"builtin\",\
+             sliding_window=\"None\",swap_space=\"4.0\",swap_space_bytes=\"4294967296.0\"}} 1.0"
+        );
     }
 
     fn release_info(&mut self, name: &str, digest: &str) {
@@ -118,6 +138,8 @@ pub fn render(mode: Mode, model: &str, release: &str, s: &Snapshot) -> String {
                 "Count of successfully processed requests.",
                 s.completed,
             );
+            let block = s.block_tokens.max(1);
+            o.vllm_cache_config_info(s.capacity_tokens / block, block);
             o.release_info("vllm:release_info", release);
         }
         Mode::Sglang => {
@@ -141,6 +163,20 @@ pub fn render(mode: Mode, model: &str, release: &str, s: &Snapshot) -> String {
                 "sglang:cache_hit_rate",
                 "The prefix cache hit rate.",
                 hit_rate,
+            );
+            // One series per tensor-parallel rank in SGLang; this replica
+            // has one rank.
+            let name = "sglang:max_total_num_tokens";
+            o.family(
+                name,
+                "gauge",
+                "Maximum total number of tokens in the KV cache pool.",
+            );
+            let _ = writeln!(
+                o.text,
+                "{name}{{engine_type=\"unified\",{},pp_rank=\"0\",tp_rank=\"0\"}} {}",
+                o.labels,
+                value(s.capacity_tokens as f64)
             );
             o.release_info("sglang:release_info", release);
         }
@@ -195,6 +231,8 @@ mod tests {
             query_tokens: 400,
             hit_tokens: 100,
             completed: 7,
+            capacity_tokens: 200_000,
+            block_tokens: 16,
             requests: vec![("/health".into(), 3), ("/metrics".into(), 1)],
         }
     }
@@ -212,6 +250,9 @@ mod tests {
             "vllm:prefix_cache_hits_total{model_name=\"m\\\"x\"} 100.0",
             "vllm:request_success_total{model_name=\"m\\\"x\"} 7.0",
             "vllm:release_info{model_name=\"m\\\"x\",digest=\"sha256:a\"} 1",
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+            "# TYPE vllm:cache_config_info gauge",
+            "vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",calculate_kv_scales=\"False\",cpu_kvcache_space_bytes=\"4294967296\",cpu_offload_gb=\"0.0\",enable_prefix_caching=\"True\",gpu_memory_utilization=\"0.9\",is_attention_free=\"False\",num_cpu_blocks=\"0\",num_gpu_blocks=\"12500\",num_gpu_blocks_override=\"None\",prefix_caching_hash_algo=\"builtin\",sliding_window=\"None\",swap_space=\"4.0\",swap_space_bytes=\"4294967296.0\"} 1.0",
             "emulator_http_requests_total{path=\"/health\"} 3.0",
         ] {
             assert!(t.lines().any(|l| l == line), "missing {line}\n{t}");
@@ -228,6 +269,8 @@ mod tests {
             "sglang:token_usage{model_name=\"m\"} 0.25",
             "sglang:cache_hit_rate{model_name=\"m\"} 0.25",
             "sglang:release_info{model_name=\"m\",digest=\"d\"} 1",
+            "# TYPE sglang:max_total_num_tokens gauge",
+            "sglang:max_total_num_tokens{engine_type=\"unified\",model_name=\"m\",pp_rank=\"0\",tp_rank=\"0\"} 200000.0",
             "emulator_http_requests_total{path=\"/metrics\"} 1.0",
         ] {
             assert!(t.lines().any(|l| l == line), "missing {line}\n{t}");

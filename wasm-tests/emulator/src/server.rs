@@ -666,6 +666,8 @@ fn metrics_page(shared: &Shared, echo: &Echo) -> Reply {
                 query_tokens: st.engine.cache.query_tokens(),
                 hit_tokens: st.engine.cache.hit_tokens(),
                 completed: st.engine.completed(),
+                capacity_tokens: st.engine.cache.capacity_tokens(),
+                block_tokens: st.engine.cache.block_tokens(),
                 requests: request_counts(&st),
             };
             metrics::render(cfg.mode, &cfg.model, &cfg.release, &snapshot)
