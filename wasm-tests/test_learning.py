@@ -4,15 +4,17 @@ are written when the answer starts, for the region whose host served the
 last try (its endpoint metadata), never for the region first chosen, and
 never for an answer the engine refused.
 
-The probe runs once every 10 s here, so that after near's engine is killed
-the router keeps believing near healthy and choosing it: each request's
-connection is refused and Envoy retries it on another region's engine
-(retry_priority), as in test_faults' retry test."""
+The probe runs once every 30 s here, busy or not, so that after near's
+engine is killed the router keeps believing near healthy and choosing it:
+each request's connection is refused and Envoy retries it on another
+region's engine (retry_priority), as in test_faults' retry test. Each test
+checks that no probe round ran while it did."""
 
 import harness
 from harness import chat, filler, probe_ticks
 
-SLOW_PROBE = {"probe": {"tick_ms": 10000, "timeout_ms": 1000, "snapshot_max_age_ms": 30000}}
+SLOW_PROBE = {"probe": {"tick_ms": 30000, "busy_tick_ms": 30000, "timeout_ms": 1000,
+                        "snapshot_max_age_ms": 90000}}
 
 
 def responses(port, body):

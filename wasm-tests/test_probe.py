@@ -45,12 +45,15 @@ def test_rtt_and_engine_metrics_reach_the_snapshot(fleet):
     assert rtt["near"] >= 5 and rtt["mid"] >= 40 and rtt["far"] >= 120, rtt
     assert rtt["near"] < rtt["far"], rtt
     # And what is added is Envoy, loopback and scheduling, not a second
-    # delay: measured 4-12 ms over the delay on a loaded 2-core machine
-    # (EWMA of the probes). Half the delay plus 20 ms more is allowed; a
-    # delay counted twice (mid 80+, far 240+) is not. near's 5 ms is too
-    # small to tell doubling from noise; its bound only catches a stall.
+    # delay. What the machine adds (4-12 ms on a quiet 2-core machine, near
+    # 50 ms for one region while it also ran a simulation) is shared by the
+    # regions; a delay counted twice is not: it shows in the differences,
+    # far - near 115 ms of delay (230 doubled), mid - near 35 (70 doubled).
+    assert rtt["far"] - rtt["near"] < 1.5 * 115, rtt
+    assert rtt["mid"] - rtt["near"] < 35 + 25, rtt
+    # A stall, whatever the region.
     for name, (_, delay, _) in harness.DEMO_REGIONS.items():
-        assert rtt[name] < 1.5 * delay + 20, (name, rtt)
+        assert rtt[name] < delay + 250, (name, rtt)
     # Queue depth from /metrics: vLLM (mid) and SGLang (far) names.
     threads = []
     for name in ("mid", "far"):
