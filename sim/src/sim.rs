@@ -1819,14 +1819,12 @@ mod tests {
         // an answer), then a turn every second.
         for k in 0..56u32 {
             let turn = format!("u{k}");
-            let t_ms = if k == 0 { 1000.0 } else { f64::from(k + 4) * 1000.0 };
-            trace.push(req(
-                t_ms,
-                "s1",
-                "na",
-                &[("doc", 4000), (&turn, 20)],
-                10,
-            ));
+            let t_ms = if k == 0 {
+                1000.0
+            } else {
+                f64::from(k + 4) * 1000.0
+            };
+            trace.push(req(t_ms, "s1", "na", &[("doc", 4000), (&turn, 20)], 10));
         }
         let w = Workload::new(&f, trace).unwrap();
         let r = run(
