@@ -67,7 +67,9 @@ pub fn request(data: &[u8]) {
         assert_eq!(found.as_deref(), whole);
     }
     let path = String::from_utf8_lossy(data);
-    assert!(llm_geo_router::responses::path_id(&path).is_none_or(llm_geo_router::responses::valid_id));
+    assert!(
+        llm_geo_router::responses::path_id(&path).is_none_or(llm_geo_router::responses::valid_id)
+    );
 
     for endpoint in [
         Endpoint::ChatCompletions,
@@ -126,12 +128,16 @@ fn check_accepted(endpoint: Endpoint, data: &[u8], req: &InferenceRequest) {
     let p = &req.prompt;
     assert_eq!(p.blocks as usize, p.hashes.len());
     assert_eq!(u64::from(p.blocks), p.bytes / 16);
-    assert_eq!(p.first_block, p.hashes.first().copied());
-    assert_eq!(p.last_block, p.hashes.last().copied());
-    assert!(p
-        .checkpoints
-        .iter()
-        .all(|c| c.blocks >= 1 && c.blocks <= p.blocks));
+    // The first and last blocks and the checkpoints are in the request's
+    // cache namespace, as `block_hash` gives every block.
+    assert_eq!(p.first_block, p.block_hash(0));
+    assert_eq!(
+        p.last_block,
+        p.hashes.len().checked_sub(1).and_then(|i| p.block_hash(i))
+    );
+    assert!(p.checkpoints.iter().all(|c| c.blocks >= 1
+        && c.blocks <= p.blocks
+        && p.block_hash(c.blocks as usize - 1) == Some(c.hash)));
     for bpt in [0.0, 0.5, 4.0, 1e300, -1.0, f64::NAN] {
         let _ = req.prompt_tokens(bpt);
     }
