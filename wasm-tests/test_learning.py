@@ -4,7 +4,8 @@ are written when the answer starts, for the region whose host served the
 last try (its endpoint metadata), never for the region first chosen, and
 never for an answer the engine refused.
 
-The probe runs once every 30 s here, busy or not, so that after near's
+The probe runs once every 15 s here, busy or not (the fleet's start waits
+up to 20 s for its second snapshot), so that after near's
 engine is killed the router keeps believing near healthy and choosing it:
 each request's connection is refused and Envoy retries it on another
 region's engine (retry_priority), as in test_faults' retry test. Each test
@@ -13,8 +14,8 @@ checks that no probe round ran while it did."""
 import harness
 from harness import chat, filler, probe_ticks
 
-SLOW_PROBE = {"probe": {"tick_ms": 30000, "busy_tick_ms": 30000, "timeout_ms": 1000,
-                        "snapshot_max_age_ms": 90000}}
+SLOW_PROBE = {"probe": {"tick_ms": 15000, "busy_tick_ms": 15000, "timeout_ms": 1000,
+                        "snapshot_max_age_ms": 45000}}
 
 
 def responses(port, body):
