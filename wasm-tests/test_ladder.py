@@ -30,23 +30,31 @@ def stat(envoy, name):
 
 
 class Load:
-    """Steady request load at about `rps` from one thread."""
+    """Open-loop request arrivals at `rps`, from one scheduling thread: each
+    request runs on its own thread, so a slow answer (a loaded machine)
+    does not lower the arrival rate the ladder measures, as a closed loop's
+    would (a CI run saw 12 rps arrive as about 10)."""
 
     def __init__(self, port, rps):
         self.port, self.period, self.stop = port, 1.0 / rps, threading.Event()
         self.thread = threading.Thread(target=self.run)
+        self.requests = []
+
+    def one(self, i):
+        try:
+            chat(self.port, [{"role": "user", "content": f"load {i}"}], timeout=10,
+                 headers={"authorization": "Bearer sk-demo-critical"})
+        except OSError:
+            pass
 
     def run(self):
-        i = 0
+        start, i = time.monotonic(), 0
         while not self.stop.is_set():
-            t0 = time.monotonic()
-            try:
-                chat(self.port, [{"role": "user", "content": f"load {i}"}], timeout=10,
-                     headers={"authorization": "Bearer sk-demo-critical"})
-            except OSError:
-                pass
+            t = threading.Thread(target=self.one, args=(i,), daemon=True)
+            t.start()
+            self.requests.append(t)
             i += 1
-            time.sleep(max(0.0, self.period - (time.monotonic() - t0)))
+            self.stop.wait(max(0.0, start + i * self.period - time.monotonic()))
 
     def __enter__(self):
         self.thread.start()
@@ -55,6 +63,8 @@ class Load:
     def __exit__(self, *exc):
         self.stop.set()
         self.thread.join(timeout=20)
+        for t in self.requests:
+            t.join(timeout=10)
 
 
 def test_capacity_loss_raises_the_ladder_and_pages_then_recovers_per_dwell(fleet_factory):
@@ -108,7 +118,11 @@ def test_ratio_near_a_threshold_does_not_flap(fleet_factory):
     # and hold, not follow each crossing. The band is wider than the
     # default (1.0 / 1.1) so that the load's own noise stays inside it.
     ladder = {"dwell_s": 1, "up_at": [1.0, 0.75, 0.6, 0.5, 0.4], "down_at": [1.25, 0.95, 0.8, 0.65, 0.55]}
-    tick = {**TICK, "tick_ms": 1000, "timeout_ms": 500, "demand_alpha": 0.5}
+    # probe.ticks counts every round, and a ladder above 0 makes the fleet
+    # busy (a round every busy_tick_ms, 250 ms): a phase of 4 "ticks" then
+    # lasted 1 s, one controller step, and the demand EWMA never reached
+    # either rate (a CI run saw 91..107 % throughout). Every round full.
+    tick = {**TICK, "tick_ms": 1000, "busy_tick_ms": 1000, "timeout_ms": 500, "demand_alpha": 0.5}
     fleet = fleet_factory({"regions": regions(10 / 3), "probe": tick, "ladder": ladder})
     envoy = fleet.envoy
     samples = []
