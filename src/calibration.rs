@@ -187,7 +187,12 @@ impl RegionCalibration {
         // prefill, at its routing time.
         if !self.engine_clock {
             let inserted = (tokens - reported).max(0.0);
-            self.tick_clock(r.routed_ms, inserted);
+            let at = if r.served_ms > 0 {
+                r.served_ms
+            } else {
+                r.routed_ms
+            };
+            self.tick_clock(at, inserted);
         }
         verdict
     }
@@ -196,16 +201,17 @@ impl RegionCalibration {
     /// hits, from its `/metrics`) at a scrape: from then on the clock is
     /// the engine's, which counts every proxy's traffic. A counter that
     /// went back (a restarted engine) counts from zero again.
-    pub fn on_engine_tokens(&mut self, ms: u64, raw: f64) {
+    /// Returns the tokens taken in since the scrape before (0 at the first).
+    pub fn on_engine_tokens(&mut self, ms: u64, raw: f64) -> f64 {
         if !raw.is_finite() || raw < 0.0 {
-            return;
+            return 0.0;
         }
         if !self.engine_clock {
             self.engine_clock = true;
             self.clock.clear();
             self.engine_raw = raw;
             self.tick_clock(ms, 0.0);
-            return;
+            return 0.0;
         }
         let delta = if raw >= self.engine_raw {
             raw - self.engine_raw
@@ -214,6 +220,7 @@ impl RegionCalibration {
         };
         self.engine_raw = raw;
         self.tick_clock(ms, delta);
+        delta
     }
 
     fn tick_clock(&mut self, ms: u64, tokens: f64) {
@@ -283,6 +290,30 @@ impl RegionCalibration {
     pub fn reliability(&self) -> Option<f64> {
         self.reliability
     }
+
+    /// The clock as the router reads it for a cache of `free` tokens: from
+    /// the last point with at least `free` tokens taken in after it (older
+    /// stamps are evicted whatever they hold) to the newest, at most `max`
+    /// points (evenly thinned, both ends kept), counted from the first.
+    pub fn clock_for(&self, free: f64, max: usize) -> Vec<(u64, f64)> {
+        let clock = &self.clock;
+        let Some(&(_, total)) = clock.back() else {
+            return Vec::new();
+        };
+        let start = clock
+            .partition_point(|(_, cum)| total - *cum >= free)
+            .saturating_sub(1);
+        let n = clock.len() - start;
+        let Some(&(_, base)) = clock.get(start) else {
+            return Vec::new();
+        };
+        let max = max.max(2);
+        let pick = |k: usize| if n <= max { k } else { k * (n - 1) / (max - 1) };
+        (0..n.min(max))
+            .filter_map(|k| clock.get(start + pick(k)))
+            .map(|&(t, cum)| (t, cum - base))
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -300,6 +331,7 @@ mod tests {
             believed_bytes,
             held_ms: if held > 0 { T0 + held } else { 0 },
             cut_ms: 0,
+            served_ms: 0,
             prompt_tokens: 4000,
             cached_tokens: cached,
             model: None,

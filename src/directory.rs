@@ -14,20 +14,142 @@
 //! holds is found by binary search over the prompt's checkpoints, all regions
 //! at once: about log2(checkpoints) reads, not one per block.
 //!
-//! Writes: after routing to region r, the entries from r's known prefix up to
-//! the prompt's end get r's timestamp; entries nobody holds are written
-//! blind, shared ones with a CAS read-modify-write. When r's oldest probed
-//! entry is past half the TTL, the whole chain is rewritten, so a prefix in
-//! constant use never expires.
+//! Forgetting: an entry is believed for the directory's TTL at most, and
+//! for a region whose engine's cache capacity is known (`Keep::Lru`), only
+//! while that engine's LRU would still hold it: the tokens it took in since
+//! the entry's stamp plus the prefix's own length within what running
+//! requests leave free. Engines free a finished request's blocks tail
+//! first, so a long prefix goes before its own shorter ones.
+//!
+//! Writes: once region r has served the prompt, the entries from r's known
+//! prefix up to the prompt's end get r's timestamp; entries nobody holds
+//! are written blind, shared ones with a CAS read-modify-write. Recency is
+//! per prefix: when r's oldest held entry is past half the TTL, or (cache
+//! modelled) an eighth of r's free capacity has gone in since it, the
+//! whole chain is restamped, as an engine's hit refreshes every block it
+//! reuses.
 
 use crate::prefix::Checkpoint;
 
 use crate::protocol::DIRECTORY_KEY_PREFIX as KEY_PREFIX;
+use crate::protocol::INTAKE_KEY;
 use crate::store::{SetOutcome, SharedStore, SlotKey};
+
+/// Bytes of an entry before the regions' fields: layout, prefix hash.
+const HEAD: usize = 12;
+/// Bytes per region in an entry: stamp (u64), extent (u32), end tag (u32).
+const PER_REGION: usize = 16;
+/// Mixed into the layout id written in entries, so entries of the older
+/// layout (8 bytes a region) read as another layout's.
+const ENTRY_VERSION: u32 = 0x5eed_0002;
 
 /// Checkpoints tried in a row when a lookup finds slots taken by other
 /// prefixes (each try is one shared-data read).
 const COLLISION_PROBES: usize = 2;
+
+/// A region whose engine's cache is modelled restamps every checkpoint of a
+/// prompt it serves once what went in since the prompt's oldest held stamp
+/// passes this share of its free capacity: an engine's hit refreshes every
+/// block it reuses. Until then the stamps are at most that much older than
+/// the truth (an under-estimate, the safe side), and a burst of hits on one
+/// prefix writes only what is new.
+const REFRESH_SHARE: f64 = 1.0 / 32.0;
+
+/// What a region's engine is believed to keep of what it served.
+#[derive(Debug, Clone, Copy, Default)]
+pub enum Keep<'a> {
+    /// Everything, for the directory's TTL (nothing known of its cache).
+    #[default]
+    Ttl,
+    /// Entries younger than this many ms (the learnt horizon,
+    /// `directory.cache_horizon`).
+    Horizon(u64),
+    /// An LRU prefix cache of known capacity (`Lru::holds`).
+    Lru(Lru<'a>),
+}
+
+/// A least-recently-used prefix cache in the engine's tokens, as vLLM's
+/// block pool and SGLang's radix tree keep one: what a request used is
+/// freed when it ends, deepest block first, and new blocks take the least
+/// recently freed ones. A prefix of `t` tokens last used when the engine's
+/// intake clock read `k` is therefore still whole while
+/// `(clock − k) + t <= free`: everything freed before it goes first, then
+/// its own blocks from the tail. It is prefix-closed (a shorter prefix is
+/// at least as recent and ends earlier), so the lookup's search holds.
+#[derive(Debug, Clone, Copy)]
+pub struct Lru<'a> {
+    /// Tokens the cache holds beyond what running requests pin
+    /// (`capacity × (1 − kv_cache_usage)`, per engine replica).
+    pub free_tokens: f64,
+    /// Engine tokens per directory block (tokens per byte × block bytes).
+    pub tokens_per_block: f64,
+    /// The engine's intake: (ms, tokens taken in so far), ascending
+    /// (`RecentIntake::merged`).
+    pub clock: &'a [(u64, f64)],
+}
+
+impl Lru<'_> {
+    /// Tokens the engine took in after `ms` (between two clock points by
+    /// interpolation; before the first point, at least all since it).
+    pub fn intake_since(&self, ms: u64) -> f64 {
+        let Some(&(_, total)) = self.clock.last() else {
+            return 0.0;
+        };
+        let i = self.clock.partition_point(|(t, _)| *t <= ms);
+        let at = match (
+            i.checked_sub(1).and_then(|j| self.clock.get(j)),
+            self.clock.get(i),
+        ) {
+            (None, Some(&(_, first))) => first,
+            (Some(&(t0, c0)), Some(&(t1, c1))) if t1 > t0 => {
+                c0 + (c1 - c0) * (ms - t0) as f64 / (t1 - t0) as f64
+            }
+            (Some(&(_, c0)), _) => c0,
+            (None, None) => total,
+        };
+        (total - at).max(0.0)
+    }
+
+    /// The longest prefix, in blocks, of one last used at `ms` that is
+    /// still whole.
+    pub fn blocks_fitting(&self, ms: u64) -> u32 {
+        let room = self.free_tokens - self.intake_since(ms);
+        if room <= 0.0 || self.tokens_per_block <= 0.0 {
+            return 0;
+        }
+        (room / self.tokens_per_block)
+            .floor()
+            .min(f64::from(u32::MAX)) as u32
+    }
+
+    /// Whether a prefix of `blocks` blocks, last used at `ms`, is whole.
+    pub fn holds(&self, ms: u64, blocks: u32) -> bool {
+        self.intake_since(ms) + f64::from(blocks) * self.tokens_per_block <= self.free_tokens
+    }
+}
+
+impl Keep<'_> {
+    /// Whether an entry of `blocks` blocks stamped `ts` is believed held
+    /// at `now_ms` (the TTL aside).
+    pub fn holds(&self, ts: u64, blocks: u32, now_ms: u64) -> bool {
+        match self {
+            Keep::Ttl => true,
+            Keep::Horizon(h) => now_ms.saturating_sub(ts) < *h,
+            Keep::Lru(lru) => lru.holds(ts, blocks),
+        }
+    }
+
+    /// Whether a prefix last stamped `ts` is old enough to restamp whole.
+    fn stale(&self, ts: u64, now_ms: u64, ttl_ms: u64) -> bool {
+        let age = now_ms.saturating_sub(ts);
+        match self {
+            Keep::Lru(lru) => {
+                age > ttl_ms / 2 || lru.intake_since(ts) > REFRESH_SHARE * lru.free_tokens
+            }
+            _ => age > ttl_ms / 2,
+        }
+    }
+}
 
 /// Directory parameters for one configuration.
 #[derive(Debug, Clone, Copy)]
@@ -51,6 +173,9 @@ pub struct Lookup {
     oldest_hit_ms: Vec<Option<u64>>,
     /// Per region: the newest stamp of an entry set aside by its horizon.
     cut_ms: Vec<Option<u64>>,
+    /// Per region: its held stamps are old enough that serving the prompt
+    /// there restamps every checkpoint, not only those beyond them.
+    refresh: Vec<bool>,
     /// Entries read, by checkpoint index: (value, cas).
     read: Vec<Option<(Vec<u8>, u32)>>,
     /// Shared-data calls made (reads and writes).
@@ -75,49 +200,126 @@ impl Directory {
         SlotKey::new(KEY_PREFIX, hash % u64::from(self.slots.max(1)))
     }
 
+    fn entry_len(&self) -> usize {
+        HEAD + PER_REGION * self.regions
+    }
+
     /// `buf` := an entry for `hash` that no region holds.
     fn fresh_entry(&self, buf: &mut Vec<u8>, hash: u64) {
         buf.clear();
-        buf.extend_from_slice(&self.layout.to_le_bytes());
+        buf.extend_from_slice(&(self.layout ^ ENTRY_VERSION).to_le_bytes());
         buf.extend_from_slice(&hash.to_le_bytes());
-        buf.resize(12 + 8 * self.regions, 0);
+        buf.resize(self.entry_len(), 0);
     }
 
-    fn set_stamp(buf: &mut [u8], region: usize, now_ms: u64) {
-        let at = 12 + 8 * region;
-        if let Some(dst) = buf.get_mut(at..at + 8) {
-            dst.copy_from_slice(&now_ms.to_le_bytes());
+    /// `region` served the entry's prefix at `now_ms`, as part of a prompt
+    /// of `end.0` blocks whose last block hashes to `end.1`.
+    fn set_stamp(buf: &mut [u8], region: usize, now_ms: u64, end: (u32, u64)) {
+        let at = HEAD + PER_REGION * region;
+        let mut field = [0u8; PER_REGION];
+        field[..8].copy_from_slice(&now_ms.to_le_bytes());
+        field[8..12].copy_from_slice(&end.0.to_le_bytes());
+        field[12..].copy_from_slice(&(end.1 as u32).to_le_bytes());
+        if let Some(dst) = buf.get_mut(at..at + PER_REGION) {
+            dst.copy_from_slice(&field);
         }
     }
 
     /// The stamp of `region` in an entry (0: never served).
     fn stamp(value: &[u8], region: usize) -> u64 {
-        let at = 12 + 8 * region;
+        let at = HEAD + PER_REGION * region;
         value
             .get(at..at + 8)
             .and_then(|b| <[u8; 8]>::try_from(b).ok())
             .map_or(0, u64::from_le_bytes)
     }
 
+    /// The prompt `region` last served through an entry: its blocks and
+    /// its last block's hash, low 32 bits (0 blocks: none recorded).
+    fn extent(value: &[u8], region: usize) -> (u32, u32) {
+        let at = HEAD + PER_REGION * region + 8;
+        let word = |i: usize| {
+            value
+                .get(i..i + 4)
+                .and_then(|b| <[u8; 4]>::try_from(b).ok())
+                .map_or(0, u32::from_le_bytes)
+        };
+        (word(at), word(at + 4))
+    }
+
     /// The entry's prefix hash, if it is one of this layout.
     fn entry_hash(&self, value: &[u8]) -> Option<u64> {
         let layout = u32::from_le_bytes(value.get(0..4)?.try_into().ok()?);
-        if layout != self.layout || value.len() != 12 + 8 * self.regions {
+        if layout != self.layout ^ ENTRY_VERSION || value.len() != self.entry_len() {
             return None;
         }
         Some(u64::from_le_bytes(value.get(4..12)?.try_into().ok()?))
     }
 
+    /// Past each region's longest held checkpoint: the prompt it last
+    /// served through that checkpoint, if this prompt continues it (its
+    /// block at that length has the recorded hash, `block_hash(i)` being
+    /// this prompt's block `i`) and the region's engine is believed to
+    /// keep all of it. A conversation's next turn is then believed held to
+    /// the previous turn's last block, not only to the checkpoint before
+    /// it (checkpoints are up to a third short). No shared-data call: the
+    /// entry was read by the lookup.
+    pub fn extend(
+        &self,
+        lookup: &mut Lookup,
+        checkpoints: &[Checkpoint],
+        block_hash: impl Fn(usize) -> Option<u64>,
+        now_ms: u64,
+        keep: &[Keep],
+    ) {
+        for r in 0..self.regions.min(64) {
+            let Some(idx) = lookup.held.get(r).and_then(|h| h.checked_sub(1)) else {
+                continue;
+            };
+            let Some((v, _)) = lookup.read.get(idx).and_then(|e| e.as_ref()) else {
+                continue;
+            };
+            let (Some(cp), Some(cached)) = (checkpoints.get(idx), lookup.cached_blocks.get(r))
+            else {
+                continue;
+            };
+            if self.entry_hash(v) != Some(cp.hash) {
+                continue;
+            }
+            let (blocks, tag) = Self::extent(v, r);
+            let ts = Self::stamp(v, r);
+            let continues = blocks > *cached
+                && block_hash(blocks as usize - 1).is_some_and(|h| h as u32 == tag);
+            if !continues {
+                continue;
+            }
+            // Engines cache whole blocks of their own tokens, so the
+            // previous prompt's tail short of an engine block is not held:
+            // the belief stops one of the router's blocks short (64 bytes
+            // are more tokens than vLLM's 16-token block). An LRU cache
+            // keeps the head of it that fits (it frees tail first).
+            let held = match keep.get(r).copied().unwrap_or_default() {
+                Keep::Lru(lru) => blocks.min(lru.blocks_fitting(ts)),
+                k if k.holds(ts, blocks, now_ms) => blocks,
+                _ => 0,
+            };
+            if let Some(c) = lookup.cached_blocks.get_mut(r) {
+                *c = (*c).max(held.saturating_sub(1));
+            }
+        }
+    }
+
     /// Regions holding checkpoint `cp` per `value`, as a bit set: stamped
-    /// within the TTL and within the region's horizon (`horizons[r]`, when
-    /// given). An entry within the TTL but past the horizon is set aside:
-    /// its stamp is noted in `cut` (the newest per region).
+    /// within the TTL and believed kept by the region's engine (`keep[r]`,
+    /// when given). An entry within the TTL that the engine is believed to
+    /// have evicted is set aside: its stamp is noted in `cut` (the newest
+    /// per region).
     fn holders(
         &self,
         value: Option<&(Vec<u8>, u32)>,
         cp: &Checkpoint,
         now_ms: u64,
-        horizons: &[u64],
+        keep: &[Keep],
         cut: &mut [Option<u64>],
     ) -> u64 {
         let Some((v, _)) = value else {
@@ -133,7 +335,7 @@ impl Directory {
             if ts == 0 || age >= self.ttl_ms {
                 continue;
             }
-            if horizons.get(r).is_some_and(|h| age >= *h) {
+            if keep.get(r).is_some_and(|k| !k.holds(ts, cp.blocks, now_ms)) {
                 if let Some(c) = cut.get_mut(r) {
                     *c = Some(c.map_or(ts, |old: u64| old.max(ts)));
                 }
@@ -167,22 +369,24 @@ impl Directory {
         self.lookup_within(store, checkpoints, now_ms, &[])
     }
 
-    /// The same, believing a region's entries only within its cache
-    /// horizon (`horizons[r]` ms; a region without one: the TTL). Entries
-    /// are prefix-closed in age too (a prefix's stamp is at least as recent
-    /// as any longer prefix's), so the search is unchanged.
+    /// The same, believing a region's entries only as far as its engine is
+    /// believed to keep them (`keep[r]`; a region without one: the TTL).
+    /// Every rule is prefix-closed (a prefix's stamp is at least as recent
+    /// as any longer prefix's, and it ends earlier), so the search is
+    /// unchanged.
     pub fn lookup_within(
         &self,
         store: &mut dyn SharedStore,
         checkpoints: &[Checkpoint],
         now_ms: u64,
-        horizons: &[u64],
+        keep: &[Keep],
     ) -> Lookup {
         let mut out = Lookup {
             cached_blocks: vec![0; self.regions],
             held: vec![0; self.regions],
             oldest_hit_ms: vec![None; self.regions],
             cut_ms: vec![None; self.regions],
+            refresh: vec![false; self.regions],
             read: vec![None; checkpoints.len()],
             calls: 0,
         };
@@ -194,7 +398,7 @@ impl Directory {
         if let Some(cp) = checkpoints.first() {
             out.calls += 1;
             let value = store.get(self.slot_key(cp.hash).as_str()).ok().flatten();
-            first_holders = self.holders(value.as_ref(), cp, now_ms, horizons, &mut out.cut_ms);
+            first_holders = self.holders(value.as_ref(), cp, now_ms, keep, &mut out.cut_ms);
             Self::note_hits(&mut out.oldest_hit_ms, value.as_ref(), first_holders);
             if let Some(slot) = out.read.get_mut(0) {
                 *slot = value;
@@ -243,7 +447,7 @@ impl Directory {
                 match entry.and_then(|(v, _)| self.entry_hash(v)) {
                     Some(h) if h != cp.hash => probe += 1,
                     _ => {
-                        holders = self.holders(entry, cp, now_ms, horizons, &mut out.cut_ms);
+                        holders = self.holders(entry, cp, now_ms, keep, &mut out.cut_ms);
                         Self::note_hits(&mut out.oldest_hit_ms, entry, holders & regions);
                         break;
                     }
@@ -263,6 +467,10 @@ impl Directory {
             if let Some(b) = out.cached_blocks.get_mut(r) {
                 *b = blocks;
             }
+            let k = keep.get(r).copied().unwrap_or_default();
+            if let (Some(ts), Some(f)) = (out.oldest_hit_ms(r), out.refresh.get_mut(r)) {
+                *f = k.stale(ts, now_ms, self.ttl_ms);
+            }
         }
         out
     }
@@ -276,30 +484,37 @@ impl Directory {
         checkpoints: &[Checkpoint],
         region: usize,
         now_ms: u64,
+        end: (u32, u64),
     ) -> u32 {
         if region >= self.regions || now_ms == 0 {
             return 0;
         }
         let mut calls = 0;
         let held = lookup.held.get(region).copied().unwrap_or(0);
-        let stale = lookup
-            .oldest_hit_ms
-            .get(region)
-            .copied()
-            .flatten()
-            .is_some_and(|ts| now_ms.saturating_sub(ts) > self.ttl_ms / 2);
-        let start = if stale { 0 } else { held };
+        let stale = lookup.refresh.get(region).copied().unwrap_or(false);
+        // The longest held checkpoint is rewritten too when it names
+        // another prompt's end (`extend` reads it there).
+        let deepest = held.checked_sub(1);
+        let named = deepest
+            .and_then(|i| lookup.read.get(i))
+            .and_then(|e| e.as_ref())
+            .is_some_and(|(v, _)| Self::extent(v, region) == (end.0, end.1 as u32));
+        let start = match deepest {
+            _ if stale => 0,
+            Some(i) if !named => i,
+            _ => held,
+        };
         let held_by_anyone = lookup.held.iter().copied().max().unwrap_or(0);
         // One buffer for every entry written: the layout, the hash, and each
         // region's stamp, edited in place.
-        let mut buf: Vec<u8> = Vec::with_capacity(12 + 8 * self.regions);
+        let mut buf: Vec<u8> = Vec::with_capacity(self.entry_len());
         for (idx, cp) in checkpoints.iter().enumerate().skip(start) {
             let key = self.slot_key(cp.hash);
             let key = key.as_str();
             if idx >= held_by_anyone && lookup.read.get(idx).is_none_or(|r| r.is_none()) {
                 // Nobody holds it: write blind; a colliding older prefix is replaced.
                 self.fresh_entry(&mut buf, cp.hash);
-                Self::set_stamp(&mut buf, region, now_ms);
+                Self::set_stamp(&mut buf, region, now_ms, end);
                 calls += 1;
                 let _ = store.set(key, &buf, None);
                 continue;
@@ -324,7 +539,7 @@ impl Directory {
                 } else {
                     self.fresh_entry(&mut buf, cp.hash);
                 }
-                Self::set_stamp(&mut buf, region, now_ms);
+                Self::set_stamp(&mut buf, region, now_ms, end);
                 calls += 1;
                 let cas = (cas != 0).then_some(cas);
                 match store.set(key, &buf, cas) {
@@ -335,6 +550,165 @@ impl Directory {
         }
         lookup.calls += calls;
         calls
+    }
+}
+
+/// This Envoy's latest prefills, one shared-data value for all workers:
+/// per answer started, the region, when it was routed (the engine counts
+/// its intake from then) and when its answer started (its directory
+/// stamp), and the prompt tokens its engine had to take in. The snapshot's
+/// intake clock learns them only at the next scrape and usage report, up to
+/// a probe tick later; a client that sends its next request at once would
+/// otherwise be told the cache still holds what that prefill evicted.
+/// Records are `region u16 ‖ routed ms u64 ‖ started ms u64 ‖ tokens u32`,
+/// the newest [`RecentIntake::CAP`] by routing time.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RecentIntake {
+    /// (region, routed ms, started ms, tokens), oldest routed first.
+    pub records: Vec<(u16, u64, u64, u32)>,
+}
+
+impl RecentIntake {
+    pub const CAP: usize = 64;
+    const REC: usize = 22;
+
+    /// Reads the ring; a value of another layout reads as empty.
+    pub fn read(store: &mut dyn SharedStore) -> (RecentIntake, Option<u32>) {
+        match store.get(INTAKE_KEY) {
+            Ok(Some((v, cas))) => (Self::decode(&v), Some(cas)),
+            _ => (RecentIntake::default(), None),
+        }
+    }
+
+    fn decode(v: &[u8]) -> RecentIntake {
+        if v.len() % Self::REC != 0 || v.len() > Self::CAP * Self::REC {
+            return RecentIntake::default();
+        }
+        let u64_at = |c: &[u8], at: usize| -> Option<u64> {
+            Some(u64::from_le_bytes(c.get(at..at + 8)?.try_into().ok()?))
+        };
+        let records = v
+            .chunks_exact(Self::REC)
+            .filter_map(|c| {
+                Some((
+                    u16::from_le_bytes(c.get(0..2)?.try_into().ok()?),
+                    u64_at(c, 2)?,
+                    u64_at(c, 10)?,
+                    u32::from_le_bytes(c.get(18..22)?.try_into().ok()?),
+                ))
+            })
+            .collect();
+        RecentIntake { records }
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(self.records.len() * Self::REC);
+        for (r, routed, started, t) in &self.records {
+            b.extend_from_slice(&r.to_le_bytes());
+            b.extend_from_slice(&routed.to_le_bytes());
+            b.extend_from_slice(&started.to_le_bytes());
+            b.extend_from_slice(&t.to_le_bytes());
+        }
+        b
+    }
+
+    /// Adds one prefill (read-modify-write under CAS, one retry; a lost
+    /// race loses only this record's freshness). Returns the calls made.
+    pub fn note(
+        store: &mut dyn SharedStore,
+        region: u16,
+        routed_ms: u64,
+        started_ms: u64,
+        tokens: u32,
+    ) -> u32 {
+        let mut calls = 0;
+        for _ in 0..2 {
+            calls += 2;
+            let (mut ring, cas) = Self::read(store);
+            let at = ring.records.partition_point(|(_, t, _, _)| *t <= routed_ms);
+            ring.records
+                .insert(at, (region, routed_ms, started_ms, tokens));
+            if ring.records.len() > Self::CAP {
+                ring.records.remove(0);
+            }
+            match store.set(INTAKE_KEY, &ring.encode(), cas) {
+                Ok(SetOutcome::CasMismatch) => continue,
+                _ => break,
+            }
+        }
+        calls
+    }
+
+    /// `region`'s engine intake clock (`clock`: the snapshot's, one point
+    /// per scrape, ascending) with this Envoy's prefills there placed in
+    /// it, so that a prefix is aged by what went in after its stamp:
+    /// - within a scrape interval, each prefill the engine admitted in it
+    ///   (routed before the scrape) sits where its answer started, or at
+    ///   the scrape if that came first (scaled down if they exceed what the
+    ///   engine counted); the rest of the engine's count, other Envoys'
+    ///   traffic and answers not yet noted, is spread evenly;
+    /// - the last interval, when none of this Envoy's prefills in it are
+    ///   noted yet (they are noted when their answers end), counts from
+    ///   its start: spread, it would charge the prefill that set a stamp
+    ///   in part after that stamp;
+    /// - after the last scrape, this Envoy's prefills as steps.
+    pub fn merged(&self, region: usize, clock: &[(u64, f64)]) -> Vec<(u64, f64)> {
+        let mut mine: Vec<(u64, u64, f64)> = self
+            .records
+            .iter()
+            .filter(|(r, _, _, _)| usize::from(*r) == region)
+            .map(|&(_, routed, started, t)| (routed, started.max(routed), f64::from(t)))
+            .collect();
+        mine.sort_by_key(|(routed, _, _)| *routed);
+        let mut own = mine.into_iter().peekable();
+        let mut out = Vec::with_capacity(clock.len() + RecentIntake::CAP + 1);
+        let mut prev: Option<(u64, f64)> = None;
+        let last = clock.len().saturating_sub(1);
+        for (i, &(t1, k1)) in clock.iter().enumerate() {
+            let mut inside: Vec<(u64, f64)> = Vec::new();
+            while let Some((_, started, n)) = own.next_if(|(routed, _, _)| *routed <= t1) {
+                if prev.is_some() {
+                    inside.push((started.min(t1), n));
+                }
+            }
+            inside.sort_by_key(|(t, _)| *t);
+            let Some((t0, k0)) = prev else {
+                out.push((t1, k1));
+                prev = Some((t1, k1));
+                continue;
+            };
+            if i == last && inside.is_empty() {
+                out.push((t0.saturating_add(1).min(t1), k1));
+                out.push((t1, k1));
+                prev = Some((t1, k1));
+                continue;
+            }
+            let delta = (k1 - k0).max(0.0);
+            let noted: f64 = inside.iter().map(|(_, n)| n).sum();
+            let scale = if noted > delta { delta / noted } else { 1.0 };
+            let rest = delta - noted * scale;
+            let span = t1.saturating_sub(t0).max(1) as f64;
+            let mut acc = 0.0;
+            // A prefill is a step: the points before and after it share
+            // its time (between the steps, the rest goes in evenly).
+            for (t, n) in inside {
+                let f = (t.saturating_sub(t0) as f64 / span).clamp(0.0, 1.0);
+                out.push((t.max(t0), k0 + rest * f + acc));
+                acc += n * scale;
+                out.push((t.max(t0), k0 + rest * f + acc));
+            }
+            out.push((t1, k1));
+            prev = Some((t1, k1));
+        }
+        let mut after: Vec<(u64, f64)> = own.map(|(_, started, n)| (started, n)).collect();
+        after.sort_by_key(|(t, _)| *t);
+        let (tl, mut cum) = prev.unwrap_or((0, 0.0));
+        for (t, n) in after {
+            out.push((t.max(tl), cum));
+            cum += n;
+            out.push((t.max(tl), cum));
+        }
+        out
     }
 }
 
@@ -396,9 +770,9 @@ mod tests {
         // Region 1 served the first 100 blocks, region 2 the first 600.
         let c100 = cps(&long[..64 * 100]);
         let mut l = d.lookup(&mut s, &c100, 1000);
-        d.record(&mut s, &mut l, &c100, 1, 1000);
+        d.record(&mut s, &mut l, &c100, 1, 1000, (0, 0));
         let mut l = d.lookup(&mut s, &c_long, 1000);
-        d.record(&mut s, &mut l, &c_long, 2, 1000);
+        d.record(&mut s, &mut l, &c_long, 2, 1000, (0, 0));
         let l = d.lookup(&mut s, &c_long, 2000);
         // 100 blocks → the largest checkpoint ≤ 100 is 96.
         assert_eq!(l.cached_blocks, vec![0, 96, 512]);
@@ -417,7 +791,7 @@ mod tests {
         let long = text(64 * 600, 1);
         let c = cps(&long);
         let mut l = d.lookup(&mut s, &c, 1000);
-        d.record(&mut s, &mut l, &c, 2, 1000);
+        d.record(&mut s, &mut l, &c, 2, 1000, (0, 0));
         assert_eq!(d.lookup(&mut s, &c, 2000).cached_blocks, vec![0, 0, 512]);
         // Another prefix takes each checkpoint's slot in turn (newest wins):
         // the search asks the next checkpoint instead, so the region keeps
@@ -427,7 +801,7 @@ mod tests {
             let mut s = s.clone();
             let mut other = Vec::new();
             d.fresh_entry(&mut other, cp.hash ^ 1);
-            Directory::set_stamp(&mut other, 1, 1500);
+            Directory::set_stamp(&mut other, 1, 1500, (0, 0));
             s.set(d.slot_key(cp.hash).as_str(), &other, None).unwrap();
             let l = d.lookup(&mut s, &c, 2000);
             let got = l.cached_blocks[2];
@@ -447,12 +821,12 @@ mod tests {
         let mut s = MemoryStore::default();
         let c = cps(&text(64 * 40, 3));
         let mut l = d.lookup(&mut s, &c, 1000);
-        d.record(&mut s, &mut l, &c, 0, 1000);
+        d.record(&mut s, &mut l, &c, 0, 1000, (0, 0));
         assert_eq!(d.lookup(&mut s, &c, 60_999).cached_blocks, vec![32, 0]);
         assert_eq!(d.lookup(&mut s, &c, 61_000).cached_blocks, vec![0, 0]);
         // Used past half the TTL: the whole chain is refreshed.
         let mut l = d.lookup(&mut s, &c, 40_000);
-        d.record(&mut s, &mut l, &c, 0, 40_000);
+        d.record(&mut s, &mut l, &c, 0, 40_000, (0, 0));
         assert_eq!(d.lookup(&mut s, &c, 95_000).cached_blocks, vec![32, 0]);
     }
 
@@ -467,7 +841,7 @@ mod tests {
             let c = cps(&convo);
             let mut l = d.lookup(&mut s, &c, t);
             let before = s.sets;
-            d.record(&mut s, &mut l, &c, 0, t);
+            d.record(&mut s, &mut l, &c, 0, t, (0, 0));
             writes.push(s.sets - before);
             convo.extend(text(64 * 5, 5));
             t += 1000;
@@ -476,6 +850,165 @@ mod tests {
         // turns add at most one new checkpoint each.
         assert_eq!(writes[0], 16);
         assert!(writes[1..].iter().all(|&w| w <= 1), "{writes:?}");
+    }
+
+    fn prompt(text: &[u8]) -> crate::prefix::PromptPrefix {
+        let mut h = PromptHasher::new(64, 9);
+        h.feed(text);
+        h.finish()
+    }
+
+    /// Records `p` as served by region 0 at `t`, as the router does.
+    fn serve(
+        d: &Directory,
+        s: &mut MemoryStore,
+        p: &crate::prefix::PromptPrefix,
+        t: u64,
+        keep: &[Keep],
+    ) -> Lookup {
+        let mut l = d.lookup_within(s, &p.checkpoints, t, keep);
+        d.extend(&mut l, &p.checkpoints, |i| p.block_hash(i), t, keep);
+        let seen = l.clone();
+        d.record(
+            s,
+            &mut l,
+            &p.checkpoints,
+            0,
+            t,
+            (p.blocks, p.last_block.unwrap_or(0)),
+        );
+        seen
+    }
+
+    #[test]
+    fn an_lru_cache_keeps_a_prefix_while_its_intake_since_and_length_fit() {
+        // 10 tokens a block, 1000 tokens free; the engine took in 600
+        // tokens between 2 s and 3 s (the clock), nothing since.
+        let clock = [(1000, 0.0), (2000, 0.0), (3000, 600.0)];
+        let lru = Lru {
+            free_tokens: 1000.0,
+            tokens_per_block: 10.0,
+            clock: &clock,
+        };
+        assert_eq!(lru.intake_since(500), 600.0);
+        assert_eq!(lru.intake_since(2500), 300.0);
+        assert_eq!(lru.intake_since(3500), 0.0);
+        // Stamped at 1.5 s: 600 in since, so 40 blocks (400 tokens) fit and
+        // 41 do not; its tail went first.
+        assert!(lru.holds(1500, 40));
+        assert!(!lru.holds(1500, 41));
+        assert_eq!(lru.blocks_fitting(1500), 40);
+        assert_eq!(lru.blocks_fitting(3500), 100);
+        // In the directory: a 60-block prompt served at 1.5 s is believed
+        // held to its largest checkpoint within 40 blocks, and only by the
+        // region whose cache is modelled so.
+        let d = dir(2);
+        let mut s = MemoryStore::default();
+        let a = prompt(&text(64 * 60, 1));
+        let mut l = d.lookup(&mut s, &a.checkpoints, 1500);
+        d.record(&mut s, &mut l, &a.checkpoints, 0, 1500, (0, 0));
+        let mut l = d.lookup(&mut s, &a.checkpoints, 1500);
+        d.record(&mut s, &mut l, &a.checkpoints, 1, 1500, (0, 0));
+        let keep = [Keep::Lru(lru), Keep::Ttl];
+        let l = d.lookup_within(&mut s, &a.checkpoints, 3500, &keep);
+        assert_eq!(l.cached_blocks, vec![32, 48]);
+        // The entries past it were set aside: their stamp is the cut.
+        assert_eq!(l.cut_ms(0), Some(1500));
+    }
+
+    #[test]
+    fn a_conversation_is_believed_held_to_its_last_turn_and_refreshed_on_every_hit() {
+        let d = dir(1);
+        let mut s = MemoryStore::default();
+        let mut convo = text(64 * 70, 2);
+        let first = prompt(&convo);
+        serve(&d, &mut s, &first, 1000, &[]);
+        // The next turn extends it: held to the previous prompt's 70th
+        // block less one (engines keep whole blocks of their own), not
+        // only to its checkpoint (64).
+        convo.extend(text(64 * 30, 3));
+        let next = prompt(&convo);
+        let l = serve(&d, &mut s, &next, 2000, &[]);
+        assert_eq!(l.cached_blocks, vec![69]);
+        // Another prompt through the same checkpoint but not this
+        // conversation: the checkpoint only.
+        let mut other = convo[..64 * 70].to_vec();
+        other[64 * 69] ^= 1;
+        other.extend(text(64 * 10, 4));
+        let p = prompt(&other);
+        let l = d.lookup(&mut s, &p.checkpoints, 3000);
+        let mut l2 = l.clone();
+        d.extend(&mut l2, &p.checkpoints, |i| p.block_hash(i), 3000, &[]);
+        assert_eq!(l2.cached_blocks, vec![64]);
+        // An LRU cache with 700 tokens taken in since the last turn and
+        // 10 tokens a block keeps the head that fits (1000 − 700 = 300
+        // tokens: 30 blocks, less the one short of an engine block; the
+        // checkpoint alone would say 24).
+        let clock = [(1000, 0.0), (2500, 0.0), (3000, 700.0)];
+        let lru = Lru {
+            free_tokens: 1000.0,
+            tokens_per_block: 10.0,
+            clock: &clock,
+        };
+        convo.extend(text(64 * 5, 5));
+        let third = prompt(&convo);
+        let l = serve(&d, &mut s, &third, 3000, &[Keep::Lru(lru)]);
+        assert_eq!(l.cached_blocks, vec![29]);
+        // That hit restamped every checkpoint (the engine's LRU refreshes
+        // each block it reuses): at 3 s nothing went in since.
+        let later = [(1000, 0.0), (2500, 0.0), (3000, 700.0), (3500, 700.0)];
+        let lru = Lru {
+            free_tokens: 1000.0,
+            tokens_per_block: 10.0,
+            clock: &later,
+        };
+        let l = d.lookup_within(&mut s, &third.checkpoints, 3500, &[Keep::Lru(lru)]);
+        assert_eq!(l.oldest_hit_ms(0), Some(3000));
+        assert_eq!(l.cached_blocks, vec![96]);
+    }
+
+    #[test]
+    fn this_envoys_prefills_are_steps_in_the_engines_clock() {
+        // Scrapes at 1 s (0) and 2 s (1000 tokens taken in); this Envoy
+        // routed a 600-token prefill at 1.2 s whose answer started at 1.5
+        // s, and one of 50 at 2.1 s (after the scrape) started at 2.3 s.
+        let mut ring = RecentIntake::default();
+        let mut store = MemoryStore::default();
+        RecentIntake::note(&mut store, 0, 1200, 1500, 600);
+        RecentIntake::note(&mut store, 0, 2100, 2300, 50);
+        RecentIntake::note(&mut store, 1, 1100, 1300, 999);
+        ring.records = RecentIntake::read(&mut store).0.records;
+        assert_eq!(ring.records.len(), 3);
+        let clock = [(1000, 0.0), (2000, 1000.0)];
+        let merged = ring.merged(0, &clock);
+        let lru = Lru {
+            free_tokens: 1e6,
+            tokens_per_block: 1.0,
+            clock: &merged,
+        };
+        // The rest (400, other Envoys) is spread over the interval; the
+        // 600 sit at 1.5 s, so a stamp at 1.5 s (that answer's own) has
+        // only the rest after it and the later prefill.
+        assert!(
+            (lru.intake_since(1500) - (200.0 + 50.0)).abs() < 1e-6,
+            "{merged:?}"
+        );
+        assert!((lru.intake_since(1499) - (200.0 + 600.0 + 50.0)).abs() < 1.0);
+        assert_eq!(lru.intake_since(2300), 0.0);
+        assert_eq!(lru.intake_since(2200), 50.0);
+        // The last interval with none of this Envoy's prefills noted
+        // counts from its start (region 2: none at all).
+        let merged = ring.merged(2, &[(1000, 0.0), (2000, 1000.0), (3000, 1500.0)]);
+        let lru = Lru {
+            free_tokens: 1e6,
+            tokens_per_block: 1.0,
+            clock: &merged,
+        };
+        assert_eq!(lru.intake_since(2500), 0.0);
+        assert_eq!(lru.intake_since(1500), 1000.0);
+        // Garbage in the shared value reads as an empty ring.
+        store.set(INTAKE_KEY, &[1, 2, 3], None).unwrap();
+        assert_eq!(RecentIntake::read(&mut store).0, RecentIntake::default());
     }
 
     #[test]
@@ -489,7 +1022,7 @@ mod tests {
         }
         assert_eq!(d.lookup(&mut s, &c, 5).cached_blocks, vec![0, 0]);
         let mut l = d.lookup(&mut s, &c, 5);
-        d.record(&mut s, &mut l, &c, 1, 5);
+        d.record(&mut s, &mut l, &c, 1, 5, (0, 0));
         assert_eq!(d.lookup(&mut s, &c, 6).cached_blocks, vec![0, 8]);
         let other = Directory { layout: 8, ..d };
         assert_eq!(other.lookup(&mut s, &c, 6).cached_blocks, vec![0, 0]);
@@ -518,10 +1051,10 @@ mod tests {
         let mut s = Racy(MemoryStore::default(), false);
         let c = cps(&text(64 * 4, 7));
         let mut l = d.lookup(&mut s, &c, 10);
-        d.record(&mut s, &mut l, &c, 0, 10);
+        d.record(&mut s, &mut l, &c, 0, 10, (0, 0));
         s.1 = true;
         let mut l = d.lookup(&mut s, &c, 20);
-        d.record(&mut s, &mut l, &c, 1, 20);
+        d.record(&mut s, &mut l, &c, 1, 20, (0, 0));
         // Both regions end up holding the prompt despite the conflict.
         assert_eq!(d.lookup(&mut s, &c, 30).cached_blocks, vec![4, 4]);
     }

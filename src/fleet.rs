@@ -62,6 +62,8 @@ struct Region {
     /// The engines' last valid KV-cache capacity (tokens); a later
     /// scrape without one leaves it standing.
     cache_tokens: Option<u64>,
+    /// The engine's KV-cache usage at its last few good scrapes.
+    kv_recent: std::collections::VecDeque<f64>,
 }
 
 impl Region {
@@ -130,6 +132,7 @@ impl Fleet {
                     max_model_len: None,
                     replicas: None,
                     cache_tokens: None,
+                    kv_recent: Default::default(),
                 })
                 .collect(),
             ladder: Ladder::new(now_ms),
@@ -311,6 +314,12 @@ impl Fleet {
                 if let Some(CacheCapacity::Tokens(t)) = s.cache_capacity {
                     r.cache_tokens = Some(t);
                 }
+                if let Some(u) = s.kv_usage.filter(|u| u.is_finite()) {
+                    if r.kv_recent.len() >= KV_RECENT {
+                        r.kv_recent.pop_front();
+                    }
+                    r.kv_recent.push_back(u.clamp(0.0, 1.0));
+                }
                 r.sample = s;
                 r.scraped_ms = Some(now_ms);
                 r.inflight_at_scrape = inflight.max(0.0);
@@ -339,7 +348,15 @@ impl Fleet {
             return;
         };
         if let (Some(q), Some(h)) = (r.sample.prefix_queries, r.sample.prefix_hits) {
-            r.calibration.on_engine_tokens(now_ms, (q - h).max(0.0));
+            let delta = r.calibration.on_engine_tokens(now_ms, (q - h).max(0.0));
+            // What the scrape saw pinned includes the requests admitted
+            // since the scrape before, whose blocks the intake clock
+            // already counts: only the rest holds capacity that the clock
+            // does not see.
+            let capacity = r.cache_tokens.filter(|c| *c > 0).map(|c| c as f64);
+            if let (Some(u), Some(c)) = (r.kv_recent.back_mut(), capacity) {
+                *u = (*u - delta / c).max(0.0);
+            }
         }
     }
 
@@ -557,7 +574,7 @@ impl Fleet {
         let (capacity, demand, ratio) = self.capacity_and_ratio(cfg, now_ms);
         self.version += 1;
         let fit = self.fit.as_ref();
-        let regions = cfg
+        let regions: Vec<RegionState> = cfg
             .regions
             .iter()
             .zip(&self.regions)
@@ -602,8 +619,14 @@ impl Fleet {
                 max_model_len: r.max_model_len,
                 replicas: r.replicas,
                 cache_tokens: c.cache_tokens().or(r.cache_tokens),
+                cache_free_tokens: None,
+                cache_clock: Vec::new(),
             })
             .collect();
+        let mut regions = regions;
+        for (state, r) in regions.iter_mut().zip(&self.regions) {
+            (state.cache_free_tokens, state.cache_clock) = Self::cache_model(state, r);
+        }
         Snapshot {
             version: self.version,
             generated_ms: now_ms,
@@ -619,6 +642,46 @@ impl Fleet {
             }),
             regions,
         }
+    }
+}
+
+/// Scrapes whose KV-cache usage sets what running requests pin.
+const KV_RECENT: usize = 8;
+
+/// Points of the intake clock a snapshot carries per region.
+const CACHE_CLOCK_POINTS: usize = 48;
+
+impl Fleet {
+    /// What the region's prefix cache holds free of running requests, and
+    /// the intake clock that ages its entries, both per engine replica (a
+    /// replica caches only what it served itself); none while the capacity
+    /// is unknown. The clock is the engine's own where it exports its
+    /// prefix-cache counters (all proxies' traffic), else this Envoy's
+    /// reported answers.
+    fn cache_model(state: &RegionState, r: &Region) -> (Option<f64>, Vec<(u64, f64)>) {
+        let Some(capacity) = state.cache_tokens.filter(|c| *c > 0) else {
+            return (None, Vec::new());
+        };
+        let replicas = f64::from(state.replicas.unwrap_or(1).max(1));
+        // What the other requests pin when a prefix is to be reused: the
+        // least of the last few scrapes' usage, each less what the clock
+        // counted since the scrape before (`on_engine_clock`). The prefill
+        // in flight is intake the clock already charges; counted twice, a
+        // sequential client saw half its cache go unbelieved.
+        let pinned = r
+            .kv_recent
+            .iter()
+            .copied()
+            .fold(None, |m: Option<f64>, u| Some(m.map_or(u, |m| m.min(u))));
+        let pinned = pinned.unwrap_or(0.0);
+        let free = capacity as f64 * (1.0 - pinned) / replicas;
+        let clock = r
+            .calibration
+            .clock_for(free * replicas, CACHE_CLOCK_POINTS)
+            .into_iter()
+            .map(|(t, tokens)| (t, tokens / replicas))
+            .collect();
+        (Some(free), clock)
     }
 }
 

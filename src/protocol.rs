@@ -17,6 +17,9 @@ pub const LEASE_KEY: &str = "llm_geo_router.probe.lease";
 pub const LADDER_OVERRIDE_KEY: &str = "llm_geo_router.ladder.override";
 /// Shared data: prefix-directory slots (`<prefix><slot>`).
 pub const DIRECTORY_KEY_PREFIX: &str = "llm_geo_router.dir.";
+/// Shared data: this Envoy's latest prefills per region, not yet in the
+/// snapshot's intake clock (`directory::RecentIntake`).
+pub const INTAKE_KEY: &str = "llm_geo_router.intake";
 /// Shared data: session slots (`<prefix><slot>`).
 pub const SESSION_KEY_PREFIX: &str = "llm_geo_router.session.";
 /// Shared data: stored responses' regions (`<prefix><slot>`).

@@ -11,7 +11,7 @@
 use crate::config::{Config, HolderUnavailable};
 use crate::context::{self, Exceeded};
 use crate::cost::{self, Decision, Weights};
-use crate::directory::{layout_of, Directory, Lookup};
+use crate::directory::{layout_of, Directory, Keep, Lookup, Lru, RecentIntake};
 use crate::migration::{self, KvAction};
 use crate::prefix::{Checkpoint, PromptHasher};
 use crate::request::{self, Endpoint, RequestError};
@@ -111,6 +111,14 @@ pub struct Learning {
     model: Option<String>,
     /// Recorded already (`Router::learn` writes once).
     recorded: bool,
+    /// When it was recorded (the answer's first bytes); 0: not yet.
+    served_ms: u64,
+    /// Engine tokens per byte the decision used, and whether some region's
+    /// cache is modelled (its prefills then go to `RecentIntake`).
+    tokens_per_byte: f64,
+    modelled: bool,
+    /// Noted in `RecentIntake` already.
+    intake_noted: bool,
 }
 
 impl Learning {
@@ -150,6 +158,7 @@ impl Routed {
             believed_bytes: clamp(b.believed_bytes),
             held_ms: b.held_ms.unwrap_or(0),
             cut_ms: b.cut_ms.unwrap_or(0),
+            served_ms: self.learning.as_ref().map_or(0, |l| l.served_ms),
             prompt_tokens: clamp(usage.prompt_tokens),
             cached_tokens: usage.cached_tokens.map(clamp),
             model: b.model,
@@ -394,15 +403,48 @@ impl Router {
             }
             _ => None,
         };
-        // Each region's entries are believed within its learnt cache
-        // horizon (none learnt: the TTL, and no per-request vector).
-        let horizons: Vec<u64> = match inp.snapshot {
-            Some(snap) if snap.regions.iter().any(|r| r.cache_horizon_ms.is_some()) => {
+        // Each region's entries are believed as far as its engine is
+        // believed to keep them: its LRU cache where its capacity is known,
+        // else the learnt horizon, else the TTL (and no per-request vector).
+        let model = req.model.as_deref();
+        // Each modelled region's intake clock, with this Envoy's prefills.
+        let modelled = inp
+            .snapshot
+            .is_some_and(|s| s.regions.iter().any(|r| r.cache_free_tokens.is_some()));
+        let clocks: Vec<Vec<(u64, f64)>> = match inp.snapshot.filter(|_| modelled) {
+            Some(snap) => {
+                calls += 1;
+                let (ring, _) = RecentIntake::read(store);
                 (0..cfg.regions.len())
-                    .map(|i| {
-                        snap.region_at(inp.snapshot_index, i)
-                            .and_then(|r| r.cache_horizon_ms)
-                            .unwrap_or(u64::MAX)
+                    .map(|i| match snap.region_at(inp.snapshot_index, i) {
+                        Some(r) if r.cache_free_tokens.is_some() => ring.merged(i, &r.cache_clock),
+                        _ => Vec::new(),
+                    })
+                    .collect()
+            }
+            None => Vec::new(),
+        };
+        let keep: Vec<Keep> = match inp.snapshot {
+            Some(snap)
+                if snap
+                    .regions
+                    .iter()
+                    .any(|r| r.cache_free_tokens.is_some() || r.cache_horizon_ms.is_some()) =>
+            {
+                let block_bytes = f64::from(cfg.prefix.block_bytes);
+                (0..cfg.regions.len())
+                    .map(|i| match snap.region_at(inp.snapshot_index, i) {
+                        Some(st) => match (st.cache_free_tokens, st.cache_horizon_ms) {
+                            (Some(free), _) => Keep::Lru(Lru {
+                                free_tokens: free,
+                                tokens_per_block: cost::tokens_per_byte(cfg, Some(st), model)
+                                    * block_bytes,
+                                clock: clocks.get(i).map_or(&[], Vec::as_slice),
+                            }),
+                            (None, Some(h)) => Keep::Horizon(h),
+                            (None, None) => Keep::Ttl,
+                        },
+                        None => Keep::Ttl,
                     })
                     .collect()
             }
@@ -410,7 +452,14 @@ impl Router {
         };
         let mut lookup = self
             .dir
-            .lookup_within(store, &req.prompt.checkpoints, now, &horizons);
+            .lookup_within(store, &req.prompt.checkpoints, now, &keep);
+        self.dir.extend(
+            &mut lookup,
+            &req.prompt.checkpoints,
+            |i| req.prompt.block_hash(i),
+            now,
+            &keep,
+        );
         let session_key = inp.session_header.or(req.user.as_deref());
         let session = session_key.map(|k| {
             calls += 1;
@@ -427,9 +476,7 @@ impl Router {
                     .checked_sub(1)
                     .and_then(|i| req.prompt.block_hash(i as usize))
                     .is_some_and(|h| h == hash);
-                let within = horizons
-                    .get(region)
-                    .is_none_or(|h| now.saturating_sub(at_ms) < *h);
+                let within = keep.get(region).is_none_or(|k| k.holds(at_ms, blocks, now));
                 if let Some(b) = lookup
                     .cached_blocks
                     .get_mut(region)
@@ -450,7 +497,6 @@ impl Router {
                 w_queue: w.w_queue,
             },
         );
-        let model = req.model.as_deref();
         let fleet_tpb = fleet_tokens_per_byte(cfg, inp, model);
         let prompt_tokens = cost::tokens_of(req.prompt.bytes, fleet_tpb);
         let mut decision = cost::decide(&cost::Inputs {
@@ -513,6 +559,10 @@ impl Router {
             prompt_bytes: req.prompt.bytes,
             model: req.model,
             recorded: false,
+            served_ms: 0,
+            tokens_per_byte: fleet_tpb,
+            modelled,
+            intake_noted: false,
         });
         Ok(Routed {
             decision,
@@ -542,12 +592,14 @@ impl Router {
         if std::mem::replace(&mut learning.recorded, true) {
             return 0;
         }
+        learning.served_ms = now_ms;
         let mut calls = self.dir.record(
             store,
             &mut learning.lookup,
             &learning.checkpoints,
             served,
             now_ms,
+            learning.prefix,
         );
         if let Some(s) = learning.session {
             calls += self
@@ -555,6 +607,46 @@ impl Router {
                 .record(store, s, served, now_ms, learning.prefix);
         }
         calls
+    }
+
+    /// This Envoy's prefill of the prompt at `served` (recorded by
+    /// `learn`), for the regions whose caches are modelled: the engine's
+    /// own count where the answer reported it (`usage`), else the prompt
+    /// less what was believed held there. Once; returns the calls made.
+    pub fn note_intake(
+        &self,
+        store: &mut dyn SharedStore,
+        learning: &mut Learning,
+        served: usize,
+        usage: Option<crate::usage::Usage>,
+    ) -> u32 {
+        if !learning.modelled
+            || learning.served_ms == 0
+            || std::mem::replace(&mut learning.intake_noted, true)
+        {
+            return 0;
+        }
+        let tokens = match usage {
+            Some(crate::usage::Usage {
+                prompt_tokens,
+                cached_tokens: Some(c),
+            }) => prompt_tokens.saturating_sub(c) as f64,
+            _ => {
+                let b = learning.belief(served);
+                b.prompt_bytes.saturating_sub(b.believed_bytes) as f64 * learning.tokens_per_byte
+            }
+        };
+        let Ok(region) = u16::try_from(served) else {
+            return 0;
+        };
+        let tokens = tokens.round().clamp(0.0, f64::from(u32::MAX)) as u32;
+        RecentIntake::note(
+            store,
+            region,
+            learning.routed_ms,
+            learning.served_ms,
+            tokens,
+        )
     }
 }
 

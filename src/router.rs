@@ -440,7 +440,7 @@ impl RouterStream {
             }
         }
         if end_of_stream {
-            self.report_usage(host, true);
+            self.report_usage(shared, host, true);
         }
     }
 
@@ -470,13 +470,23 @@ impl RouterStream {
     /// The answer ended: the engine's `usage`, if it gave one, goes to the
     /// probe with what the router believed; `missing` counts an answer
     /// that ended without one.
-    fn report_usage(&mut self, host: &mut dyn StreamHost, count_missing: bool) {
+    fn report_usage(
+        &mut self,
+        shared: &RouterShared,
+        host: &mut dyn StreamHost,
+        count_missing: bool,
+    ) {
         let Some(tail) = self.tail.take() else {
             return;
         };
-        let report = tail
-            .usage()
-            .and_then(|u| self.decided.as_ref()?.usage_report(u, self.served?));
+        let usage = tail.usage();
+        if let (Some(served), Some(learning)) = (
+            self.served,
+            self.decided.as_mut().and_then(|d| d.learning.as_mut()),
+        ) {
+            shared.router.note_intake(host, learning, served, usage);
+        }
+        let report = usage.and_then(|u| self.decided.as_ref()?.usage_report(u, self.served?));
         match report {
             Some(r) => host.enqueue(OBSERVATIONS_QUEUE, &r.encode()),
             None if count_missing => host.count(Stat::Global(Global::RouterUsageMissing), 1),
@@ -511,6 +521,10 @@ impl RouterStream {
             self.decided.as_mut().and_then(|d| d.learning.as_mut()),
         ) {
             shared.router.learn(host, learning, served, now);
+            if self.tail.is_none() {
+                // No usage to wait for: the prefill as believed.
+                shared.router.note_intake(host, learning, served, None);
+            }
         }
         let Some(mut p) = self.pending.take() else {
             return;
@@ -526,7 +540,7 @@ impl RouterStream {
         // An answer that ended with trailers never saw `end_of_stream` in
         // its body; a cancelled one has no usage (not counted missing).
         if self.status.is_some_and(|s| (200..300).contains(&s)) {
-            self.report_usage(host, false);
+            self.report_usage(shared, host, false);
         }
         let Some(region) = self.routed.take() else {
             return;
@@ -1156,10 +1170,11 @@ mod tests {
         // Its first byte is no TTFT (vLLM sends `response.created` before
         // scheduling): nothing for the tuner, only the usage at the end.
         assert!(!s.awaiting_first_byte());
-        let tuning = host
-            .queues
-            .get(OBSERVATIONS_QUEUE)
-            .map_or(0, |q| q.iter().filter(|m| m.first() != Some(&b'U')).count());
+        let tuning = host.queues.get(OBSERVATIONS_QUEUE).map_or(0, |q| {
+            q.iter()
+                .filter(|m| m.first() != Some(&crate::usage::REPORT_TAG))
+                .count()
+        });
         assert_eq!(tuning, 0);
         let map = sh.router.responses;
         assert_eq!(

@@ -111,6 +111,17 @@ pub struct RegionState {
     /// neither says.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_tokens: Option<u64>,
+    /// What the engine's prefix cache holds beyond what running requests
+    /// pin, per replica: `cache_tokens × (1 − kv_usage) / replicas`;
+    /// absent when the capacity is unknown (the directory then forgets by
+    /// its TTL, or the learnt horizon).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_free_tokens: Option<f64>,
+    /// The engine's intake clock, per replica: (ms, tokens taken into its
+    /// cache since the first point), back to where `cache_free_tokens` had
+    /// gone in; the directory's entries are aged by it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cache_clock: Vec<(u64, f64)>,
 }
 
 impl RegionState {
@@ -147,6 +158,8 @@ impl Default for RegionState {
             max_model_len: None,
             replicas: None,
             cache_tokens: None,
+            cache_free_tokens: None,
+            cache_clock: Vec::new(),
         }
     }
 }

@@ -144,6 +144,10 @@ pub struct UsageReport {
     /// Stamp of the newest entry the cache horizon set aside there (within
     /// the TTL but past the horizon); 0: none.
     pub cut_ms: u64,
+    /// When the answer started, the prompt prefilled (the directory's stamp
+    /// for it, and when the engine took in its uncached tokens); 0: not
+    /// known.
+    pub served_ms: u64,
     /// The engine's figures.
     pub prompt_tokens: u32,
     /// `None`: the answer did not say.
@@ -156,8 +160,8 @@ pub struct UsageReport {
 /// Longest model name reported.
 pub const MODEL_MAX: usize = 128;
 
-const REPORT_TAG: u8 = b'U';
-const REPORT_FIXED: usize = 1 + 2 + 8 * 3 + 4 * 4;
+pub const REPORT_TAG: u8 = b'V';
+const REPORT_FIXED: usize = 1 + 2 + 8 * 4 + 4 * 4;
 
 impl UsageReport {
     pub fn encode(&self) -> Vec<u8> {
@@ -165,7 +169,7 @@ impl UsageReport {
         let mut b = Vec::with_capacity(REPORT_FIXED + model.map_or(0, str::len));
         b.push(REPORT_TAG);
         b.extend_from_slice(&self.region.to_le_bytes());
-        for v in [self.routed_ms, self.held_ms, self.cut_ms] {
+        for v in [self.routed_ms, self.held_ms, self.cut_ms, self.served_ms] {
             b.extend_from_slice(&v.to_le_bytes());
         }
         for v in [
@@ -196,15 +200,16 @@ impl UsageReport {
         if model.len() > MODEL_MAX {
             return None;
         }
-        let cached = u32_at(39)?;
+        let cached = u32_at(47)?;
         Some(UsageReport {
             region: u16::from_le_bytes(b.get(1..3)?.try_into().ok()?),
             routed_ms: u64_at(3)?,
             held_ms: u64_at(11)?,
             cut_ms: u64_at(19)?,
-            prompt_bytes: u32_at(27)?,
-            believed_bytes: u32_at(31)?,
-            prompt_tokens: u32_at(35)?,
+            served_ms: u64_at(27)?,
+            prompt_bytes: u32_at(35)?,
+            believed_bytes: u32_at(39)?,
+            prompt_tokens: u32_at(43)?,
             cached_tokens: (cached != u32::MAX).then_some(cached),
             model: if model.is_empty() {
                 None
@@ -325,6 +330,7 @@ mod tests {
             believed_bytes: 4096,
             held_ms: 1_699_999_999_000,
             cut_ms: 0,
+            served_ms: 1_700_000_000_350,
             prompt_tokens: 4100,
             cached_tokens: Some(2048),
             model: Some("meta-llama/Llama-3.1-8B".into()),

@@ -435,13 +435,18 @@ impl History {
                 ))
             })?;
             let checkpoints = &req.prompt.checkpoints;
+            let prefix = (req.prompt.blocks, req.prompt.last_block.unwrap_or(0));
             let mut lookup = router.dir.lookup(store, checkpoints, past.at_ms);
-            router
-                .dir
-                .record(store, &mut lookup, checkpoints, past.region, past.at_ms);
+            router.dir.record(
+                store,
+                &mut lookup,
+                checkpoints,
+                past.region,
+                past.at_ms,
+                prefix,
+            );
             if let Some(key) = past.session.as_deref().or(req.user.as_deref()) {
                 let entry = router.sessions.lookup(store, key, past.at_ms);
-                let prefix = (req.prompt.blocks, req.prompt.last_block.unwrap_or(0));
                 router
                     .sessions
                     .record(store, entry, past.region, past.at_ms, prefix);

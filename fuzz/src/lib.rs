@@ -528,7 +528,23 @@ pub fn shared_records(data: &[u8]) {
     let held_max = prompt.checkpoints.last().map_or(0, |c| c.blocks);
     assert!(lookup.cached_blocks.iter().all(|&b| b <= held_max));
     let region = usize::try_from(now % 4).unwrap_or(0);
-    let _ = dir.record(&mut store, &mut lookup, &prompt.checkpoints, region, now);
+    let end = (prompt.blocks, prompt.last_block.unwrap_or(0));
+    dir.extend(
+        &mut lookup,
+        &prompt.checkpoints,
+        |i| prompt.block_hash(i),
+        now,
+        &[],
+    );
+    assert!(lookup.cached_blocks.iter().all(|&b| b <= prompt.blocks));
+    let _ = dir.record(
+        &mut store,
+        &mut lookup,
+        &prompt.checkpoints,
+        region,
+        now,
+        end,
+    );
 
     let sessions: Sessions = router.sessions;
     let entry = sessions.lookup(&mut store, "session-1", now);
@@ -538,15 +554,43 @@ pub fn shared_records(data: &[u8]) {
     assert!(entry.prefix.is_none_or(|(blocks, _)| blocks > 0));
     let _ = sessions.record(&mut store, entry, 0, now, (prompt.blocks, 0));
 
-    // The same lookup within per-region horizons never believes more.
+    // The same lookup within per-region horizons, or an LRU cache over a
+    // clock read from the input (garbage included), never believes more;
+    // the ring of recent prefills decodes from anything without a trap.
     let horizons: Vec<u64> = (0..n)
         .map(|i| now.rotate_left(i as u32 * 7) % 100_000)
+        .collect();
+    let mut ring_store = ScriptedStore::new(rest);
+    let (ring, _) = llm_geo_router::directory::RecentIntake::read(&mut ring_store);
+    let clock: Vec<(u64, f64)> = rest
+        .chunks_exact(4)
+        .scan(0u64, |t, c| {
+            *t += u64::from(c[0]) * 10;
+            Some((*t, f64::from(u32::from(c[1]) * 100 + u32::from(c[2]))))
+        })
+        .collect();
+    let merged = ring.merged(0, &clock);
+    assert!(merged.windows(2).all(|w| w[0].0 <= w[1].0), "{merged:?}");
+    let keep: Vec<llm_geo_router::directory::Keep> = horizons
+        .iter()
+        .enumerate()
+        .map(|(i, h)| {
+            if i % 2 == 0 {
+                llm_geo_router::directory::Keep::Horizon(*h)
+            } else {
+                llm_geo_router::directory::Keep::Lru(llm_geo_router::directory::Lru {
+                    free_tokens: (*h % 5000) as f64,
+                    tokens_per_block: 16.0,
+                    clock: &merged,
+                })
+            }
+        })
         .collect();
     let within = dir.lookup_within(
         &mut ScriptedStore::new(rest),
         &prompt.checkpoints,
         now,
-        &horizons,
+        &keep,
     );
     let plain = dir.lookup(&mut ScriptedStore::new(rest), &prompt.checkpoints, now);
     assert!(within
