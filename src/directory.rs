@@ -189,6 +189,13 @@ impl Lookup {
         self.oldest_hit_ms.get(region).copied().flatten()
     }
 
+    /// Serving the prompt at `region` restamps every checkpoint.
+    pub fn refresh_all(&mut self, region: usize) {
+        if let Some(f) = self.refresh.get_mut(region) {
+            *f = true;
+        }
+    }
+
     /// The newest stamp among `region`'s entries its horizon set aside.
     pub fn cut_ms(&self, region: usize) -> Option<u64> {
         self.cut_ms.get(region).copied().flatten()

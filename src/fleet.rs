@@ -62,8 +62,6 @@ struct Region {
     /// The engines' last valid KV-cache capacity (tokens); a later
     /// scrape without one leaves it standing.
     cache_tokens: Option<u64>,
-    /// The engine's KV-cache usage at its last few good scrapes.
-    kv_recent: std::collections::VecDeque<f64>,
 }
 
 impl Region {
@@ -132,7 +130,6 @@ impl Fleet {
                     max_model_len: None,
                     replicas: None,
                     cache_tokens: None,
-                    kv_recent: Default::default(),
                 })
                 .collect(),
             ladder: Ladder::new(now_ms),
@@ -314,12 +311,6 @@ impl Fleet {
                 if let Some(CacheCapacity::Tokens(t)) = s.cache_capacity {
                     r.cache_tokens = Some(t);
                 }
-                if let Some(u) = s.kv_usage.filter(|u| u.is_finite()) {
-                    if r.kv_recent.len() >= KV_RECENT {
-                        r.kv_recent.pop_front();
-                    }
-                    r.kv_recent.push_back(u.clamp(0.0, 1.0));
-                }
                 r.sample = s;
                 r.scraped_ms = Some(now_ms);
                 r.inflight_at_scrape = inflight.max(0.0);
@@ -348,15 +339,7 @@ impl Fleet {
             return;
         };
         if let (Some(q), Some(h)) = (r.sample.prefix_queries, r.sample.prefix_hits) {
-            let delta = r.calibration.on_engine_tokens(now_ms, (q - h).max(0.0));
-            // What the scrape saw pinned includes the requests admitted
-            // since the scrape before, whose blocks the intake clock
-            // already counts: only the rest holds capacity that the clock
-            // does not see.
-            let capacity = r.cache_tokens.filter(|c| *c > 0).map(|c| c as f64);
-            if let (Some(u), Some(c)) = (r.kv_recent.back_mut(), capacity) {
-                *u = (*u - delta / c).max(0.0);
-            }
+            r.calibration.on_engine_tokens(now_ms, (q - h).max(0.0));
         }
     }
 
@@ -645,9 +628,6 @@ impl Fleet {
     }
 }
 
-/// Scrapes whose KV-cache usage sets what running requests pin.
-const KV_RECENT: usize = 8;
-
 /// Points of the intake clock a snapshot carries per region.
 const CACHE_CLOCK_POINTS: usize = 48;
 
@@ -663,18 +643,13 @@ impl Fleet {
             return (None, Vec::new());
         };
         let replicas = f64::from(state.replicas.unwrap_or(1).max(1));
-        // What the other requests pin when a prefix is to be reused: the
-        // least of the last few scrapes' usage, each less what the clock
-        // counted since the scrape before (`on_engine_clock`). The prefill
-        // in flight is intake the clock already charges; counted twice, a
-        // sequential client saw half its cache go unbelieved.
-        let pinned = r
-            .kv_recent
-            .iter()
-            .copied()
-            .fold(None, |m: Option<f64>, u| Some(m.map_or(u, |m| m.min(u))));
-        let pinned = pinned.unwrap_or(0.0);
-        let free = capacity as f64 * (1.0 - pinned) / replicas;
+        // The whole capacity, not less what running requests pin
+        // (`kv_cache_usage`): a running request's blocks are either new
+        // intake, which the clock already charges, or reused prefixes,
+        // which leave the free queue without pushing anything out. Less
+        // the pinned share, scenario a's believed caches halved (cache
+        // hits 0.76 -> 0.64, docs/ROUTING.md).
+        let free = capacity as f64 / replicas;
         let clock = r
             .calibration
             .clock_for(free * replicas, CACHE_CLOCK_POINTS)

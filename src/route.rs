@@ -119,6 +119,8 @@ pub struct Learning {
     modelled: bool,
     /// Noted in `RecentIntake` already.
     intake_noted: bool,
+    /// Restamped at the answer's end already (`Router::finish`).
+    finished: bool,
 }
 
 impl Learning {
@@ -563,6 +565,7 @@ impl Router {
             tokens_per_byte: fleet_tpb,
             modelled,
             intake_noted: false,
+            finished: false,
         });
         Ok(Routed {
             decision,
@@ -607,6 +610,38 @@ impl Router {
                 .record(store, s, served, now_ms, learning.prefix);
         }
         calls
+    }
+
+    /// The answer at `served` ended: where its cache is modelled, the
+    /// prompt's chain is restamped now, since an engine frees a request's
+    /// blocks (and starts their LRU recency) when it ends, and its decode
+    /// pinned them until then; aged from the first byte, a long answer's
+    /// prefix was believed evicted by intake it was safe from. Once;
+    /// returns the calls made.
+    pub fn finish(
+        &self,
+        store: &mut dyn SharedStore,
+        learning: &mut Learning,
+        served: usize,
+        now_ms: u64,
+    ) -> u32 {
+        if !learning.modelled
+            || !learning.recorded
+            || learning.served_ms == 0
+            || now_ms <= learning.served_ms
+            || std::mem::replace(&mut learning.finished, true)
+        {
+            return 0;
+        }
+        learning.lookup.refresh_all(served);
+        self.dir.record(
+            store,
+            &mut learning.lookup,
+            &learning.checkpoints,
+            served,
+            now_ms,
+            learning.prefix,
+        )
     }
 
     /// This Envoy's prefill of the prompt at `served` (recorded by

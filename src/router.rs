@@ -542,6 +542,15 @@ impl RouterStream {
         if self.status.is_some_and(|s| (200..300).contains(&s)) {
             self.report_usage(shared, host, false);
         }
+        // The engine frees the prompt's blocks now, not at the first byte:
+        // its LRU recency starts here.
+        if let (Some(served), Some(learning)) = (
+            self.served,
+            self.decided.as_mut().and_then(|d| d.learning.as_mut()),
+        ) {
+            let now = host.now_ms();
+            shared.router.finish(host, learning, served, now);
+        }
         let Some(region) = self.routed.take() else {
             return;
         };

@@ -231,7 +231,11 @@ def replay_agreement(fleet, conversations=12, turns=5, seed=7):
         rows.append((int(r.route["cached_tokens"]), int(r.headers["x-engine-cached-tokens"])))
     hits_agree = sum((b > 0) == (t > 0) for b, t in rows) / len(rows)
     belief, truth = sum(b for b, _ in rows), sum(t for _, t in rows)
-    over = sum(1 for b, t in rows if b > t)
+    # Believed past what the engine held by more than its own block (16
+    # tokens) and 3 %: a conversation is believed to its previous turn's
+    # end (less one of the router's blocks), in tokens at the region's mean
+    # tokens per byte, which one prompt's text can exceed by a few percent.
+    over = sum(1 for b, t in rows if b > 1.03 * t + 16)
     return hits_agree, belief / max(truth, 1), over, len(rows)
 
 
@@ -240,15 +244,18 @@ def test_directory_belief_agrees_with_the_engines_cache(fleet_factory):
     agree, ratio, over, n = replay_agreement(fleet)
     print(f"directory vs engine, ample cache: hit/miss agreement {agree:.3f}, "
           f"believed/actual cached tokens {ratio:.3f}, over-estimates {over} of {n}")
-    # The directory keeps checkpoints (2 significant bits), so it never
-    # claims more than the engine has while nothing is evicted.
+    # Nothing is evicted: the directory believes checkpoints (2
+    # significant bits) and a continued conversation to its previous
+    # turn's end less one block, so it never claims more than the engine
+    # has (beyond one engine block and 3 % of tokens-per-byte spread).
     assert agree >= 0.95
     assert over == 0
     # In the engines' own tokens: the router calibrates its tokens per byte
     # from each answer's usage.prompt_tokens (the engines tokenize with a
     # BPE vocabulary over their own chat template, about 2.2 bytes a token
     # here, not the configured 4). Uncalibrated it was 0.419; measured
-    # calibrated: 0.843 (below 1 by the checkpoints' rounding down).
+    # calibrated: 0.843 with checkpoints alone, 0.935 with extents (below 1
+    # by the first answers, before calibration, and the block short).
     assert 0.66 <= ratio <= 1.0, ratio
     assert fleet.envoy.stat("wasmcustom.llm_geo_router.usage.reports") >= n // 2
     tpk = fleet.envoy.stat("wasmcustom.llm_geo_router.region.near.tokens_per_kib")
