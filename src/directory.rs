@@ -78,8 +78,7 @@ pub enum Keep<'a> {
 /// at least as recent and ends earlier), so the lookup's search holds.
 #[derive(Debug, Clone, Copy)]
 pub struct Lru<'a> {
-    /// Tokens the cache holds beyond what running requests pin
-    /// (`capacity × (1 − kv_cache_usage)`, per engine replica).
+    /// Tokens the cache holds (its capacity, per engine replica).
     pub free_tokens: f64,
     /// Engine tokens per directory block (tokens per byte × block bytes).
     pub tokens_per_block: f64,

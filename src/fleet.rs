@@ -632,7 +632,7 @@ impl Fleet {
 const CACHE_CLOCK_POINTS: usize = 48;
 
 impl Fleet {
-    /// What the region's prefix cache holds free of running requests, and
+    /// What the region's prefix cache holds, and
     /// the intake clock that ages its entries, both per engine replica (a
     /// replica caches only what it served itself); none while the capacity
     /// is unknown. The clock is the engine's own where it exports its

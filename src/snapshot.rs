@@ -111,8 +111,8 @@ pub struct RegionState {
     /// neither says.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_tokens: Option<u64>,
-    /// What the engine's prefix cache holds beyond what running requests
-    /// pin, per replica: `cache_tokens × (1 − kv_usage) / replicas`;
+    /// What the engine's prefix cache holds, per replica:
+    /// `cache_tokens / replicas`;
     /// absent when the capacity is unknown (the directory then forgets by
     /// its TTL, or the learnt horizon).
     #[serde(default, skip_serializing_if = "Option::is_none")]
