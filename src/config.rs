@@ -646,8 +646,9 @@ pub struct ProbeConfig {
     pub idle_rounds: u32,
     /// Callout timeout; at most `tick_ms`.
     pub timeout_ms: u32,
-    /// EWMA weight of a new RTT sample.
-    pub rtt_alpha: f64,
+    /// A region's RTT is the least of its last this many health round
+    /// trips.
+    pub rtt_window: u32,
     /// EWMA weight of a new demand (arrival rate) sample.
     pub demand_alpha: f64,
     /// Consecutive failed health probes before a region is unhealthy.
@@ -686,7 +687,7 @@ impl Default for ProbeConfig {
             busy_utilization: 0.5,
             idle_rounds: 8,
             timeout_ms: 1000,
-            rtt_alpha: 0.3,
+            rtt_window: 10,
             demand_alpha: 0.5,
             unhealthy_after: 2,
             healthy_after: 2,
@@ -1119,7 +1120,12 @@ impl Config {
                 format!("{} must be within 1..=10000", p.idle_rounds),
             ));
         }
-        fraction("probe.rtt_alpha", p.rtt_alpha)?;
+        if p.rtt_window == 0 || p.rtt_window > 64 {
+            return Err(ConfigError::new(
+                "probe.rtt_window",
+                format!("{} must be within 1..=64", p.rtt_window),
+            ));
+        }
         fraction("probe.demand_alpha", p.demand_alpha)?;
         if p.unhealthy_after == 0 {
             return Err(ConfigError::new(

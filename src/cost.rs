@@ -3,7 +3,7 @@
 //!
 //! `ttft(r) = w_rtt·rtt(r) + prefill_ms_per_token(r)·uncached_tokens(r) + w_queue·queue_ms(r)`
 //!
-//! * `rtt(r)`: the probe's EWMA of the health round trip, else the
+//! * `rtt(r)`: the least of the probe's recent health round trips, else the
 //!   configured `rtt_ms`.
 //! * `uncached_tokens(r)`: prompt tokens beyond the prefix the directory
 //!   believes `r` holds.

@@ -1,9 +1,11 @@
 //! The probe's view of the fleet: per-region health with consecutive
-//! failure/success thresholds, EWMAs of RTT, the engines' queue counts,
+//! failure/success thresholds, the windowed minimum of the health RTT, the engines' queue counts,
 //! release parity and the failback ramp, the down signals and the
 //! assessment, the measured demand, and the ladder. The host feeds it probe
 //! results and counter readings with explicit times; it produces the
 //! [`Snapshot`].
+
+use std::collections::VecDeque;
 
 use crate::assess::{assess, Assessment, Signals};
 use crate::calibration::{RegionCalibration, Verdict};
@@ -19,7 +21,8 @@ struct Region {
     healthy: bool,
     /// Consecutive failed (negative) or good (positive) health probes.
     streak: i64,
-    rtt_ms: Option<f64>,
+    /// The last `probe.rtt_window` health round trips, oldest first.
+    rtt_samples: VecDeque<f64>,
     sample: EngineSample,
     inflight_at_scrape: f64,
     /// When the last good scrape was answered (Unix ms).
@@ -69,6 +72,17 @@ impl Region {
     fn in_service(&self) -> bool {
         self.healthy && self.ejected_until_ms.is_none()
     }
+
+    /// The network round trip: the least of the recent health round trips.
+    /// A sample is the path's delay plus whatever held the answer up (the
+    /// engine's HTTP server busy, this Envoy's dispatcher late to read it);
+    /// only the first is the region's, and the least sample is the closest
+    /// to it (the same filter as TCP's and BBR's min RTT). A load that
+    /// slows the engine is what the queue term measures, not this one; a
+    /// path that really got longer shows after a window of samples.
+    fn rtt(&self) -> Option<f64> {
+        self.rtt_samples.iter().copied().reduce(f64::min)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -109,7 +123,7 @@ impl Fleet {
                 .map(|_| Region {
                     healthy: true,
                     streak: 0,
-                    rtt_ms: None,
+                    rtt_samples: VecDeque::new(),
                     sample: EngineSample::default(),
                     inflight_at_scrape: 0.0,
                     scraped_ms: None,
@@ -265,10 +279,10 @@ impl Fleet {
         match rtt_ms {
             Some(rtt) if rtt.is_finite() && rtt >= 0.0 => {
                 r.streak = r.streak.max(0) + 1;
-                r.rtt_ms = Some(match r.rtt_ms {
-                    Some(old) => old + p.rtt_alpha * (rtt - old),
-                    None => rtt,
-                });
+                if r.rtt_samples.len() >= p.rtt_window as usize {
+                    r.rtt_samples.pop_front();
+                }
+                r.rtt_samples.push_back(rtt);
                 if !r.healthy && r.streak >= i64::from(p.healthy_after) {
                     r.healthy = true;
                     return HealthChange::BecameHealthy;
@@ -565,7 +579,7 @@ impl Fleet {
             .map(|(i, (c, r))| RegionState {
                 name: c.name.clone(),
                 healthy: r.in_service(),
-                rtt_ms: r.rtt_ms,
+                rtt_ms: r.rtt(),
                 waiting: r.sample.waiting.unwrap_or(0.0),
                 running: r.sample.running.unwrap_or(0.0),
                 kv_usage: r.sample.kv_usage,
@@ -694,7 +708,7 @@ mod tests {
     fn cfg() -> Config {
         Config::parse(
             br#"{"regions":[{"name":"a","cluster":"a","capacity_rps":2},{"name":"b","cluster":"b","capacity_rps":3}],
-                "probe":{"unhealthy_after":2,"healthy_after":3,"rtt_alpha":0.5},"ladder":{"dwell_s":5}}"#,
+                "probe":{"unhealthy_after":2,"healthy_after":3,"rtt_window":4},"ladder":{"dwell_s":5}}"#,
         )
         .unwrap()
     }
@@ -781,14 +795,30 @@ mod tests {
     }
 
     #[test]
-    fn rtt_is_an_ewma() {
-        let c = cfg();
+    fn rtt_is_the_least_of_the_last_window_of_samples() {
+        let mut c = cfg();
+        c.probe.rtt_window = 3;
         let mut f = Fleet::new(&c, 0);
+        let rtt = |f: &mut Fleet| f.publish(&c, 1).0.regions[1].rtt_ms;
         f.on_health(&c, 1, Some(10.0));
-        f.on_health(&c, 1, Some(20.0));
-        let (s, _) = f.publish(&c, 1);
-        assert_eq!(s.regions[1].rtt_ms, Some(15.0));
-        assert_eq!(s.regions[0].rtt_ms, None);
+        assert_eq!(rtt(&mut f), Some(10.0));
+        // A stalled answer does not move it.
+        f.on_health(&c, 1, Some(200.0));
+        assert_eq!(rtt(&mut f), Some(10.0));
+        // A failed probe is no sample.
+        f.on_health(&c, 1, None);
+        f.on_health(&c, 1, Some(30.0));
+        assert_eq!(rtt(&mut f), Some(10.0));
+        // A longer path shows once the window no longer holds the short one.
+        f.on_health(&c, 1, Some(40.0));
+        assert_eq!(rtt(&mut f), Some(30.0));
+        f.on_health(&c, 1, Some(35.0));
+        f.on_health(&c, 1, Some(45.0));
+        assert_eq!(rtt(&mut f), Some(35.0));
+        // A shorter one at once.
+        f.on_health(&c, 1, Some(6.0));
+        assert_eq!(rtt(&mut f), Some(6.0));
+        assert_eq!(f.publish(&c, 1).0.regions[0].rtt_ms, None);
     }
 
     #[test]

@@ -128,7 +128,7 @@ def test_client_cannot_choose_the_cluster(fleet):
     r = harness.request(fleet.port, "GET", "/v1/models", headers={"x-llm-cluster": "region_far"})
     after = models_served()
     assert r.status == 200
-    assert r.route["region"] == "near"
+    assert r.route["region"] == "near", (r.route, fleet.envoy.stats(r"region\.[a-z]+\.rtt_ms$"))
     assert r.headers["x-echo-x-llm-cluster"] == "-"
     assert after["near"] > before["near"] and after["far"] == before["far"], (before, after)
 

@@ -36,7 +36,7 @@ def test_client_sent_internal_headers_are_ignored(fleet):
         r = chat(fleet.port, [{"role": "user", "content": f"forged headers {i}"}], headers=FORGED)
         assert r.status == 200
         # Cold prompt: the nearest region by the router's own choice.
-        assert r.replica == "near"
+        assert r.replica == "near", r.route
         # Internal: removed before the upstream (the router's decision is in
         # x-llm-route, checked below).
         assert r.headers["x-echo-x-llm-cluster"] == "-"
