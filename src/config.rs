@@ -84,6 +84,11 @@ pub struct Config {
     pub prometheus: PrometheusConfig,
     #[serde(default)]
     pub body_wait: BodyWaitConfig,
+    /// Sharing what this Envoy learns with the other Envoys of its
+    /// deployment (docs/OPERATIONS.md, "Many Envoys"). Off without a
+    /// `cluster`.
+    #[serde(default)]
+    pub exchange: ExchangeConfig,
     /// What to do with a request to an inference path whose body is not a
     /// valid request: `reject` (400, OpenAI error JSON) or `pass_through`
     /// (send it untouched to the default region and let the engine answer).
@@ -525,6 +530,49 @@ pub enum BodyWaitAction {
     Reject,
 }
 
+/// The exchange between the Envoys of one deployment (`src/exchange.rs`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ExchangeConfig {
+    /// The Envoy cluster whose hosts are the deployment's Envoys' exchange
+    /// listeners (static, DNS or EDS; under Istio the headless Service).
+    /// Absent: no exchange, each Envoy on its own.
+    pub cluster: Option<String>,
+    /// `:authority` of the exchange callouts (default: the cluster name).
+    pub authority: Option<String>,
+    /// The path the `exchange` filter answers on the peers' listener.
+    pub path: String,
+    /// How often this Envoy sends its news (ms); default `probe.tick_ms`.
+    pub interval_ms: Option<u32>,
+    /// Peers each message goes to (one callout each, the cluster's load
+    /// balancer picks the host; round robin spreads them). A deployment of
+    /// at most `fanout + 1` Envoys is all-to-all every interval; a larger
+    /// one relays.
+    pub fanout: u32,
+    /// The largest message sent or taken; the outbox drops (and counts)
+    /// news beyond it.
+    pub max_message_bytes: u32,
+}
+
+impl Default for ExchangeConfig {
+    fn default() -> Self {
+        ExchangeConfig {
+            cluster: None,
+            authority: None,
+            path: "/llm-geo-router/exchange".into(),
+            interval_ms: None,
+            fanout: 3,
+            max_message_bytes: 262_144,
+        }
+    }
+}
+
+impl ExchangeConfig {
+    pub fn enabled(&self) -> bool {
+        self.cluster.is_some()
+    }
+}
+
 /// The Responses API's stored responses (docs/ROUTING.md, "Endpoints").
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -862,6 +910,7 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_exchange()?;
         if self.regions.is_empty() {
             return Err(ConfigError::new("regions", "must name at least one region"));
         }
@@ -1549,6 +1598,69 @@ fn non_negative(field: &str, v: f64) -> Result<(), ConfigError> {
             field,
             format!("{v} must be a finite number >= 0"),
         ))
+    }
+}
+
+impl Config {
+    fn validate_exchange(&self) -> Result<(), ConfigError> {
+        let x = &self.exchange;
+        if let Some(c) = &x.cluster {
+            if c.is_empty() || c.len() > 256 || c.bytes().any(|b| b.is_ascii_control()) {
+                return Err(ConfigError::new(
+                    "exchange.cluster",
+                    "must be a cluster name (1..=256 printable bytes)",
+                ));
+            }
+        }
+        if let Some(a) = &x.authority {
+            if a.is_empty() || a.len() > 256 || a.bytes().any(|b| b.is_ascii_control() || b == b' ')
+            {
+                return Err(ConfigError::new(
+                    "exchange.authority",
+                    "must be a host name (1..=256 printable bytes, no spaces)",
+                ));
+            }
+        }
+        if !x.path.starts_with('/')
+            || x.path.len() > 256
+            || x.path
+                .bytes()
+                .any(|b| !b.is_ascii_graphic() || b == b'?' || b == b'#')
+        {
+            return Err(ConfigError::new(
+                "exchange.path",
+                format!(
+                    "{:?} must be an absolute path without query (at most 256 bytes)",
+                    x.path
+                ),
+            ));
+        }
+        if let Some(ms) = x.interval_ms {
+            if !(50..=60_000).contains(&ms) {
+                return Err(ConfigError::new(
+                    "exchange.interval_ms",
+                    format!("{ms} must be within 50..=60000"),
+                ));
+            }
+        }
+        if !(1..=16).contains(&x.fanout) {
+            return Err(ConfigError::new(
+                "exchange.fanout",
+                format!("{} must be within 1..=16", x.fanout),
+            ));
+        }
+        if !(1024..=4 << 20).contains(&x.max_message_bytes) {
+            return Err(ConfigError::new(
+                "exchange.max_message_bytes",
+                format!("{} must be within 1024..=4194304", x.max_message_bytes),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The exchange's send period, ms.
+    pub fn exchange_interval_ms(&self) -> u64 {
+        u64::from(self.exchange.interval_ms.unwrap_or(self.probe.tick_ms))
     }
 }
 

@@ -179,6 +179,9 @@ pub struct Lookup {
     read: Vec<Option<(Vec<u8>, u32)>>,
     /// Shared-data calls made (reads and writes).
     pub calls: u32,
+    /// The first checkpoint the last `record` wrote (it wrote all from
+    /// there on).
+    pub written_from: usize,
 }
 
 impl Lookup {
@@ -395,6 +398,7 @@ impl Directory {
             refresh: vec![false; self.regions],
             read: vec![None; checkpoints.len()],
             calls: 0,
+            written_from: 0,
         };
         // First probe the first checkpoint: a region that does not hold it
         // holds nothing, so a cold prompt costs one read, and only the
@@ -510,6 +514,7 @@ impl Directory {
             Some(i) if !named => i,
             _ => held,
         };
+        lookup.written_from = start;
         let held_by_anyone = lookup.held.iter().copied().max().unwrap_or(0);
         // One buffer for every entry written: the layout, the hash, and each
         // region's stamp, edited in place.
@@ -556,6 +561,71 @@ impl Directory {
         }
         lookup.calls += calls;
         calls
+    }
+}
+
+impl Directory {
+    /// A peer Envoy's placement: `region` held each checkpoint in
+    /// `hashes` as of `stamp`, as part of a prompt ending at `end`. Per
+    /// checkpoint and region the newest stamp wins (so merging is
+    /// idempotent and order-free); a slot another prefix holds is taken
+    /// only by a newer stamp than any of its own. Returns the entries
+    /// changed.
+    pub fn merge(
+        &self,
+        store: &mut dyn SharedStore,
+        hashes: &[u64],
+        region: usize,
+        stamp: u64,
+        end: (u32, u64),
+    ) -> u32 {
+        if region >= self.regions || stamp == 0 {
+            return 0;
+        }
+        let mut changed = 0;
+        let mut buf: Vec<u8> = Vec::with_capacity(self.entry_len());
+        for &hash in hashes {
+            let key = self.slot_key(hash);
+            for _ in 0..2 {
+                let (value, cas) = match store.get(key.as_str()) {
+                    Ok(Some(v)) => v,
+                    Ok(None) => (Vec::new(), 0),
+                    Err(_) => break,
+                };
+                if self.entry_hash(&value) == Some(hash) {
+                    if Self::stamp(&value, region) >= stamp {
+                        break;
+                    }
+                    buf.clear();
+                    buf.extend_from_slice(&value);
+                } else {
+                    let newest = match self.entry_hash(&value) {
+                        Some(_) => (0..self.regions)
+                            .map(|r| Self::stamp(&value, r))
+                            .max()
+                            .unwrap_or(0),
+                        None => 0,
+                    };
+                    if newest >= stamp {
+                        break;
+                    }
+                    self.fresh_entry(&mut buf, hash);
+                }
+                // Stamps are Unix ms: the low 32 bits of the end hash are
+                // what an entry keeps.
+                Self::set_stamp(&mut buf, region, stamp, end);
+                let cas = (cas != 0).then_some(cas);
+                match store.set(key.as_str(), &buf, cas) {
+                    Ok(SetOutcome::CasMismatch) => continue,
+                    Ok(SetOutcome::Stored) => {
+                        changed += 1;
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            }
+        }
+        changed
     }
 }
 
@@ -1015,6 +1085,49 @@ mod tests {
         // Garbage in the shared value reads as an empty ring.
         store.set(INTAKE_KEY, &[1, 2, 3], None).unwrap();
         assert_eq!(RecentIntake::read(&mut store).0, RecentIntake::default());
+    }
+
+    #[test]
+    fn a_peers_placement_merges_newest_wins_in_any_order() {
+        let d = dir(2);
+        let p = prompt(&text(2000, 3));
+        let hashes: Vec<u64> = p.checkpoints.iter().map(|c| c.hash).collect();
+        let end = (p.blocks, p.last_block.unwrap_or(0));
+        let held = |s: &mut MemoryStore, now| d.lookup(s, &p.checkpoints, now).cached_blocks;
+        // In one order, repeated, and in the other: the same state.
+        let mut a = MemoryStore::default();
+        assert_eq!(d.merge(&mut a, &hashes, 1, 2_000, end), hashes.len() as u32);
+        assert_eq!(d.merge(&mut a, &hashes, 1, 1_000, end), 0, "older: nothing");
+        assert_eq!(
+            d.merge(&mut a, &hashes, 1, 2_000, end),
+            0,
+            "repeated: nothing"
+        );
+        let mut b = MemoryStore::default();
+        d.merge(&mut b, &hashes, 1, 1_000, end);
+        d.merge(&mut b, &hashes, 1, 2_000, end);
+        let mut va: Vec<_> = a.map.values().map(|(v, _)| v.clone()).collect();
+        let mut vb: Vec<_> = b.map.values().map(|(v, _)| v.clone()).collect();
+        va.sort();
+        vb.sort();
+        assert_eq!(va, vb);
+        assert_eq!(
+            held(&mut a, 3_000),
+            vec![0, p.checkpoints.last().unwrap().blocks]
+        );
+        // Out of range or unstamped: nothing; another region keeps its own.
+        assert_eq!(d.merge(&mut a, &hashes, 2, 5_000, end), 0);
+        assert_eq!(d.merge(&mut a, &hashes, 0, 0, end), 0);
+        d.merge(&mut a, &hashes, 0, 1_500, end);
+        let last = p.checkpoints.last().unwrap().blocks;
+        assert_eq!(held(&mut a, 3_000), vec![last, last]);
+        // A slot another prefix holds goes only to a newer stamp.
+        let one = Directory { slots: 1, ..d };
+        let q = prompt(&text(200, 9));
+        let mut c = MemoryStore::default();
+        one.merge(&mut c, &[q.checkpoints[0].hash], 0, 5_000, end);
+        assert_eq!(one.merge(&mut c, &[hashes[0]], 1, 4_000, end), 0);
+        assert_eq!(one.merge(&mut c, &[hashes[0]], 1, 6_000, end), 1);
     }
 
     #[test]

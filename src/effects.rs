@@ -74,6 +74,7 @@ pub trait ProbeHost: Effects {
         &mut self,
         cluster: &str,
         headers: &[(&str, &str)],
+        body: Option<&[u8]>,
         timeout_ms: u64,
     ) -> Result<u32, String>;
     /// The next message on a shared queue this root registered.
@@ -109,6 +110,8 @@ pub struct Recorder {
     pub response_chunk: Vec<u8>,
     /// Callouts dispatched: (token, cluster, path).
     pub callouts: Vec<(u32, String, String)>,
+    /// The bodies of the callouts that carried one: (token, body).
+    pub callout_bodies: Vec<(u32, Vec<u8>)>,
     pub next_token: u32,
     pub tick_ms: Option<u64>,
     /// Clusters whose callouts the host refuses (as Envoy does for an
@@ -258,12 +261,16 @@ impl ProbeHost for Recorder {
         &mut self,
         cluster: &str,
         headers: &[(&str, &str)],
+        body: Option<&[u8]>,
         _timeout_ms: u64,
     ) -> Result<u32, String> {
         if self.refuse_clusters.iter().any(|c| c == cluster) {
             return Err("BadArgument".into());
         }
         self.next_token += 1;
+        if let Some(b) = body {
+            self.callout_bodies.push((self.next_token, b.to_vec()));
+        }
         let path = headers
             .iter()
             .find(|(n, _)| *n == ":path")

@@ -90,6 +90,8 @@ pub struct Fleet {
     regions: Vec<Region>,
     ladder: Ladder,
     demand_rps: Option<f64>,
+    /// The other Envoys' demand (exchange), requests per second.
+    peer_demand_rps: f64,
     last_arrivals: Option<(u64, u64)>,
     version: u64,
     tuner: Tuner,
@@ -148,6 +150,7 @@ impl Fleet {
                 .collect(),
             ladder: Ladder::new(now_ms),
             demand_rps: None,
+            peer_demand_rps: 0.0,
             last_arrivals: None,
             version: 0,
             tuner: Tuner::new(&cfg.tuning),
@@ -392,6 +395,17 @@ impl Fleet {
         self.last_arrivals = Some((arrivals_total, now_ms));
     }
 
+    /// This Envoy's own arrival rate (EWMA), requests per second.
+    pub fn own_demand_rps(&self) -> f64 {
+        self.demand_rps.unwrap_or(0.0)
+    }
+
+    /// The other Envoys' demand as the exchange last told it: the ladder
+    /// compares the deployment's demand with the whole capacity.
+    pub fn set_peer_demand(&mut self, rps: f64) {
+        self.peer_demand_rps = if rps.is_finite() { rps.max(0.0) } else { 0.0 };
+    }
+
     /// A TTFT observation reported by a router.
     pub fn on_observation(&mut self, cfg: &Config, o: Observation) {
         if cfg.tuning.enabled && usize::from(o.region) < cfg.regions.len() {
@@ -461,7 +475,7 @@ impl Fleet {
                 c.capacity_rps * Self::ramp(cfg, r, now_ms) * kv
             })
             .sum();
-        let demand = self.demand_rps.unwrap_or(0.0) + self.queue_growth_rps;
+        let demand = self.demand_rps.unwrap_or(0.0) + self.peer_demand_rps + self.queue_growth_rps;
         // Below a hundredth of a request per second there is no demand to
         // speak of; the ratio is then "plenty" and the ladder recovers.
         let ratio = (demand > 0.01).then(|| capacity / demand);

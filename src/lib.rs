@@ -15,6 +15,7 @@ pub mod context;
 pub mod cost;
 pub mod directory;
 pub mod effects;
+pub mod exchange;
 pub mod fleet;
 pub mod guard;
 pub mod ladder;

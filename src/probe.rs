@@ -21,6 +21,7 @@ use crate::calibration::Verdict;
 use crate::config::{Config, LoadSource, ProbeConfig, ReleaseSource};
 use crate::context::parse_model_limit;
 use crate::effects::{CalloutResponse, Level, ProbeHost};
+use crate::exchange::{self, Apply, Body, Exchange, Load, Message};
 use crate::fleet::{Fleet, HealthChange};
 use crate::metrics::{parse_engine_metrics, CacheCapacity, EngineKind};
 use crate::protocol::{
@@ -30,6 +31,52 @@ use crate::snapshot::Snapshot;
 use crate::store::SetOutcome;
 use crate::tuning::Observation;
 use crate::usage::UsageReport;
+
+/// Applies a peer's news to this Envoy's shared data and calibration.
+struct Applier<'a> {
+    host: &'a mut dyn ProbeHost,
+    stores: &'a crate::route::Router,
+    cfg: &'a Config,
+    usage: Vec<UsageReport>,
+}
+
+impl Apply for Applier<'_> {
+    fn apply(&mut self, _origin: u64, body: &Body) {
+        match body {
+            Body::Placement {
+                region,
+                stamp,
+                blocks,
+                tag,
+                hashes,
+            } => {
+                self.stores.dir.merge(
+                    &mut *self.host,
+                    hashes,
+                    usize::from(*region),
+                    *stamp,
+                    (*blocks, u64::from(*tag)),
+                );
+            }
+            Body::Response {
+                region,
+                at_ms,
+                hash,
+            } => {
+                if let Some(r) = self.cfg.regions.get(usize::from(*region)) {
+                    self.stores
+                        .responses
+                        .merge(&mut *self.host, *hash, &r.name, *at_ms);
+                }
+            }
+            Body::Usage(b) => {
+                if let Some(r) = UsageReport::decode(b) {
+                    self.usage.push(r);
+                }
+            }
+        }
+    }
+}
 
 /// `ladder.capacity_ratio_pct` is capped at 100x (10000 %).
 const RATIO_PCT_CAP: u64 = 10_000;
@@ -56,6 +103,8 @@ enum Kind {
     Models,
     /// The `prometheus` load source's query, for every region using it.
     Prometheus,
+    /// A message to a peer Envoy.
+    Exchange,
 }
 
 /// Token-less region index of the Prometheus query in `pending`.
@@ -105,6 +154,13 @@ pub struct Probe {
     /// Per region using the `prometheus` source: (time, this Envoy's
     /// in-flight requests) at each tick, oldest first.
     inflight_history: Vec<std::collections::VecDeque<(u64, f64)>>,
+    /// The exchange with the deployment's other Envoys, when configured.
+    exchange: Option<Exchange>,
+    /// When the last exchange message went out.
+    exchange_sent_ms: Option<u64>,
+    /// The directory and response map the exchange merges into.
+    stores: crate::route::Router,
+    exchange_warned: bool,
 }
 
 /// The next tick period and count of calm rounds: `probe.busy_tick_ms` as
@@ -135,6 +191,7 @@ impl Probe {
     /// `owner` names this root context in the lease (unique per process).
     pub fn new(cfg: Rc<Config>, owner: String, now_ms: u64) -> Probe {
         let n = cfg.regions.len();
+        let owner_bytes = owner.clone();
         Probe {
             fleet: Fleet::new(&cfg, now_ms),
             owner,
@@ -154,13 +211,27 @@ impl Probe {
                 .map(|q| crate::promql::query_path(&cfg, &q)),
             prom_warned: false,
             inflight_history: vec![std::collections::VecDeque::new(); n],
+            exchange: cfg.exchange.enabled().then(|| {
+                let origin = xxhash_rust::xxh3::xxh3_64(owner_bytes.as_bytes());
+                Exchange::new(&cfg, origin)
+            }),
+            exchange_sent_ms: None,
+            stores: crate::route::Router::new(&cfg),
+            exchange_warned: false,
             cfg,
         }
     }
 
+    /// This Envoy's id in the exchange (0 without one).
+    pub fn origin(&self) -> u64 {
+        self.exchange.as_ref().map_or(0, |x| x.origin)
+    }
+
     /// Whether the routers' observation queue is needed (tuning on).
     pub fn wants_observations(&self) -> bool {
-        self.cfg.tuning.enabled || self.cfg.directory.learn_from_usage
+        self.cfg.tuning.enabled
+            || self.cfg.directory.learn_from_usage
+            || self.cfg.exchange.enabled()
     }
 
     /// Arm the first tick; false (configuration refused) when the host
@@ -243,6 +314,7 @@ impl Probe {
             self.fleet.on_arrivals(&self.cfg, arrivals, now);
         }
         self.drain_observations(host);
+        self.send_exchange(host, now);
         if full {
             self.read_upstream_results(host);
         }
@@ -279,7 +351,7 @@ impl Probe {
                     ("user-agent", "llm-geo-router-probe"),
                 ];
                 host.count(Stat::Global(Global::ProbeCallouts), 1);
-                match host.dispatch(&r.cluster, &headers, timeout_ms) {
+                match host.dispatch(&r.cluster, &headers, None, timeout_ms) {
                     Ok(token) => {
                         self.pending.insert(token, (i, kind, now));
                         if let Some(w) = self.dispatch_warned.get_mut(i) {
@@ -359,6 +431,23 @@ impl Probe {
             Kind::Metrics => self.metrics(host, region, status, response, now),
             Kind::Models => self.models(host, region, status, response, now),
             Kind::Prometheus => self.prometheus(host, status, response, now),
+            Kind::Exchange => {
+                if !ok {
+                    host.count(Stat::Global(Global::ExchangeSendFailed), 1);
+                    if !std::mem::replace(&mut self.exchange_warned, true) {
+                        host.log(
+                            Level::Warn,
+                            &format!(
+                                "llm-geo-router probe: exchange: a message to cluster {:?} failed (status {}); the peers it did not reach learn this Envoy's news from others, or later",
+                                self.cfg.exchange.cluster.as_deref().unwrap_or(""),
+                                status.map_or("none (no response)".to_string(), |s| s.to_string())
+                            ),
+                        );
+                    }
+                } else {
+                    self.exchange_warned = false;
+                }
+            }
         }
     }
 
@@ -372,7 +461,8 @@ impl Probe {
             if r.load_source != LoadSource::Prometheus {
                 continue;
             }
-            let inflight = host.stat(Stat::Region(i, RegionStat::RqActive)) as f64;
+            let inflight = host.stat(Stat::Region(i, RegionStat::RqActive)) as f64
+                + self.peer_inflight(host, i);
             if let Some(h) = self.inflight_history.get_mut(i) {
                 if h.len() >= INFLIGHT_HISTORY {
                     h.pop_front();
@@ -418,7 +508,7 @@ impl Probe {
         ];
         host.count(Stat::Global(Global::ProbeCallouts), 1);
         let timeout = u64::from(self.cfg.probe.timeout_ms);
-        match host.dispatch(cluster, &headers, timeout) {
+        match host.dispatch(cluster, &headers, None, timeout) {
             Ok(token) => {
                 self.pending
                     .insert(token, (ALL_REGIONS, Kind::Prometheus, now));
@@ -618,7 +708,8 @@ impl Probe {
                 status.map_or("none (no response)".to_string(), |s| s.to_string())
             )),
         };
-        let inflight = host.stat(Stat::Region(region, RegionStat::RqActive)) as f64;
+        let inflight = host.stat(Stat::Region(region, RegionStat::RqActive)) as f64
+            + self.peer_inflight(host, region);
         match parsed {
             Ok(sample) => {
                 if let Some(w) = self.metrics_warned.get_mut(region) {
@@ -758,6 +849,23 @@ impl Probe {
             let Some(bytes) = host.dequeue(OBSERVATIONS_QUEUE) else {
                 break;
             };
+            match bytes.first() {
+                Some(&exchange::NOTE_TAG) => {
+                    let regions = self.cfg.regions.len();
+                    if let (Some(x), Some(body)) = (
+                        self.exchange.as_mut(),
+                        exchange::decode_note(&bytes, regions),
+                    ) {
+                        x.note(body);
+                    }
+                    continue;
+                }
+                Some(&exchange::PEER_TAG) => {
+                    self.merge_peer(host, bytes.get(1..).unwrap_or_default());
+                    continue;
+                }
+                _ => {}
+            }
             if let Some(o) = Observation::decode(&bytes) {
                 self.fleet.on_observation(&self.cfg, o);
                 host.count(Stat::Global(Global::TuningObservations), 1);
@@ -769,6 +877,184 @@ impl Probe {
                 let region = usize::from(r.region);
                 if let Some(Verdict::Refuted) = self.fleet.on_usage(&r) {
                     host.count(Stat::Region(region, RegionStat::CacheBeliefRefuted), 1);
+                }
+                if let Some(x) = self.exchange.as_mut() {
+                    x.note(Body::Usage(bytes));
+                }
+            }
+        }
+    }
+
+    /// How long a peer's load counts after its last message: three send
+    /// periods and a callout timeout (a peer that stopped sending costs
+    /// only its own contribution, and only until then).
+    fn peer_fresh_ms(&self) -> u64 {
+        3 * self.cfg.exchange_interval_ms() + u64::from(self.cfg.probe.timeout_ms)
+    }
+
+    /// The other Envoys' requests in flight to `region` (their latest
+    /// messages), also set as the region's `peer_rq_active` gauge.
+    fn peer_inflight(&self, host: &mut dyn ProbeHost, region: usize) -> f64 {
+        let Some(x) = &self.exchange else {
+            return 0.0;
+        };
+        let now = host.now_ms();
+        x.peer_inflight(now, self.peer_fresh_ms())
+            .get(region)
+            .copied()
+            .unwrap_or(0.0)
+    }
+
+    /// A peer's message, as this Envoy's exchange filter queued it (it
+    /// checked it whole; it is checked again here, as the queue is shared
+    /// data any root could write).
+    fn merge_peer(&mut self, host: &mut dyn ProbeHost, bytes: &[u8]) {
+        let now = host.now_ms();
+        let fresh = self.peer_fresh_ms();
+        let regions = self.cfg.regions.len();
+        let max = self.cfg.exchange.max_message_bytes as usize;
+        let Some(x) = self.exchange.as_mut() else {
+            return;
+        };
+        let msg = match Message::decode(bytes, x.layout(), regions, max) {
+            Ok(m) => m,
+            Err(e) => {
+                host.count(Stat::Global(Global::ExchangeRefused), 1);
+                host.log(
+                    Level::Warn,
+                    &format!("llm-geo-router probe: exchange: a queued message refused: {e}"),
+                );
+                return;
+            }
+        };
+        let sent_ms = msg.sent_ms;
+        let mut apply = Applier {
+            host: &mut *host,
+            stores: &self.stores,
+            cfg: &self.cfg,
+            usage: Vec::new(),
+        };
+        let merged = x.merge(msg, now, &mut apply);
+        let usage = std::mem::take(&mut apply.usage);
+        if merged.own {
+            return;
+        }
+        host.count(Stat::Global(Global::ExchangeReceived), 1);
+        host.count(Stat::Global(Global::ExchangeMerged), merged.fresh as i64);
+        host.count(
+            Stat::Global(Global::ExchangeDuplicate),
+            merged.duplicate as i64,
+        );
+        host.set_gauge(
+            Stat::Global(Global::ExchangeLagMs),
+            now.saturating_sub(sent_ms),
+        );
+        if self.cfg.directory.learn_from_usage {
+            for r in usage {
+                let region = usize::from(r.region);
+                if let Some(Verdict::Refuted) = self.fleet.on_usage(&r) {
+                    host.count(Stat::Region(region, RegionStat::CacheBeliefRefuted), 1);
+                }
+            }
+        }
+        let inflight = x.peer_inflight(now, fresh);
+        for (i, v) in inflight.iter().enumerate() {
+            host.set_gauge(Stat::Region(i, RegionStat::PeerRqActive), v.round() as u64);
+        }
+        self.fleet.set_peer_demand(x.peer_demand(now, fresh));
+        host.set_gauge(
+            Stat::Global(Global::ExchangePeers),
+            x.live_peers(now, fresh) as u64,
+        );
+    }
+
+    /// Every `exchange.interval_ms`: the outbox and this Envoy's load, to
+    /// `exchange.fanout` peers.
+    fn send_exchange(&mut self, host: &mut dyn ProbeHost, now: u64) {
+        let interval = self.cfg.exchange_interval_ms();
+        let fast = u64::from(self.cfg.probe.busy_tick_ms());
+        if self.exchange.is_none()
+            || self
+                .exchange_sent_ms
+                .is_some_and(|t| now.saturating_sub(t) + fast / 2 < interval)
+        {
+            return;
+        }
+        let fresh = self.peer_fresh_ms();
+        let inflight = (0..self.cfg.regions.len())
+            .map(|i| {
+                let v = host.stat(Stat::Region(i, RegionStat::RqActive));
+                u32::try_from(v).unwrap_or(u32::MAX)
+            })
+            .collect();
+        let own = Load {
+            taken_ms: now,
+            demand_rps: self.fleet.own_demand_rps() as f32,
+            inflight,
+        };
+        let Some(x) = self.exchange.as_mut() else {
+            return;
+        };
+        // Peers gone quiet stop counting at once, not at their next message.
+        for (i, v) in x.peer_inflight(now, fresh).iter().enumerate() {
+            host.set_gauge(Stat::Region(i, RegionStat::PeerRqActive), v.round() as u64);
+        }
+        self.fleet.set_peer_demand(x.peer_demand(now, fresh));
+        host.set_gauge(
+            Stat::Global(Global::ExchangePeers),
+            x.live_peers(now, fresh) as u64,
+        );
+        let dropped = std::mem::take(&mut x.dropped);
+        if dropped > 0 {
+            host.count(Stat::Global(Global::ExchangeDropped), dropped as i64);
+        }
+        let body = x.take_message(own, now);
+        self.exchange_sent_ms = Some(now);
+        let Some(cluster) = self.cfg.exchange.cluster.clone() else {
+            return;
+        };
+        let authority = self
+            .cfg
+            .exchange
+            .authority
+            .clone()
+            .unwrap_or_else(|| cluster.clone());
+        let length = body.len().to_string();
+        let headers = [
+            (":method", "POST"),
+            (":path", self.cfg.exchange.path.as_str()),
+            (":authority", authority.as_str()),
+            ("content-type", "application/octet-stream"),
+            ("content-length", length.as_str()),
+            ("user-agent", "llm-geo-router-exchange"),
+        ];
+        let timeout = u64::from(self.cfg.probe.timeout_ms);
+        // A callout answered after two timeouts is forgotten: at most
+        // `fanout` of them per interval are out.
+        let out = self
+            .pending
+            .values()
+            .filter(|(_, k, _)| *k == Kind::Exchange)
+            .count();
+        for _ in out..self.cfg.exchange.fanout as usize {
+            match host.dispatch(&cluster, &headers, Some(&body), timeout) {
+                Ok(token) => {
+                    self.pending
+                        .insert(token, (ALL_REGIONS, Kind::Exchange, now));
+                    host.count(Stat::Global(Global::ExchangeSent), 1);
+                    host.count(Stat::Global(Global::ExchangeBytesSent), body.len() as i64);
+                }
+                Err(status) => {
+                    host.count(Stat::Global(Global::ExchangeSendFailed), 1);
+                    if !std::mem::replace(&mut self.exchange_warned, true) {
+                        host.log(
+                            Level::Warn,
+                            &format!(
+                                "llm-geo-router probe: exchange: callout to cluster {cluster:?} refused by the host ({status}); is the cluster defined?"
+                            ),
+                        );
+                    }
+                    break;
                 }
             }
         }

@@ -93,10 +93,20 @@ pub enum Global {
     RouterResponsesRecorded,
     RouterResponseUnknown,
     RouterResponseHolderUnavailable,
+    ExchangeSent,
+    ExchangeSendFailed,
+    ExchangeBytesSent,
+    ExchangeReceived,
+    ExchangeRefused,
+    ExchangeMerged,
+    ExchangeDuplicate,
+    ExchangeDropped,
+    ExchangePeers,
+    ExchangeLagMs,
 }
 
 impl Global {
-    pub const ALL: [Global; 29] = [
+    pub const ALL: [Global; 39] = [
         Global::Arrivals,
         Global::GuardLevel,
         Global::GuardInvalidRequest,
@@ -126,6 +136,16 @@ impl Global {
         Global::RouterResponsesRecorded,
         Global::RouterResponseUnknown,
         Global::RouterResponseHolderUnavailable,
+        Global::ExchangeSent,
+        Global::ExchangeSendFailed,
+        Global::ExchangeBytesSent,
+        Global::ExchangeReceived,
+        Global::ExchangeRefused,
+        Global::ExchangeMerged,
+        Global::ExchangeDuplicate,
+        Global::ExchangeDropped,
+        Global::ExchangePeers,
+        Global::ExchangeLagMs,
     ];
 
     fn spec(self) -> (&'static str, StatKind) {
@@ -162,6 +182,16 @@ impl Global {
             Global::RouterResponseHolderUnavailable => {
                 ("router.response_holder_unavailable", Counter)
             }
+            Global::ExchangeSent => ("exchange.sent", Counter),
+            Global::ExchangeSendFailed => ("exchange.send_failed", Counter),
+            Global::ExchangeBytesSent => ("exchange.bytes_sent", Counter),
+            Global::ExchangeReceived => ("exchange.received", Counter),
+            Global::ExchangeRefused => ("exchange.refused", Counter),
+            Global::ExchangeMerged => ("exchange.merged", Counter),
+            Global::ExchangeDuplicate => ("exchange.duplicate", Counter),
+            Global::ExchangeDropped => ("exchange.dropped", Counter),
+            Global::ExchangePeers => ("exchange.peers", Gauge),
+            Global::ExchangeLagMs => ("exchange.lag_ms", Gauge),
         }
     }
 }
@@ -194,10 +224,13 @@ pub enum RegionStat {
     Replicas,
     CacheCapacityTokens,
     CacheCapacityRejected,
+    /// Requests in flight to the region from the other Envoys of the
+    /// deployment, as their last exchange messages said.
+    PeerRqActive,
 }
 
 impl RegionStat {
-    pub const ALL: [RegionStat; 23] = [
+    pub const ALL: [RegionStat; 24] = [
         RegionStat::RqTotal,
         RegionStat::RqActive,
         RegionStat::FallbackRqTotal,
@@ -221,6 +254,7 @@ impl RegionStat {
         RegionStat::Replicas,
         RegionStat::CacheCapacityTokens,
         RegionStat::CacheCapacityRejected,
+        RegionStat::PeerRqActive,
     ];
 
     fn spec(self) -> (&'static str, StatKind) {
@@ -249,6 +283,7 @@ impl RegionStat {
             RegionStat::ModelsReadFailure => ("models_read_failure", Counter),
             RegionStat::CacheCapacityTokens => ("kv_capacity_tokens", Gauge),
             RegionStat::CacheCapacityRejected => ("kv_capacity_rejected", Counter),
+            RegionStat::PeerRqActive => ("peer_rq_active", Gauge),
         }
     }
 }

@@ -128,9 +128,35 @@ impl ResponseMap {
         String::from_utf8(value.get(HEADER..)?.to_vec()).ok()
     }
 
+    /// The hash a response id is kept under (what the exchange carries).
+    pub fn id_hash(&self, id: &str) -> u64 {
+        self.hash(id)
+    }
+
     /// Record that `region` stored response `id`.
     pub fn record(&self, store: &mut dyn SharedStore, id: &str, region: &str, now_ms: u64) {
-        let hash = self.hash(id);
+        self.write(store, self.hash(id), region, now_ms);
+    }
+
+    /// A peer Envoy's record: kept unless the slot holds a newer one.
+    /// True when it changed the map.
+    pub fn merge(&self, store: &mut dyn SharedStore, hash: u64, region: &str, at_ms: u64) -> bool {
+        let current = store.get(self.key(hash).as_str()).ok().flatten();
+        let newer_held = current.is_some_and(|(v, _)| {
+            let at = v
+                .get(8..HEADER)
+                .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                .map_or(0, u64::from_le_bytes);
+            at >= at_ms
+        });
+        if newer_held {
+            return false;
+        }
+        self.write(store, hash, region, at_ms);
+        true
+    }
+
+    fn write(&self, store: &mut dyn SharedStore, hash: u64, region: &str, now_ms: u64) {
         let mut value = Vec::with_capacity(HEADER + region.len());
         value.extend_from_slice(&hash.to_le_bytes());
         value.extend_from_slice(&now_ms.to_le_bytes());

@@ -121,6 +121,8 @@ pub struct Learning {
     intake_noted: bool,
     /// Restamped at the answer's end already (`Router::finish`).
     finished: bool,
+    /// When `finish` restamped the chain.
+    finished_ms: u64,
 }
 
 impl Learning {
@@ -566,6 +568,7 @@ impl Router {
             modelled,
             intake_noted: false,
             finished: false,
+            finished_ms: 0,
         });
         Ok(Routed {
             decision,
@@ -634,6 +637,7 @@ impl Router {
             return 0;
         }
         learning.lookup.refresh_all(served);
+        learning.finished_ms = now_ms;
         self.dir.record(
             store,
             &mut learning.lookup,
@@ -642,6 +646,37 @@ impl Router {
             now_ms,
             learning.prefix,
         )
+    }
+
+    /// What the last `learn` or `finish` wrote, as news for the other
+    /// Envoys of the deployment (`exchange`): the checkpoints written,
+    /// their stamp and the prompt's end. `None` when nothing was written.
+    pub fn placement_note(&self, learning: &Learning, served: usize) -> Option<Vec<u8>> {
+        let from = learning.lookup.written_from;
+        let hashes: Vec<u64> = learning
+            .checkpoints
+            .get(from..)?
+            .iter()
+            .take(crate::exchange::MAX_HASHES)
+            .map(|c| c.hash)
+            .collect();
+        let stamp = if learning.finished {
+            learning.finished_ms
+        } else {
+            learning.served_ms
+        };
+        if hashes.is_empty() || stamp == 0 {
+            return None;
+        }
+        Some(crate::exchange::encode_note(
+            &crate::exchange::Body::Placement {
+                region: u16::try_from(served).ok()?,
+                stamp,
+                blocks: learning.prefix.0,
+                tag: learning.prefix.1 as u32,
+                hashes,
+            },
+        ))
     }
 
     /// This Envoy's prefill of the prompt at `served` (recorded by

@@ -48,8 +48,14 @@ impl RouterShared {
         host: &mut dyn StreamHost,
     ) -> (std::cell::RefMut<'_, Vec<f64>>, Option<String>) {
         let mut inflight = self.inflight.borrow_mut();
+        let peers = self.cfg.exchange.enabled();
         for (i, v) in inflight.iter_mut().enumerate() {
             *v = host.stat(Stat::Region(i, RegionStat::RqActive)) as f64;
+            // The deployment's other Envoys' requests, as their last
+            // exchange messages said (the probe keeps the gauge).
+            if peers {
+                *v += host.stat(Stat::Region(i, RegionStat::PeerRqActive)) as f64;
+            }
         }
         let residency = self
             .cfg
@@ -459,6 +465,16 @@ impl RouterStream {
             if let Some(r) = shared.cfg.regions.get(region) {
                 let now = host.now_ms();
                 shared.router.responses.record(host, &id, &r.name, now);
+                if shared.cfg.exchange.enabled() {
+                    if let Ok(region) = u16::try_from(region) {
+                        let note = crate::exchange::encode_note(&crate::exchange::Body::Response {
+                            region,
+                            at_ms: now,
+                            hash: shared.router.responses.id_hash(&id),
+                        });
+                        host.enqueue(OBSERVATIONS_QUEUE, &note);
+                    }
+                }
                 host.count(Stat::Global(Global::RouterResponsesRecorded), 1);
             }
             self.head = None;
@@ -520,7 +536,12 @@ impl RouterStream {
             self.served,
             self.decided.as_mut().and_then(|d| d.learning.as_mut()),
         ) {
-            shared.router.learn(host, learning, served, now);
+            if shared.router.learn(host, learning, served, now) > 0 && shared.cfg.exchange.enabled()
+            {
+                if let Some(note) = shared.router.placement_note(learning, served) {
+                    host.enqueue(OBSERVATIONS_QUEUE, &note);
+                }
+            }
             if self.tail.is_none() {
                 // No usage to wait for: the prefill as believed.
                 shared.router.note_intake(host, learning, served, None);
@@ -549,7 +570,13 @@ impl RouterStream {
             self.decided.as_mut().and_then(|d| d.learning.as_mut()),
         ) {
             let now = host.now_ms();
-            shared.router.finish(host, learning, served, now);
+            if shared.router.finish(host, learning, served, now) > 0
+                && shared.cfg.exchange.enabled()
+            {
+                if let Some(note) = shared.router.placement_note(learning, served) {
+                    host.enqueue(OBSERVATIONS_QUEUE, &note);
+                }
+            }
         }
         let Some(region) = self.routed.take() else {
             return;

@@ -251,6 +251,58 @@ def static_cluster(name: str, port: int) -> dict:
     }
 
 
+# The Envoy cluster of the deployment's exchange listeners (the plugin's
+# `exchange.cluster`), and the listener each Envoy answers peers on.
+PEERS_CLUSTER = "llm_geo_router_peers"
+EXCHANGE_LISTENER = "llm_exchange"
+
+
+def exchange_edit(peer_ports: list[int]):
+    """An `envoy_edit` for Fleet.start that makes its Envoys one deployment
+    sharing what they learn: the i-th Envoy started gets a listener on
+    peer_ports[i] whose only filter is the plugin's `exchange` root (every
+    other request gets 404), and every Envoy a ROUND_ROBIN cluster
+    PEERS_CLUSTER of all of them (itself included, as a headless Service
+    would list it). The plugin config needs {"exchange": {"cluster":
+    PEERS_CLUSTER}}."""
+    count = iter(range(len(peer_ports)))
+
+    def edit(cfg: dict) -> None:
+        i = next(count)
+        router = next(c for c in wasm_plugins(cfg) if c.get("root_id") == "router")
+        exchange = copy.deepcopy(router)
+        exchange["name"] = "llm_geo_router_exchange"
+        exchange["root_id"] = "exchange"
+        cfg["static_resources"]["listeners"].append({
+            "name": EXCHANGE_LISTENER,
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": peer_ports[i]}},
+            "filter_chains": [{"filters": [{
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                    "stat_prefix": EXCHANGE_LISTENER,
+                    "route_config": {"virtual_hosts": [{
+                        "name": "peers", "domains": ["*"],
+                        "routes": [{"match": {"prefix": "/"}, "direct_response": {"status": 404}}]}]},
+                    "http_filters": [
+                        {"name": "llm_geo_router_exchange", "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                            "config": exchange}},
+                        {"name": "envoy.filters.http.router", "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
+                    ],
+                }}]}],
+        })
+        peers = static_cluster(PEERS_CLUSTER, peer_ports[0])
+        peers["lb_policy"] = "ROUND_ROBIN"
+        peers["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
+            for p in peer_ports]
+        cfg["static_resources"]["clusters"].append(peers)
+
+    return edit
+
+
 def render_config(engines: dict[str, Engine | list[Engine]] | None, admin_port: int, port: int,
                   overrides: dict | None = None, base: Path = DEMO_CONFIG,
                   prometheus_port: int | None = None) -> dict:

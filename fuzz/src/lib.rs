@@ -17,7 +17,7 @@ use llm_geo_router::route::{RouteInputs, Router};
 use llm_geo_router::session::Sessions;
 use llm_geo_router::snapshot::Snapshot;
 use llm_geo_router::store::{SetOutcome, SharedStore};
-use llm_geo_router::{guard, ladder};
+use llm_geo_router::{exchange, guard, ladder};
 
 /// The plugin configuration of `envoy/envoy.yaml` (the demo).
 pub const DEMO_CONFIG: &str = include_str!("../corpus/config/envoy-demo.json");
@@ -632,6 +632,61 @@ pub fn shared_records(data: &[u8]) {
             assert_eq!(routed.decision.costs.len(), n);
         }
         Err(e) => panic!("a valid body was refused: {e:?}"),
+    }
+
+    // A peer's exchange message from the same bytes (garbage, mostly): a
+    // refusal or a message that re-encodes to the very bytes, then merged
+    // into the directory over shared data read from the input.
+    let layout = exchange::layout(&cfg);
+    let max = cfg.exchange.max_message_bytes as usize;
+    let mut framed = b"LGRX\x01\x00".to_vec();
+    framed.extend_from_slice(&layout.to_le_bytes());
+    framed.extend_from_slice(rest);
+    for bytes in [rest, &framed[..]] {
+        if let Ok(m) = exchange::Message::decode(bytes, layout, n, max) {
+            assert_eq!(m.encode(layout, n), bytes);
+            struct Into<'a> {
+                dir: Directory,
+                store: ScriptedStore<'a>,
+            }
+            impl exchange::Apply for Into<'_> {
+                fn apply(&mut self, _origin: u64, body: &exchange::Body) {
+                    if let exchange::Body::Placement {
+                        region,
+                        stamp,
+                        blocks,
+                        tag,
+                        hashes,
+                    } = body
+                    {
+                        let changed = self.dir.merge(
+                            &mut self.store,
+                            hashes,
+                            usize::from(*region),
+                            *stamp,
+                            (*blocks, u64::from(*tag)),
+                        );
+                        assert!(changed as usize <= hashes.len());
+                    }
+                }
+            }
+            let mut x = exchange::Exchange::new(&cfg, 1);
+            let mut into = Into {
+                dir,
+                store: ScriptedStore::new(rest),
+            };
+            let _ = x.merge(m, now, &mut into);
+            let out = x.take_message(
+                exchange::Load {
+                    taken_ms: now,
+                    demand_rps: 0.0,
+                    inflight: vec![0; n],
+                },
+                now,
+            );
+            assert!(out.len() <= max);
+            assert!(exchange::Message::decode(&out, layout, n, max).is_ok());
+        }
     }
 }
 

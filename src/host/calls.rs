@@ -118,8 +118,13 @@ pub fn clear_route_cache() {
     let _ = hostcalls::call_foreign_function("clear_route_cache", None);
 }
 
-pub fn dispatch(cluster: &str, headers: &[(&str, &str)], timeout: Duration) -> Result<u32, String> {
-    hostcalls::dispatch_http_call(cluster, headers.to_vec(), None, vec![], timeout)
+pub fn dispatch(
+    cluster: &str,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+    timeout: Duration,
+) -> Result<u32, String> {
+    hostcalls::dispatch_http_call(cluster, headers.to_vec(), body, vec![], timeout)
         .map_err(|s| format!("{s:?}"))
 }
 

@@ -159,9 +159,10 @@ impl ProbeHost for Host<'_> {
         &mut self,
         cluster: &str,
         headers: &[(&str, &str)],
+        body: Option<&[u8]>,
         timeout_ms: u64,
     ) -> Result<u32, String> {
-        calls::dispatch(cluster, headers, Duration::from_millis(timeout_ms))
+        calls::dispatch(cluster, headers, body, Duration::from_millis(timeout_ms))
     }
     fn dequeue(&mut self, _queue: &str) -> Option<Vec<u8>> {
         calls::dequeue(self.queue?.id.get()?)

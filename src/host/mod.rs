@@ -1,6 +1,7 @@
 //! The host layer: the only code that talks to `proxy_wasm`. One module, one
-//! `vm_id`, three root ids: `probe` (bootstrap singleton service), `guard` and
-//! `router` (HTTP filters). Each callback is handed to the core's state
+//! `vm_id`, four root ids: `probe` (bootstrap singleton service), `guard`,
+//! `router` (HTTP filters on the client listener) and `exchange` (HTTP
+//! filter on the peers' listener). Each callback is handed to the core's state
 //! machine ([`crate::guard::GuardStream`], [`crate::router::RouterStream`],
 //! [`crate::probe::Probe`]) with a [`effects::Host`] that carries out what
 //! it asks; this layer decides nothing itself.
@@ -17,6 +18,7 @@ use proxy_wasm::types::{Action, ContextType, LogLevel};
 use crate::bodywait::{self, BodyWait};
 use crate::config::{BodyWaitAction, BodyWaitConfig, Config};
 use crate::effects::Effects;
+use crate::exchange::ExchangeStream;
 use crate::guard::{Guard, GuardStream};
 use crate::probe::Probe;
 use crate::protocol::{Global, Stat, OBSERVATIONS_QUEUE};
@@ -46,6 +48,7 @@ enum Role {
     Probe,
     Guard,
     Router,
+    Exchange,
 }
 
 struct GuardRoot {
@@ -64,6 +67,12 @@ struct RouterRoot {
     waits: RefCell<BodyWait>,
 }
 
+struct ExchangeRoot {
+    cfg: Rc<Config>,
+    stats: Stats,
+    queue: Queue,
+}
+
 struct ProbeRoot {
     probe: Probe,
     stats: Stats,
@@ -75,6 +84,7 @@ enum State {
     Probe(Box<ProbeRoot>),
     Guard(Rc<GuardRoot>),
     Router(Rc<RouterRoot>),
+    Exchange(Rc<ExchangeRoot>),
 }
 
 struct Root {
@@ -98,6 +108,7 @@ impl Root {
                 Some(b"probe") => Some(Role::Probe),
                 Some(b"guard") => Some(Role::Guard),
                 Some(b"router") => Some(Role::Router),
+                Some(b"exchange") => Some(Role::Exchange),
                 _ => None,
             };
         }
@@ -133,7 +144,7 @@ impl RootContext for Root {
                 .map(|b| String::from_utf8_lossy(&b).into_owned());
             log(
                 LogLevel::Error,
-                &format!("llm-geo-router: root_id {id:?} is not one of \"probe\", \"guard\", \"router\"; configuration refused"),
+                &format!("llm-geo-router: root_id {id:?} is not one of \"probe\", \"guard\", \"router\", \"exchange\"; configuration refused"),
             );
             return false;
         };
@@ -158,8 +169,15 @@ impl RootContext for Root {
         self.state = match role {
             Role::Probe => {
                 let now = calls::now_ms();
+                // The owner names this root context in the lease and, hashed,
+                // this Envoy in the exchange: unique across the deployment's
+                // processes (node id, start time in ns).
+                let node = calls::property(&["node", "id"])
+                    .map(|b| String::from_utf8_lossy(&b).into_owned())
+                    .unwrap_or_default();
+                let owner = format!("{}-{}-{node}", self.context_id, calls::now_ns());
                 let mut root = ProbeRoot {
-                    probe: Probe::new(config, format!("{}-{now}", self.context_id), now),
+                    probe: Probe::new(config, owner, now),
                     stats,
                     queue: Queue {
                         vm_id,
@@ -205,6 +223,23 @@ impl RootContext for Root {
                     waits: RefCell::new(BodyWait::new()),
                 }))
             }
+            Role::Exchange => {
+                if !config.exchange.enabled() {
+                    log(
+                        LogLevel::Error,
+                        "llm-geo-router exchange: the configuration has no exchange.cluster; configuration refused",
+                    );
+                    return false;
+                }
+                State::Exchange(Rc::new(ExchangeRoot {
+                    cfg: config,
+                    stats,
+                    queue: Queue {
+                        vm_id,
+                        ..Queue::default()
+                    },
+                }))
+            }
         };
         log(
             LogLevel::Info,
@@ -240,7 +275,7 @@ impl RootContext for Root {
                 Global::GuardBodyWaitTimeout,
                 self.context_id,
             ),
-            State::Unconfigured => {}
+            State::Exchange(_) | State::Unconfigured => {}
         }
     }
 
@@ -265,6 +300,10 @@ impl RootContext for Root {
                 root: r.clone(),
                 stream: RouterStream::new(),
             }),
+            State::Exchange(x) => Box::new(ExchangeFilter {
+                root: x.clone(),
+                stream: ExchangeStream::new(),
+            }),
             State::Unconfigured | State::Probe(_) => Box::new(PassThrough),
         })
     }
@@ -275,6 +314,7 @@ fn role_name(role: Role) -> &'static str {
         Role::Probe => "probe",
         Role::Guard => "guard",
         Role::Router => "router",
+        Role::Exchange => "exchange",
     }
 }
 
@@ -480,6 +520,39 @@ impl HttpContext for RouterFilter {
         let mut host = Host::new(&root.stats);
         host.queue = Some(&root.queue);
         self.stream.on_log(&root.shared, &mut host);
+    }
+}
+
+struct ExchangeFilter {
+    root: Rc<ExchangeRoot>,
+    stream: ExchangeStream,
+}
+
+impl Context for ExchangeFilter {}
+
+impl HttpContext for ExchangeFilter {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let root = self.root.clone();
+        let mut host = Host::new(&root.stats);
+        host.queue = Some(&root.queue);
+        act(self
+            .stream
+            .on_request_headers(&root.cfg, &mut host, end_of_stream))
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if !self.stream.wants_body() {
+            return Action::Continue;
+        }
+        let root = self.root.clone();
+        let mut host = Host::new(&root.stats);
+        host.queue = Some(&root.queue);
+        // Only a complete body is read (one copy); until then only its size
+        // is checked against the limit.
+        let body = end_of_stream.then(|| calls::request_body(body_size).unwrap_or_default());
+        act(self
+            .stream
+            .on_request_body(&root.cfg, &mut host, body_size, body.as_deref()))
     }
 }
 
