@@ -910,7 +910,6 @@ impl Probe {
     /// data any root could write).
     fn merge_peer(&mut self, host: &mut dyn ProbeHost, bytes: &[u8]) {
         let now = host.now_ms();
-        let fresh = self.peer_fresh_ms();
         let regions = self.cfg.regions.len();
         let max = self.cfg.exchange.max_message_bytes as usize;
         let Some(x) = self.exchange.as_mut() else {
@@ -957,8 +956,18 @@ impl Probe {
                 }
             }
         }
-        let inflight = x.peer_inflight(now, fresh);
-        for (i, v) in inflight.iter().enumerate() {
+        self.export_peers(host, now);
+    }
+
+    /// The live peers' in-flight requests (the routers read the gauges)
+    /// and demand (the ladder's), as of `now`: after each merge, and at
+    /// each send, so that a peer gone quiet stops counting at once.
+    fn export_peers(&mut self, host: &mut dyn ProbeHost, now: u64) {
+        let fresh = self.peer_fresh_ms();
+        let Some(x) = &self.exchange else {
+            return;
+        };
+        for (i, v) in x.peer_inflight(now, fresh).iter().enumerate() {
             host.set_gauge(Stat::Region(i, RegionStat::PeerRqActive), v.round() as u64);
         }
         self.fleet.set_peer_demand(x.peer_demand(now, fresh));
@@ -980,7 +989,6 @@ impl Probe {
         {
             return;
         }
-        let fresh = self.peer_fresh_ms();
         let inflight = (0..self.cfg.regions.len())
             .map(|i| {
                 let v = host.stat(Stat::Region(i, RegionStat::RqActive));
@@ -992,18 +1000,10 @@ impl Probe {
             demand_rps: self.fleet.own_demand_rps() as f32,
             inflight,
         };
+        self.export_peers(host, now);
         let Some(x) = self.exchange.as_mut() else {
             return;
         };
-        // Peers gone quiet stop counting at once, not at their next message.
-        for (i, v) in x.peer_inflight(now, fresh).iter().enumerate() {
-            host.set_gauge(Stat::Region(i, RegionStat::PeerRqActive), v.round() as u64);
-        }
-        self.fleet.set_peer_demand(x.peer_demand(now, fresh));
-        host.set_gauge(
-            Stat::Global(Global::ExchangePeers),
-            x.live_peers(now, fresh) as u64,
-        );
         let dropped = std::mem::take(&mut x.dropped);
         if dropped > 0 {
             host.count(Stat::Global(Global::ExchangeDropped), dropped as i64);

@@ -536,11 +536,8 @@ impl RouterStream {
             self.served,
             self.decided.as_mut().and_then(|d| d.learning.as_mut()),
         ) {
-            if shared.router.learn(host, learning, served, now) > 0 && shared.cfg.exchange.enabled()
-            {
-                if let Some(note) = shared.router.placement_note(learning, served) {
-                    host.enqueue(OBSERVATIONS_QUEUE, &note);
-                }
+            if shared.router.learn(host, learning, served, now) > 0 {
+                share_placement(shared, host, learning, served);
             }
             if self.tail.is_none() {
                 // No usage to wait for: the prefill as believed.
@@ -570,12 +567,8 @@ impl RouterStream {
             self.decided.as_mut().and_then(|d| d.learning.as_mut()),
         ) {
             let now = host.now_ms();
-            if shared.router.finish(host, learning, served, now) > 0
-                && shared.cfg.exchange.enabled()
-            {
-                if let Some(note) = shared.router.placement_note(learning, served) {
-                    host.enqueue(OBSERVATIONS_QUEUE, &note);
-                }
+            if shared.router.finish(host, learning, served, now) > 0 {
+                share_placement(shared, host, learning, served);
             }
         }
         let Some(region) = self.routed.take() else {
@@ -653,6 +646,22 @@ fn served_region(
 }
 
 /// An integer property (Envoy serialises them as 8 little-endian bytes).
+/// With the exchange on, what the directory write just made goes to the
+/// probe, for the deployment's other Envoys.
+fn share_placement(
+    shared: &RouterShared,
+    host: &mut dyn StreamHost,
+    learning: &crate::route::Learning,
+    served: usize,
+) {
+    if !shared.cfg.exchange.enabled() {
+        return;
+    }
+    if let Some(note) = shared.router.placement_note(learning, served) {
+        host.enqueue(OBSERVATIONS_QUEUE, &note);
+    }
+}
+
 fn u64_le(b: Vec<u8>) -> Option<u64> {
     Some(u64::from_le_bytes(b.get(..8)?.try_into().ok()?))
 }
