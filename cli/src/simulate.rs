@@ -175,6 +175,18 @@ pub struct Args {
     #[arg(verbatim_doc_comment, long, value_name = "N", default_value = "1",
           value_parser = crate::args::positive_whole::<usize>, allow_negative_numbers = true, help_heading = "Inputs")]
     proxies: usize,
+    /// The geo-router's Envoys (every client region's, all --proxies of
+    /// them) sharing what they learn through the plugin's exchange
+    /// (`exchange.cluster`), each message delayed by the network: off, on,
+    /// or both (a run without and a run with, labelled geo-router and
+    /// geo-router+exchange). Default: both with --proxies above 1, else off
+    #[arg(
+        verbatim_doc_comment,
+        long,
+        value_name = "off|on|both",
+        help_heading = "Inputs"
+    )]
+    exchange: Option<String>,
     /// Split every region's engine into N replicas behind its one entry
     /// point, each with 1/N of its slots (rounded, replicas alike) and of its
     /// prefix cache; requests and probe callouts to the region go to one
@@ -324,9 +336,28 @@ pub fn run(a: Args) -> Result<String, CliError> {
         .map_err(|e| CliError::Input(format!("--trace {trace_path}: {e}")))?;
     let deployments = deployments(&a.deployment, &fleet, &work)?;
     let jobs = deploy::jobs(&policies, &deployments);
+    let (jobs, exchange) = match a.exchange.as_deref() {
+        None if a.proxies > 1 => (deploy::with_exchange(jobs), false),
+        None | Some("off") => (jobs, false),
+        Some("on") => (jobs, true),
+        Some("both") => (deploy::with_exchange(jobs), false),
+        Some(other) => {
+            return Err(CliError::Usage(format!(
+                "--exchange {other:?}: one of off, on, both"
+            )))
+        }
+    };
+    let jobs: Vec<deploy::Job> = jobs
+        .into_iter()
+        .map(|j| deploy::Job {
+            exchange: j.exchange || (exchange && j.policy == PolicyName::GeoRouter),
+            ..j
+        })
+        .collect();
     let options = Options {
         proxies: a.proxies,
         source,
+        exchange: false,
     };
     let runs =
         simulate_all(&fleet, &work, &jobs, overrides.as_ref(), options).map_err(CliError::Input)?;

@@ -527,6 +527,17 @@ fn proxies_and_rate_scale() {
     // The baselines are deployed as they were.
     assert_eq!(base(&one), base(&four));
     assert_eq!(json(&["--proxies", "1"]), one);
+    // Several Envoys: with and without the exchange, side by side; one
+    // Envoy per client region: without, unless asked.
+    let shared = |v: &Value| v["policies"]["geo-router+exchange"].clone();
+    assert_eq!(shared(&four)["proxies"], 4);
+    assert!(shared(&one).is_null());
+    let on = json(&["--exchange", "on"]);
+    assert!(geo(&on).is_null() && shared(&on)["proxies"] == 1);
+    assert_eq!(
+        json(&["--proxies", "4", "--exchange", "off"])["policies"]["geo-router"],
+        geo(&four)
+    );
     // Twice the rate: the same requests, the span halved.
     let requests = dir.join("requests.jsonl");
     ok(&[

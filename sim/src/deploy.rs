@@ -125,13 +125,39 @@ pub fn check(deployments: &[Deployment], fleet: &Fleet) -> Result<(), String> {
 pub struct Job {
     pub policy: PolicyName,
     pub deployment: Deployment,
+    /// Geo-router: its Envoys share what they learn (`Options::exchange`).
+    pub exchange: bool,
 }
 
 impl Job {
-    /// `geo-router`, or `<policy>@<deployment>` for a baseline.
+    /// `geo-router`, or `<policy>@<deployment>` for a baseline, with
+    /// `+exchange` when the Envoys share.
     pub fn label(&self) -> String {
-        label(self.policy, &self.deployment)
+        let l = label(self.policy, &self.deployment);
+        if self.exchange {
+            format!("{l}+exchange")
+        } else {
+            l
+        }
     }
+}
+
+/// `jobs` with, after each geo-router run as deployed (per client region),
+/// the same run with its Envoys sharing through the exchange.
+pub fn with_exchange(jobs: Vec<Job>) -> Vec<Job> {
+    let mut out = Vec::with_capacity(jobs.len() + 1);
+    for j in jobs {
+        let shared = (j.policy == PolicyName::GeoRouter
+            && j.deployment == Deployment::PerClientRegion
+            && !j.exchange)
+            .then(|| Job {
+                exchange: true,
+                ..j.clone()
+            });
+        out.push(j);
+        out.extend(shared);
+    }
+    out
 }
 
 pub fn label(policy: PolicyName, deployment: &Deployment) -> String {
@@ -157,11 +183,13 @@ pub fn jobs(policies: &[PolicyName], deployments: &[Deployment]) -> Vec<Job> {
             out.push(Job {
                 policy,
                 deployment: Deployment::PerClientRegion,
+                exchange: false,
             });
             if deployments.contains(&Deployment::Oracle) {
                 out.push(Job {
                     policy,
                     deployment: Deployment::Oracle,
+                    exchange: false,
                 });
             }
             continue;
@@ -170,6 +198,7 @@ pub fn jobs(policies: &[PolicyName], deployments: &[Deployment]) -> Vec<Job> {
             out.push(Job {
                 policy,
                 deployment: d.clone(),
+                exchange: false,
             });
         }
     }

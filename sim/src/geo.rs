@@ -248,7 +248,13 @@ pub enum To {
     Region { region: usize, metrics: bool },
     /// The `prometheus` cluster's instant query.
     Prometheus,
+    /// An exchange message to a peer Envoy (`exchange.cluster`): the
+    /// simulation picks the peer as the cluster's round robin would.
+    Peers,
 }
+
+/// The simulated deployment's `exchange.cluster`.
+pub const PEERS_CLUSTER: &str = "peers";
 
 /// One Envoy of the geo-router: the plugin's own guard, router and probe
 /// state machines over an in-memory host (its stats, shared data and
@@ -266,6 +272,11 @@ pub struct Envoy {
     pub scrapes: u64,
     /// Queries the probe sent Prometheus.
     pub queries: u64,
+    /// Exchange messages sent and not yet handed to the simulation: token
+    /// to body.
+    peer_bodies: HashMap<u32, Vec<u8>>,
+    /// The peers' cluster's round robin: the next host.
+    pub next_peer: usize,
 }
 
 impl Envoy {
@@ -279,7 +290,8 @@ impl Envoy {
             draw_state: draw_seed,
             ..Recorder::default()
         };
-        let mut probe = Probe::new(cfg.clone(), "sim".into(), now_ms);
+        // The owner names the Envoy in the exchange: one per Envoy.
+        let mut probe = Probe::new(cfg.clone(), format!("sim-{draw_seed}"), now_ms);
         probe.start(&mut host);
         Envoy {
             guard: Guard::new(cfg.clone(), now_ms),
@@ -290,6 +302,8 @@ impl Envoy {
             streams: HashMap::new(),
             scrapes: 0,
             queries: 0,
+            peer_bodies: HashMap::new(),
+            next_peer: 0,
             cfg,
         }
     }
@@ -411,11 +425,21 @@ impl Envoy {
         self.host.now_ms = now_ms;
         self.probe.on_tick(&mut self.host);
         let prometheus = self.cfg.prometheus.cluster.clone();
+        let peers = self.cfg.exchange.cluster.clone();
+        for (token, body) in self.host.callout_bodies.drain(..) {
+            self.peer_bodies.insert(token, body);
+        }
         let callouts = self
             .host
             .callouts
             .drain(..)
             .filter_map(|(token, cluster, path)| {
+                if peers.as_deref() == Some(cluster.as_str()) {
+                    return Some(Callout {
+                        token,
+                        to: To::Peers,
+                    });
+                }
                 if prometheus.as_deref() == Some(cluster.as_str()) {
                     return Some(Callout {
                         token,
@@ -434,7 +458,7 @@ impl Envoy {
             match c.to {
                 To::Region { metrics: true, .. } => self.scrapes += 1,
                 To::Prometheus => self.queries += 1,
-                To::Region { .. } => {}
+                To::Region { .. } | To::Peers => {}
             }
         }
         (callouts, self.probe.fleet().level())
@@ -457,6 +481,35 @@ impl Envoy {
             .map
             .get(llm_geo_router::protocol::SNAPSHOT_KEY)?;
         llm_geo_router::snapshot::Snapshot::decode(bytes).ok()
+    }
+
+    /// The body of exchange callout `token` (once).
+    pub fn take_peer_body(&mut self, token: u32) -> Option<Vec<u8>> {
+        self.peer_bodies.remove(&token)
+    }
+
+    /// A peer's exchange message reaches this Envoy's peers' listener: the
+    /// plugin's `exchange` filter takes it (queued for this Envoy's probe,
+    /// merged at its next tick) or refuses it. Returns the status answered.
+    pub fn exchange_in(&mut self, body: &[u8], now_ms: u64) -> u32 {
+        use llm_geo_router::exchange::ExchangeStream;
+        use llm_geo_router::stream::Flow;
+        self.host.now_ms = now_ms;
+        let length = body.len().to_string();
+        self.host.request(&[
+            (":method", "POST"),
+            (":path", self.cfg.exchange.path.as_str()),
+            ("content-length", length.as_str()),
+        ]);
+        let mut s = ExchangeStream::new();
+        let flow = match s.on_request_headers(&self.cfg, &mut self.host, false) {
+            Flow::Pause => s.on_request_body(&self.cfg, &mut self.host, body.len(), Some(body)),
+            other => other,
+        };
+        match flow {
+            Flow::Reply(r) => r.status,
+            Flow::Continue | Flow::Pause => 404,
+        }
     }
 
     /// A callout's answer arrived.

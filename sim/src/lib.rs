@@ -46,6 +46,10 @@ pub fn simulate_all(
             .iter()
             .map(|j| {
                 scope.spawn(move || {
+                    let options = sim::Options {
+                        exchange: j.exchange,
+                        ..options
+                    };
                     sim::run_options(fleet, work, j.policy, &j.deployment, overrides, options)
                 })
             })

@@ -93,6 +93,8 @@ pub struct Run {
     pub proxies: usize,
     /// Geo-router: where it read the regions' load from.
     pub source: Option<Source>,
+    /// Geo-router: its Envoys shared what they learnt (`Options::exchange`).
+    pub exchange: bool,
     /// Per region: slot time used (ms) within `window_ms`.
     pub busy_ms: Vec<f64>,
     /// The middle half of the trace's span, where utilisation is measured
@@ -125,7 +127,12 @@ pub struct ProbeLoad {
 impl Run {
     /// `geo-router`, or `<policy>@<deployment>` (`deploy::label`).
     pub fn label(&self) -> String {
-        deploy::label(self.policy, &self.deployment)
+        let l = deploy::label(self.policy, &self.deployment);
+        if self.exchange {
+            format!("{l}+exchange")
+        } else {
+            l
+        }
     }
 }
 
@@ -165,6 +172,14 @@ enum Ev {
         proxy: usize,
         token: u32,
         answer: Box<Answer>,
+    },
+    /// An exchange message reaches Envoy `to` (client region, proxy) from
+    /// `from`, which waits for its answer under `token`.
+    PeerArrive {
+        from: (usize, usize),
+        to: (usize, usize),
+        token: u32,
+        body: Vec<u8>,
     },
     OutageStart(usize),
     OutageEnd(usize),
@@ -361,6 +376,9 @@ pub struct Options {
     pub proxies: usize,
     /// Geo-router: where it reads the regions' load from.
     pub source: Source,
+    /// Geo-router: every Envoy of the deployment (all client regions) in
+    /// one exchange (`exchange.cluster`), messages delayed by the network.
+    pub exchange: bool,
 }
 
 impl Default for Options {
@@ -368,6 +386,7 @@ impl Default for Options {
         Options {
             proxies: 1,
             source: Source::default(),
+            exchange: false,
         }
     }
 }
@@ -396,6 +415,7 @@ struct Sim<'a> {
     /// As run (the geo-router: always per client region, or the oracle).
     deployment: Deployment,
     proxies: usize,
+    exchange: bool,
     source: Source,
     q: EventQueue<Ev>,
     /// Per region, its engine replicas (one unless the fleet says more).
@@ -518,7 +538,11 @@ impl<'a> Sim<'a> {
         overrides: Option<&Value>,
         options: Options,
     ) -> Result<Sim<'a>, String> {
-        let Options { proxies, source } = options;
+        let Options {
+            proxies,
+            source,
+            exchange,
+        } = options;
         if let Source::Prometheus { interval_ms } = source {
             if !(interval_ms.is_finite() && interval_ms >= 1.0) {
                 return Err(format!(
@@ -584,13 +608,19 @@ impl<'a> Sim<'a> {
                 for c in 0..fleet.client_regions.len() {
                     let mut replicas = Vec::with_capacity(proxies);
                     for p in 0..proxies {
-                        let cfg =
+                        let mut cfg =
                             geo::plugin_config(fleet, c, knowledge, mean_out, source, overrides)
                                 .map_err(|e| format!("--config: {e}"))?;
+                        if exchange {
+                            cfg.exchange.cluster = Some(geo::PEERS_CLUSTER.into());
+                        }
                         // Envoy (c, p)'s draws: its own SplitMix64 sequence.
                         let seed =
                             ((c * proxies + p + 1) as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
-                        replicas.push(Envoy::new(cfg, core_ms(0.0), seed));
+                        let mut envoy = Envoy::new(cfg, core_ms(0.0), seed);
+                        // Round robins start apart (the next Envoy first).
+                        envoy.next_peer = c * proxies + p + 1;
+                        replicas.push(envoy);
                     }
                     envoys.push(replicas);
                 }
@@ -648,6 +678,7 @@ impl<'a> Sim<'a> {
             policy,
             deployment: deployment.clone(),
             proxies,
+            exchange,
             source,
             q: EventQueue::default(),
             stations,
@@ -771,6 +802,7 @@ impl<'a> Sim<'a> {
             levels: self.levels,
             proxies: if geo { self.proxies } else { 1 },
             source: geo.then_some(self.source),
+            exchange: geo && self.exchange,
             busy_ms: self.busy_ms,
             window_ms: self.window_ms,
             occupancy: self.occupancy,
@@ -842,6 +874,30 @@ impl Sim<'_> {
                     e.answer(token, *answer, core_ms(now));
                 }
             }
+            Ev::PeerArrive {
+                from,
+                to,
+                token,
+                body,
+            } => {
+                let status = match self.envoy(to.0, to.1) {
+                    Some(e) => e.exchange_in(&body, core_ms(now)),
+                    None => 503,
+                };
+                let back = self.peer_rtt(from.0, to.0) / 2.0;
+                self.q.push(
+                    now + back,
+                    Ev::ProbeDeliver {
+                        client: from.0,
+                        proxy: from.1,
+                        token,
+                        answer: Box::new(Answer {
+                            status: Some(status),
+                            ..Answer::default()
+                        }),
+                    },
+                );
+            }
             Ev::OutageStart(r) => self.outage_start(r, now),
             Ev::OutageEnd(r) => {
                 if let Some(up) = self.up.get_mut(r) {
@@ -897,6 +953,8 @@ impl Sim<'_> {
             To::Prometheus => {
                 a.body = self.prometheus.as_ref()?.answer(&self.names, now);
             }
+            // Delivered as `Ev::PeerArrive`, never sampled.
+            To::Peers => return None,
         }
         Some(a)
     }
@@ -907,10 +965,23 @@ impl Sim<'_> {
     fn callout_rtt(&self, client: usize, to: To) -> f64 {
         match to {
             To::Region { region, .. } => self.fleet.rtt(client, region),
-            To::Prometheus => (0..self.fleet.regions.len())
+            To::Prometheus | To::Peers => (0..self.fleet.regions.len())
                 .map(|r| self.fleet.rtt(client, r))
                 .fold(f64::INFINITY, f64::min),
         }
+    }
+
+    /// One round trip between the Envoys of client regions `a` and `b`:
+    /// 1 ms within a client region; between two, through the engine region
+    /// that makes it shortest (the fleet gives no client-to-client figure,
+    /// so this bounds the direct path from above).
+    fn peer_rtt(&self, a: usize, b: usize) -> f64 {
+        if a == b {
+            return 1.0;
+        }
+        (0..self.fleet.regions.len())
+            .map(|r| self.fleet.rtt(a, r) + self.fleet.rtt(b, r))
+            .fold(f64::INFINITY, f64::min)
     }
 
     /// The replica region `region`'s entry point sends the next request (or
@@ -977,6 +1048,46 @@ impl Sim<'_> {
         }
     }
 
+    /// Envoy (c, proxy)'s exchange callouts: each to the next host of the
+    /// peers' cluster in its round robin over every Envoy of the deployment
+    /// (itself included, as a headless Service lists it), half a round
+    /// trip away.
+    fn send_to_peers(&mut self, c: usize, proxy: usize, tokens: Vec<u32>, now: f64) {
+        let Mode::Geo(envoys) = &mut self.mode else {
+            return;
+        };
+        let hosts: Vec<(usize, usize)> = envoys
+            .iter()
+            .enumerate()
+            .flat_map(|(ci, r)| (0..r.len()).map(move |p| (ci, p)))
+            .collect();
+        let mut sends = Vec::new();
+        if let Some(e) = envoys.get_mut(c).and_then(|r| r.get_mut(proxy)) {
+            for token in tokens {
+                let Some(body) = e.take_peer_body(token) else {
+                    continue;
+                };
+                let Some(&to) = hosts.get(e.next_peer % hosts.len().max(1)) else {
+                    continue;
+                };
+                e.next_peer = e.next_peer.wrapping_add(1);
+                sends.push((to, token, body));
+            }
+        }
+        for (to, token, body) in sends {
+            let at = now + self.peer_rtt(c, to.0) / 2.0;
+            self.q.push(
+                at,
+                Ev::PeerArrive {
+                    from: (c, proxy),
+                    to,
+                    token,
+                    body,
+                },
+            );
+        }
+    }
+
     /// One Envoy's probe tick; the next one after the period its probe set.
     fn probe_tick(&mut self, c: usize, proxy: usize, now: f64) {
         let Mode::Geo(envoys) = &mut self.mode else {
@@ -990,7 +1101,12 @@ impl Sim<'_> {
         if period < f64::from(e.cfg.probe.tick_ms) {
             self.probe_fast_ms += period;
         }
+        let mut peers = Vec::new();
         for callout in callouts {
+            if callout.to == To::Peers {
+                peers.push(callout.token);
+                continue;
+            }
             let rtt = self.callout_rtt(c, callout.to);
             // The callout reads the engine half a round trip later.
             self.q.push(
@@ -1002,6 +1118,7 @@ impl Sim<'_> {
                 },
             );
         }
+        self.send_to_peers(c, proxy, peers, now);
         // The ladder as the first Envoy of each client region publishes it.
         if proxy == 0 {
             if let Some(series) = self.levels.get_mut(c) {
@@ -1902,7 +2019,11 @@ mod tests {
     }
 
     fn geo_sim<'a>(f: &'a Fleet, w: &'a Workload, source: Source) -> Sim<'a> {
-        let options = Options { proxies: 1, source };
+        let options = Options {
+            proxies: 1,
+            source,
+            exchange: false,
+        };
         Sim::new(
             f,
             w,
