@@ -227,7 +227,11 @@ pub fn occupancy(state: &RegionState, inflight_now: f64, now_ms: u64) -> f64 {
         _ => 0.0,
     };
     let waiting = (state.waiting - drained).max(0.0);
-    (waiting + state.running + inflight_now - state.inflight_at_scrape).max(inflight_now)
+    // The other Envoys' requests since the scrape (exchange): what they
+    // sent less what ended, as of their last messages. Not in the floor:
+    // their counts are up to a message old.
+    let peers = state.peer_inflight_delta;
+    (waiting + state.running + inflight_now - state.inflight_at_scrape + peers).max(inflight_now)
 }
 
 /// Slots region `i` runs at once: its `max_concurrency` times the

@@ -77,8 +77,10 @@ pub fn layout(cfg: &Config) -> u32 {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Load {
     pub taken_ms: u64,
-    /// Its arrivals per second (EWMA).
-    pub demand_rps: f32,
+    /// Its arrivals counter (inference requests it has seen since start):
+    /// counters, not rates, so that when a peer stops and its traffic moves
+    /// to the others the deployment's sum goes on at the same rate.
+    pub arrivals: u64,
     /// Its requests in flight per region.
     pub inflight: Vec<u32>,
 }
@@ -291,7 +293,7 @@ impl<'a> Reader<'a> {
 }
 
 fn load_len(regions: usize) -> usize {
-    8 + 4 + 4 * regions
+    8 + 8 + 4 * regions
 }
 
 impl Group {
@@ -330,7 +332,7 @@ impl Message {
                 Some(l) => {
                     out.push(1);
                     out.extend_from_slice(&l.taken_ms.to_le_bytes());
-                    out.extend_from_slice(&l.demand_rps.to_le_bytes());
+                    out.extend_from_slice(&l.arrivals.to_le_bytes());
                     for i in 0..regions {
                         let v = l.inflight.get(i).copied().unwrap_or(0);
                         out.extend_from_slice(&v.to_le_bytes());
@@ -378,17 +380,14 @@ impl Message {
                 0 => None,
                 1 => {
                     let taken_ms = r.u64()?;
-                    let demand_rps = f32::from_bits(r.u32()?);
-                    if !(0.0..1e9).contains(&demand_rps) {
-                        return Err(Refusal::Malformed("demand not a rate"));
-                    }
+                    let arrivals = r.u64()?;
                     let mut inflight = Vec::with_capacity(regions);
                     for _ in 0..regions {
                         inflight.push(r.u32()?);
                     }
                     Some(Load {
                         taken_ms,
-                        demand_rps,
+                        arrivals,
                         inflight,
                     })
                 }
@@ -472,11 +471,18 @@ impl Seen {
     }
 }
 
+/// Loads kept per origin: enough to find the first one taken after this
+/// Envoy's last scrape of a region (a scrape every tick or faster).
+const LOADS_KEPT: usize = 8;
+
 #[derive(Debug, Clone, Default)]
 struct Peer {
-    load: Option<Load>,
+    /// Its latest loads, oldest first (by the origin's `taken_ms`).
+    loads: std::collections::VecDeque<Load>,
     /// When this Envoy last heard of the origin (its clock).
     heard_ms: u64,
+    /// When this Envoy last received a newer load of it (its clock).
+    load_heard_ms: u64,
     seen: Seen,
 }
 
@@ -516,6 +522,9 @@ pub struct Exchange {
     pub dropped: u64,
     /// Origins forgotten past `MAX_PEERS`.
     pub forgotten: u64,
+    /// The peers' arrivals this Envoy has learnt of, summed over their
+    /// loads (a counter: what a stopped peer saw stays in it).
+    pub peer_arrivals: u64,
 }
 
 impl Exchange {
@@ -531,6 +540,7 @@ impl Exchange {
             outbox_bytes: 0,
             dropped: 0,
             forgotten: 0,
+            peer_arrivals: 0,
         }
     }
 
@@ -615,8 +625,17 @@ impl Exchange {
             peer.heard_ms = now_ms;
             let mut relay_load = None;
             if let Some(l) = g.load {
-                if peer.load.as_ref().is_none_or(|k| l.taken_ms > k.taken_ms) {
-                    peer.load = Some(l.clone());
+                if peer.loads.back().is_none_or(|k| l.taken_ms > k.taken_ms) {
+                    // What it saw since its last load we had (none from
+                    // its first: that is its past, not new demand).
+                    if let Some(k) = peer.loads.back() {
+                        self.peer_arrivals += l.arrivals.saturating_sub(k.arrivals);
+                    }
+                    if peer.loads.len() >= LOADS_KEPT {
+                        peer.loads.pop_front();
+                    }
+                    peer.loads.push_back(l.clone());
+                    peer.load_heard_ms = now_ms;
                     relay_load = Some(l);
                     out.loads += 1;
                 }
@@ -674,13 +693,18 @@ impl Exchange {
         .encode(self.layout, self.regions)
     }
 
-    /// Peers heard of within `fresh_ms`, with a load taken within it.
-    fn live(&self, now_ms: u64, fresh_ms: u64) -> impl Iterator<Item = &Load> {
-        self.peers.values().filter_map(move |p| {
-            p.load
-                .as_ref()
-                .filter(|_| now_ms.saturating_sub(p.heard_ms) <= fresh_ms)
-        })
+    /// Peers whose load was renewed within `fresh_ms`: their loads.
+    fn live(
+        &self,
+        now_ms: u64,
+        fresh_ms: u64,
+    ) -> impl Iterator<Item = &std::collections::VecDeque<Load>> {
+        self.peers
+            .values()
+            .filter(move |p| {
+                !p.loads.is_empty() && now_ms.saturating_sub(p.load_heard_ms) <= fresh_ms
+            })
+            .map(|p| &p.loads)
     }
 
     /// Peers with a live load.
@@ -691,7 +715,7 @@ impl Exchange {
     /// The live peers' requests in flight per region.
     pub fn peer_inflight(&self, now_ms: u64, fresh_ms: u64) -> Vec<f64> {
         let mut out = vec![0.0; self.regions];
-        for l in self.live(now_ms, fresh_ms) {
+        for l in self.live(now_ms, fresh_ms).filter_map(|l| l.back()) {
             for (o, v) in out.iter_mut().zip(&l.inflight) {
                 *o += f64::from(*v);
             }
@@ -699,11 +723,35 @@ impl Exchange {
         out
     }
 
-    /// The live peers' demand, requests per second.
-    pub fn peer_demand(&self, now_ms: u64, fresh_ms: u64) -> f64 {
-        self.live(now_ms, fresh_ms)
-            .map(|l| f64::from(l.demand_rps))
-            .sum()
+    /// Per region: how many more requests the live peers have in flight
+    /// now than when this Envoy's scrape of it was answered
+    /// (`scraped_ms[r]`), which counted theirs that had reached the engine.
+    /// A peer's count then is its first load taken at or after the scrape:
+    /// an older one would count twice what it sent between that load and
+    /// the scrape. A peer with no load since the scrape adds nothing yet
+    /// (an under-count, at most one message interval of its requests).
+    pub fn peer_inflight_since(
+        &self,
+        scraped_ms: &[Option<u64>],
+        now_ms: u64,
+        fresh_ms: u64,
+    ) -> Vec<f64> {
+        let mut out = vec![0.0; self.regions];
+        for loads in self.live(now_ms, fresh_ms) {
+            let Some(latest) = loads.back() else {
+                continue;
+            };
+            for (r, o) in out.iter_mut().enumerate() {
+                let Some(at) = scraped_ms.get(r).copied().flatten() else {
+                    continue;
+                };
+                if let Some(base) = loads.iter().find(|l| l.taken_ms >= at) {
+                    let v = |l: &Load| f64::from(l.inflight.get(r).copied().unwrap_or(0));
+                    *o += v(latest) - v(base);
+                }
+            }
+        }
+        out
     }
 }
 
@@ -823,10 +871,10 @@ mod tests {
         }
     }
 
-    fn load(t: u64, a: u32, demand: f32) -> Load {
+    fn load(t: u64, a: u32, arrivals: u64) -> Load {
         Load {
             taken_ms: t,
-            demand_rps: demand,
+            arrivals,
             inflight: vec![a, 0],
         }
     }
@@ -851,14 +899,14 @@ mod tests {
             at_ms: 5,
             hash: 99,
         });
-        let bytes = x.take_message(load(50, 3, 2.5), 60);
+        let bytes = x.take_message(load(50, 3, 25), 60);
         let max = c.exchange.max_message_bytes as usize;
         let m = Message::decode(&bytes, x.layout(), 2, max).unwrap();
         assert_eq!(m.sender, 1);
         assert_eq!(m.groups.len(), 1);
         assert_eq!(m.groups[0].items.len(), 2);
         assert_eq!(m.groups[0].items[0].body, placement(100));
-        assert_eq!(m.groups[0].load, Some(load(50, 3, 2.5)));
+        assert_eq!(m.groups[0].load, Some(load(50, 3, 25)));
         // Every truncation and every single-byte change is refused or
         // decodes to a message the same size (never a panic).
         for n in 0..bytes.len() {
@@ -897,9 +945,9 @@ mod tests {
         let mut relay = Exchange::new(&c, 3);
         a.note(placement(100));
         a.note(placement(200));
-        let m1 = a.take_message(load(10, 1, 1.0), 10);
+        let m1 = a.take_message(load(10, 1, 10), 10);
         a.note(placement(300));
-        let m2 = a.take_message(load(20, 2, 1.0), 20);
+        let m2 = a.take_message(load(20, 2, 25), 20);
         let dec = |b: &[u8]| Message::decode(b, layout(&c), 2, 1 << 20).unwrap();
         // b gets m2 before m1, and m1 twice.
         let mut log = Log::default();
@@ -916,21 +964,65 @@ mod tests {
         assert_eq!(r1.loads, 0);
         // b relays what was news to it, once: a third Envoy learns all of
         // a's news from b, and a's own messages are ignored by a.
-        let relayed = b.take_message(load(33, 0, 0.5), 33);
+        let relayed = b.take_message(load(33, 0, 5), 33);
         let mut log3 = Log::default();
         let r = relay.merge(dec(&relayed), 40, &mut log3);
         assert_eq!(r.fresh, 3);
-        assert_eq!(relay.peer_demand(40, 1000), 1.5);
         assert_eq!(relay.live_peers(40, 1000), 2);
-        let nothing_new = b.take_message(load(34, 0, 0.5), 34);
+        // Arrivals count from each peer's second load on (its first is its
+        // past): b took a's 25 first and the older 10 never, so none yet.
+        assert_eq!(b.peer_arrivals, 0);
+        let nothing_new = b.take_message(load(34, 0, 9), 34);
         assert_eq!(dec(&nothing_new).groups.len(), 1, "only b's own load");
+        // b's counter went 5 -> 9: the relay learns 4 requests of demand,
+        // and keeps them when b goes silent (a counter, not a rate).
+        relay.merge(dec(&nothing_new), 41, &mut log3);
+        assert_eq!(relay.peer_arrivals, 4);
+        let m3 = a.take_message(load(60, 0, 40), 60);
+        b.merge(dec(&m3), 61, &mut log);
+        assert_eq!(b.peer_arrivals, 15);
         let mut log_a = Log::default();
         assert!(a.merge(dec(&m1), 50, &mut log_a).own);
-        let back = relay.take_message(load(41, 0, 0.0), 41);
+        let back = relay.take_message(load(41, 0, 0), 41);
         let r = a.merge(dec(&back), 50, &mut log_a);
         assert_eq!(r.fresh, 0, "a's own items come back to it and are skipped");
         // A silent peer's load stops counting.
         assert_eq!(relay.peer_inflight(40 + 5000, 1000), vec![0.0, 0.0]);
+    }
+
+    #[test]
+    fn a_peers_requests_since_a_scrape_count_from_its_first_load_after_it() {
+        let c = cfg();
+        let mut me = Exchange::new(&c, 1);
+        let mut peer = Exchange::new(&c, 2);
+        let dec = |b: &[u8]| Message::decode(b, layout(&c), 2, 1 << 20).unwrap();
+        let mut log = Log::default();
+        for (t, n) in [(1_000, 5), (2_000, 8), (3_000, 6)] {
+            let m = peer.take_message(load(t, n, 10), t);
+            me.merge(dec(&m), t + 10, &mut log);
+        }
+        // Scraped at 1500: the engine counted the peer's requests then;
+        // its first load after is 8 (at 2000), the latest 6: 2 fewer.
+        assert_eq!(
+            me.peer_inflight_since(&[Some(1_500), None], 3_010, 5_000),
+            vec![-2.0, 0.0]
+        );
+        // Scraped after its latest load: nothing known since.
+        assert_eq!(
+            me.peer_inflight_since(&[Some(3_001), None], 3_010, 5_000)[0],
+            0.0
+        );
+        // A load older than the scrape is never the base: that would count
+        // twice what the peer sent between it and the scrape.
+        assert_eq!(
+            me.peer_inflight_since(&[Some(999), None], 3_010, 5_000)[0],
+            1.0
+        );
+        // A silent peer adds nothing.
+        assert_eq!(
+            me.peer_inflight_since(&[Some(1_500), None], 9_000, 5_000)[0],
+            0.0
+        );
     }
 
     #[test]
@@ -942,7 +1034,7 @@ mod tests {
             x.note(placement(100 + i));
         }
         assert!(x.dropped > 0);
-        let m = x.take_message(load(1, 0, 0.0), 1);
+        let m = x.take_message(load(1, 0, 0), 1);
         assert!(m.len() <= 1024, "{}", m.len());
         assert!(Message::decode(&m, x.layout(), 2, 1024).is_ok());
     }

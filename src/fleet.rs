@@ -25,6 +25,9 @@ struct Region {
     rtt_samples: VecDeque<f64>,
     sample: EngineSample,
     inflight_at_scrape: f64,
+    /// How many more requests the deployment's other Envoys have in flight
+    /// to the region than at the last good scrape (exchange; 0 without).
+    peer_inflight_delta: f64,
     /// When the last good scrape was answered (Unix ms).
     scraped_ms: Option<u64>,
     /// The engine's completions counter at a scrape, and when.
@@ -90,8 +93,6 @@ pub struct Fleet {
     regions: Vec<Region>,
     ladder: Ladder,
     demand_rps: Option<f64>,
-    /// The other Envoys' demand (exchange), requests per second.
-    peer_demand_rps: f64,
     last_arrivals: Option<(u64, u64)>,
     version: u64,
     tuner: Tuner,
@@ -128,6 +129,7 @@ impl Fleet {
                     rtt_samples: VecDeque::new(),
                     sample: EngineSample::default(),
                     inflight_at_scrape: 0.0,
+                    peer_inflight_delta: 0.0,
                     scraped_ms: None,
                     completed_at: None,
                     drain_rps: None,
@@ -150,7 +152,6 @@ impl Fleet {
                 .collect(),
             ladder: Ladder::new(now_ms),
             demand_rps: None,
-            peer_demand_rps: 0.0,
             last_arrivals: None,
             version: 0,
             tuner: Tuner::new(&cfg.tuning),
@@ -331,6 +332,8 @@ impl Fleet {
                 r.sample = s;
                 r.scraped_ms = Some(now_ms);
                 r.inflight_at_scrape = inflight.max(0.0);
+                // Nothing the peers told since this scrape yet.
+                r.peer_inflight_delta = 0.0;
                 r.metrics_ok = true;
                 r.scrape_failures = 0;
             }
@@ -395,15 +398,17 @@ impl Fleet {
         self.last_arrivals = Some((arrivals_total, now_ms));
     }
 
-    /// This Envoy's own arrival rate (EWMA), requests per second.
-    pub fn own_demand_rps(&self) -> f64 {
-        self.demand_rps.unwrap_or(0.0)
+    /// Per region: the other Envoys' requests in flight since the last
+    /// good scrape (exchange, `Exchange::peer_inflight_since`).
+    pub fn set_peer_inflight_delta(&mut self, delta: &[f64]) {
+        for (r, v) in self.regions.iter_mut().zip(delta) {
+            r.peer_inflight_delta = if v.is_finite() { *v } else { 0.0 };
+        }
     }
 
-    /// The other Envoys' demand as the exchange last told it: the ladder
-    /// compares the deployment's demand with the whole capacity.
-    pub fn set_peer_demand(&mut self, rps: f64) {
-        self.peer_demand_rps = if rps.is_finite() { rps.max(0.0) } else { 0.0 };
+    /// Per region: when its last good scrape was answered.
+    pub fn scraped_ms(&self) -> Vec<Option<u64>> {
+        self.regions.iter().map(|r| r.scraped_ms).collect()
     }
 
     /// A TTFT observation reported by a router.
@@ -475,7 +480,7 @@ impl Fleet {
                 c.capacity_rps * Self::ramp(cfg, r, now_ms) * kv
             })
             .sum();
-        let demand = self.demand_rps.unwrap_or(0.0) + self.peer_demand_rps + self.queue_growth_rps;
+        let demand = self.demand_rps.unwrap_or(0.0) + self.queue_growth_rps;
         // Below a hundredth of a request per second there is no demand to
         // speak of; the ratio is then "plenty" and the ladder recovers.
         let ratio = (demand > 0.01).then(|| capacity / demand);
@@ -604,6 +609,7 @@ impl Fleet {
                     }
                 }),
                 inflight_at_scrape: r.inflight_at_scrape,
+                peer_inflight_delta: r.peer_inflight_delta,
                 drain_rps: r.drain_rps.filter(|_| r.metrics_ok),
                 scraped_ms: r.scraped_ms,
                 metrics_ok: r.metrics_ok,

@@ -310,8 +310,12 @@ impl Probe {
         self.pending
             .retain(|_, (_, _, sent)| now.saturating_sub(*sent) <= 2 * timeout_ms + 1000);
         if full {
+            // With the exchange, the deployment's arrivals: this Envoy's
+            // and what its peers' counters rose by since it heard of them.
+            let peers = self.exchange.as_ref().map_or(0, |x| x.peer_arrivals);
             let arrivals = host.stat(Stat::Global(Global::Arrivals));
-            self.fleet.on_arrivals(&self.cfg, arrivals, now);
+            self.fleet
+                .on_arrivals(&self.cfg, arrivals.saturating_add(peers), now);
         }
         self.drain_observations(host);
         self.send_exchange(host, now);
@@ -461,8 +465,7 @@ impl Probe {
             if r.load_source != LoadSource::Prometheus {
                 continue;
             }
-            let inflight = host.stat(Stat::Region(i, RegionStat::RqActive)) as f64
-                + self.peer_inflight(host, i);
+            let inflight = host.stat(Stat::Region(i, RegionStat::RqActive)) as f64;
             if let Some(h) = self.inflight_history.get_mut(i) {
                 if h.len() >= INFLIGHT_HISTORY {
                     h.pop_front();
@@ -708,8 +711,7 @@ impl Probe {
                 status.map_or("none (no response)".to_string(), |s| s.to_string())
             )),
         };
-        let inflight = host.stat(Stat::Region(region, RegionStat::RqActive)) as f64
-            + self.peer_inflight(host, region);
+        let inflight = host.stat(Stat::Region(region, RegionStat::RqActive)) as f64;
         match parsed {
             Ok(sample) => {
                 if let Some(w) = self.metrics_warned.get_mut(region) {
@@ -892,19 +894,6 @@ impl Probe {
         3 * self.cfg.exchange_interval_ms() + u64::from(self.cfg.probe.timeout_ms)
     }
 
-    /// The other Envoys' requests in flight to `region` (their latest
-    /// messages), also set as the region's `peer_rq_active` gauge.
-    fn peer_inflight(&self, host: &mut dyn ProbeHost, region: usize) -> f64 {
-        let Some(x) = &self.exchange else {
-            return 0.0;
-        };
-        let now = host.now_ms();
-        x.peer_inflight(now, self.peer_fresh_ms())
-            .get(region)
-            .copied()
-            .unwrap_or(0.0)
-    }
-
     /// A peer's message, as this Envoy's exchange filter queued it (it
     /// checked it whole; it is checked again here, as the queue is shared
     /// data any root could write).
@@ -967,10 +956,12 @@ impl Probe {
         let Some(x) = &self.exchange else {
             return;
         };
-        for (i, v) in x.peer_inflight(now, fresh).iter().enumerate() {
+        let inflight = x.peer_inflight(now, fresh);
+        for (i, v) in inflight.iter().enumerate() {
             host.set_gauge(Stat::Region(i, RegionStat::PeerRqActive), v.round() as u64);
         }
-        self.fleet.set_peer_demand(x.peer_demand(now, fresh));
+        let since = x.peer_inflight_since(&self.fleet.scraped_ms(), now, fresh);
+        self.fleet.set_peer_inflight_delta(&since);
         host.set_gauge(
             Stat::Global(Global::ExchangePeers),
             x.live_peers(now, fresh) as u64,
@@ -997,7 +988,7 @@ impl Probe {
             .collect();
         let own = Load {
             taken_ms: now,
-            demand_rps: self.fleet.own_demand_rps() as f32,
+            arrivals: host.stat(Stat::Global(Global::Arrivals)),
             inflight,
         };
         self.export_peers(host, now);

@@ -48,14 +48,8 @@ impl RouterShared {
         host: &mut dyn StreamHost,
     ) -> (std::cell::RefMut<'_, Vec<f64>>, Option<String>) {
         let mut inflight = self.inflight.borrow_mut();
-        let peers = self.cfg.exchange.enabled();
         for (i, v) in inflight.iter_mut().enumerate() {
             *v = host.stat(Stat::Region(i, RegionStat::RqActive)) as f64;
-            // The deployment's other Envoys' requests, as their last
-            // exchange messages said (the probe keeps the gauge).
-            if peers {
-                *v += host.stat(Stat::Region(i, RegionStat::PeerRqActive)) as f64;
-            }
         }
         let residency = self
             .cfg

@@ -55,6 +55,11 @@ pub struct RegionState {
     /// were scraped: the router adds only what changed since then, so its own
     /// requests are not counted twice.
     pub inflight_at_scrape: f64,
+    /// How many more requests the deployment's other Envoys have in flight
+    /// to the region than at that scrape, as their exchange messages said
+    /// (the probe's figure at publication; 0 without the exchange).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub peer_inflight_delta: f64,
     /// Requests the engine finishes per second, measured from its
     /// completions counter over the probe's scrapes; absent: not measured
     /// (the router then takes the queue as scraped).
@@ -124,6 +129,10 @@ pub struct RegionState {
     pub cache_clock: Vec<(u64, f64)>,
 }
 
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
+}
+
 impl RegionState {
     /// Slots the region runs at once: `max_concurrency` per replica.
     pub fn slots(&self, max_concurrency: u32) -> u32 {
@@ -144,6 +153,7 @@ impl Default for RegionState {
             kv_usage: None,
             prefix_hit_rate: None,
             inflight_at_scrape: 0.0,
+            peer_inflight_delta: 0.0,
             drain_rps: None,
             scraped_ms: None,
             metrics_ok: false,

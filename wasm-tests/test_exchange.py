@@ -143,3 +143,44 @@ def test_forged_or_damaged_messages_change_nothing(fleet_factory):
     # Routing is unchanged: a cold prompt still goes to near.
     r = chat(e1.port, [{"role": "user", "content": "after the forgeries"}])
     assert r.status == 200 and r.replica == "near" and r.route["reason"] == "rtt", r.route
+
+
+def test_the_ladder_sees_the_deployments_demand_and_drops_a_stopped_peers(fleet_factory):
+    # 10 rps of capacity in all (10/3 per region, each Envoy given the whole
+    # of it, as with the exchange docs/CONFIG.md says). Uneven traffic: 9
+    # rps through Envoy 1, 3 through Envoy 2. Alone, each sees a ratio
+    # above 1 (1.11 and 3.3) and stays at level 0; the deployment's 12 rps
+    # give 0.83: level 1 at both (the band is wider than the default so
+    # that the load's own noise stays in it: level 2 needs a ratio under
+    # 0.75, 13.3 rps). Then Envoy 2 stops and its traffic moves to Envoy 1:
+    # 12 rps there, and Envoy 2's last 3 rps must stop counting, or Envoy 1
+    # would see 15 (0.67, level 2). Its level is then what one Envoy taking
+    # all the traffic reaches: 1, and it never went above.
+    from test_ladder import Load, regions
+    ladder = {"dwell_s": 1, "up_at": [1.0, 0.75, 0.6, 0.5, 0.4], "down_at": [1.25, 0.95, 0.8, 0.65, 0.55]}
+    probe = {"tick_ms": 1000, "busy_tick_ms": 1000, "timeout_ms": 500, "snapshot_max_age_ms": 5000,
+             "demand_alpha": 0.3}
+    ports = [harness.free_port() for _ in range(2)]
+    fleet = fleet_factory({"regions": regions(10 / 3), "probe": probe, "ladder": ladder,
+                           "exchange": {"cluster": harness.PEERS_CLUSTER}},
+                          envoys=2, envoy_edit=harness.exchange_edit(ports))
+    e1, e2 = fleet.envoys
+    with Load(e1.port, 9):
+        with Load(e2.port, 3):
+            wait_all(fleet.envoys, "ladder.level", lambda v: v == 1, timeout=30)
+            # Each counts the other's demand: about 12 rps at both.
+            demand = wait_all(fleet.envoys, "ladder.demand_rps", lambda v: 10 <= v <= 14, timeout=10)
+            e2.proc.kill()
+            e2.proc.wait(timeout=10)
+        with Load(e1.port, 3):
+            wait_all([e1], "exchange.peers", lambda v: v == 0, timeout=10)
+            # A few controller steps on the survivor's own 12 rps.
+            deadline = time.time() + 6
+            while time.time() < deadline:
+                assert stat(e1, "ladder.level") == 1
+                time.sleep(0.2)
+            alone = stat(e1, "ladder.demand_rps")
+    print("deployment demand at both:", demand, "survivor alone:", alone,
+          "changes:", harness.ladder_changes(e1))
+    assert 10 <= alone <= 14, alone
+    assert [c.level for c in harness.ladder_changes(e1)] == [1]

@@ -679,7 +679,7 @@ pub fn shared_records(data: &[u8]) {
             let out = x.take_message(
                 exchange::Load {
                     taken_ms: now,
-                    demand_rps: 0.0,
+                    arrivals: 0,
                     inflight: vec![0; n],
                 },
                 now,
