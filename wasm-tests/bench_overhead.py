@@ -337,6 +337,17 @@ def split_config(path: Path, upstream_ports: dict[str, int], admin_port: int, po
     return ingress, up
 
 
+def add_exchange_sink(cfg: dict, port: int) -> None:
+    """The plugin's exchange on, its peers' cluster one endpoint at `port`
+    (the upstream, which answers any path 200): every message the probe
+    builds is sent, and nothing comes back to merge."""
+    for p in harness.wasm_plugins(cfg):
+        plugin = json.loads(p["configuration"]["value"])
+        plugin["exchange"] = {"cluster": harness.PEERS_CLUSTER}
+        p["configuration"]["value"] = json.dumps(plugin)
+    cfg["static_resources"]["clusters"].append(harness.static_cluster(harness.PEERS_CLUSTER, port))
+
+
 def config_drift() -> str | None:
     """Whether the benchmark's plugin filters are still the demo's, apart
     from the plugin JSON's capacity_rps and max_concurrency; a description
@@ -707,6 +718,10 @@ def main() -> int:
                     help="seconds per run of the one-connection latency cases (0: skip them)")
     ap.add_argument("--sizes", default="4096,65536", help="body sizes in bytes (default 4096,65536)")
     ap.add_argument("--modes", default="fixed,vary", help="fixed (one body) and/or vary (every body new)")
+    ap.add_argument("--exchange", action="store_true",
+                    help="the plugin with the exchange on (exchange.cluster: a sink, the upstream, that "
+                         "answers every message 200): the sender's side of the exchange, what each routed "
+                         "request adds to the probe's messages; compare with a run without")
     ap.add_argument("--upstream", choices=["envoy", "emulator"], default="envoy",
                     help="envoy: direct_response (default); emulator: the engine emulator at zero cost")
     ap.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
@@ -774,6 +789,8 @@ def main() -> int:
         for name, path in (("plain", PLAIN_YAML), ("plugin", PLUGIN_YAML)):
             admin_port, port = harness.free_port(), harness.free_port()
             cfg, _ = split_config(path, upstream_ports, admin_port, port)
+            if name == "plugin" and args.exchange:
+                add_exchange_sink(cfg, upstream_ports["vllm"])
             proc, _ = start_envoy(run_dir, name, cfg, envoy_cpu)
             procs.append(proc)
             targets[name] = Target(name, proc, admin_port, port)
@@ -862,7 +879,8 @@ def main() -> int:
                          "pinned": {"envoy": envoy_cpu, "wrk": args.wrk_cpu, "upstream": up_cpu},
                          "envoy_concurrency": 1, "configs": [str(PLAIN_YAML.relative_to(ROOT)),
                                                              str(PLUGIN_YAML.relative_to(ROOT))],
-                         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])},
+                         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+                         "exchange": args.exchange},
             "targets": {**{f"{k // 1024} KB": v for k, v in TARGETS.items()}, "stream_cpu_ratio": STREAM_TARGET},
             "cases": cases,
             "targets_met": all(c["summary"]["met"] for c in cases if c["summary"]["met"] is not None),
