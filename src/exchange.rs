@@ -7,9 +7,10 @@
 //! own load (in-flight requests per region, and its demand). Every
 //! `exchange.interval_ms` it sends the outbox as one message to
 //! `exchange.fanout` peers through the peers' Envoy cluster, and empties it.
-//! A peer's `exchange` filter checks the message whole and queues it for
-//! its probe, which merges it and puts in its own outbox what was news to
-//! it: each Envoy forwards each item once (relay, not all-to-all), so the
+//! A peer's `exchange` filter checks the message whole, merges its
+//! placements and stored responses into shared data at once, and queues it
+//! for its probe, which takes the loads and usage reports and puts in its
+//! own outbox what was news to it: each Envoy forwards each item once (relay, not all-to-all), so the
 //! bytes an Envoy sends and receives per routed request of the deployment
 //! are about `fanout` items, at any number of Envoys.
 //!
@@ -820,7 +821,15 @@ impl ExchangeStream {
         self.mine = false;
         let max = cfg.exchange.max_message_bytes as usize;
         match Message::decode(body, layout(cfg), cfg.regions.len(), max) {
-            Ok(_) => {
+            Ok(msg) => {
+                // Placements and stored responses go to shared data now,
+                // not at the probe's next tick: a peer's news is routable
+                // within its transit. Merging is newest-wins per entry, so
+                // the repeats a relay brings change nothing.
+                let stores = crate::route::Router::new(cfg);
+                for item in msg.groups.iter().flat_map(|g| &g.items) {
+                    apply_to_shared(&mut *host, &stores, cfg, &item.body);
+                }
                 let mut queued = Vec::with_capacity(body.len() + 1);
                 queued.push(PEER_TAG);
                 queued.extend_from_slice(body);
@@ -833,6 +842,43 @@ impl ExchangeStream {
             }
             Err(e) => refuse(host, if e == Refusal::TooLarge { 413 } else { 400 }, e),
         }
+    }
+}
+
+/// A placement or a stored response, merged into this Envoy's directory
+/// or response map (a usage report is the probe's).
+pub fn apply_to_shared(
+    store: &mut dyn crate::store::SharedStore,
+    stores: &crate::route::Router,
+    cfg: &Config,
+    body: &Body,
+) {
+    match body {
+        Body::Placement {
+            region,
+            stamp,
+            blocks,
+            tag,
+            hashes,
+        } => {
+            stores.dir.merge(
+                store,
+                hashes,
+                usize::from(*region),
+                *stamp,
+                (*blocks, u64::from(*tag)),
+            );
+        }
+        Body::Response {
+            region,
+            at_ms,
+            hash,
+        } => {
+            if let Some(r) = cfg.regions.get(usize::from(*region)) {
+                stores.responses.merge(store, *hash, &r.name, *at_ms);
+            }
+        }
+        Body::Usage(_) => {}
     }
 }
 

@@ -32,47 +32,17 @@ use crate::store::SetOutcome;
 use crate::tuning::Observation;
 use crate::usage::UsageReport;
 
-/// Applies a peer's news to this Envoy's shared data and calibration.
-struct Applier<'a> {
-    host: &'a mut dyn ProbeHost,
-    stores: &'a crate::route::Router,
-    cfg: &'a Config,
-    usage: Vec<UsageReport>,
-}
+/// What of a peer's news the probe applies itself: the usage reports, to
+/// its calibration (the exchange filter wrote the placements and stored
+/// responses to shared data as the message arrived).
+#[derive(Default)]
+struct Usage(Vec<UsageReport>);
 
-impl Apply for Applier<'_> {
+impl Apply for Usage {
     fn apply(&mut self, _origin: u64, body: &Body) {
-        match body {
-            Body::Placement {
-                region,
-                stamp,
-                blocks,
-                tag,
-                hashes,
-            } => {
-                self.stores.dir.merge(
-                    &mut *self.host,
-                    hashes,
-                    usize::from(*region),
-                    *stamp,
-                    (*blocks, u64::from(*tag)),
-                );
-            }
-            Body::Response {
-                region,
-                at_ms,
-                hash,
-            } => {
-                if let Some(r) = self.cfg.regions.get(usize::from(*region)) {
-                    self.stores
-                        .responses
-                        .merge(&mut *self.host, *hash, &r.name, *at_ms);
-                }
-            }
-            Body::Usage(b) => {
-                if let Some(r) = UsageReport::decode(b) {
-                    self.usage.push(r);
-                }
+        if let Body::Usage(b) = body {
+            if let Some(r) = UsageReport::decode(b) {
+                self.0.push(r);
             }
         }
     }
@@ -158,8 +128,6 @@ pub struct Probe {
     exchange: Option<Exchange>,
     /// When the last exchange message went out.
     exchange_sent_ms: Option<u64>,
-    /// The directory and response map the exchange merges into.
-    stores: crate::route::Router,
     exchange_warned: bool,
 }
 
@@ -216,7 +184,6 @@ impl Probe {
                 Exchange::new(&cfg, origin)
             }),
             exchange_sent_ms: None,
-            stores: crate::route::Router::new(&cfg),
             exchange_warned: false,
             cfg,
         }
@@ -916,14 +883,9 @@ impl Probe {
             }
         };
         let sent_ms = msg.sent_ms;
-        let mut apply = Applier {
-            host: &mut *host,
-            stores: &self.stores,
-            cfg: &self.cfg,
-            usage: Vec::new(),
-        };
-        let merged = x.merge(msg, now, &mut apply);
-        let usage = std::mem::take(&mut apply.usage);
+        let mut usage = Usage::default();
+        let merged = x.merge(msg, now, &mut usage);
+        let usage = usage.0;
         if merged.own {
             return;
         }
