@@ -205,6 +205,16 @@ impl Lookup {
 }
 
 impl Directory {
+    /// The directory of a configuration (what every root reads and writes).
+    pub fn new(cfg: &crate::config::Config) -> Directory {
+        Directory {
+            slots: cfg.directory.slots,
+            ttl_ms: u64::from(cfg.directory.ttl_s) * 1000,
+            regions: cfg.regions.len(),
+            layout: layout_of(cfg.regions.iter().map(|r| r.name.as_str())),
+        }
+    }
+
     pub fn slot_key(&self, hash: u64) -> SlotKey {
         SlotKey::new(KEY_PREFIX, hash % u64::from(self.slots.max(1)))
     }

@@ -38,6 +38,8 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::config::Config;
+use crate::directory::Directory;
+use crate::responses::ResponseMap;
 use crate::stream::{Flow, Reply};
 use crate::usage::UsageReport;
 
@@ -826,9 +828,9 @@ impl ExchangeStream {
                 // not at the probe's next tick: a peer's news is routable
                 // within its transit. Merging is newest-wins per entry, so
                 // the repeats a relay brings change nothing.
-                let stores = crate::route::Router::new(cfg);
+                let (dir, responses) = (Directory::new(cfg), ResponseMap::new(cfg));
                 for item in msg.groups.iter().flat_map(|g| &g.items) {
-                    apply_to_shared(&mut *host, &stores, cfg, &item.body);
+                    apply_to_shared(&mut *host, &dir, &responses, cfg, &item.body);
                 }
                 let mut queued = Vec::with_capacity(body.len() + 1);
                 queued.push(PEER_TAG);
@@ -849,7 +851,8 @@ impl ExchangeStream {
 /// or response map (a usage report is the probe's).
 pub fn apply_to_shared(
     store: &mut dyn crate::store::SharedStore,
-    stores: &crate::route::Router,
+    dir: &Directory,
+    responses: &ResponseMap,
     cfg: &Config,
     body: &Body,
 ) {
@@ -861,7 +864,7 @@ pub fn apply_to_shared(
             tag,
             hashes,
         } => {
-            stores.dir.merge(
+            dir.merge(
                 store,
                 hashes,
                 usize::from(*region),
@@ -875,7 +878,7 @@ pub fn apply_to_shared(
             hash,
         } => {
             if let Some(r) = cfg.regions.get(usize::from(*region)) {
-                stores.responses.merge(store, *hash, &r.name, *at_ms);
+                responses.merge(store, *hash, &r.name, *at_ms);
             }
         }
         Body::Usage(_) => {}

@@ -107,6 +107,15 @@ pub struct ResponseMap {
 const HEADER: usize = 16;
 
 impl ResponseMap {
+    /// The map of a configuration.
+    pub fn new(cfg: &crate::config::Config) -> ResponseMap {
+        ResponseMap {
+            slots: cfg.responses.slots,
+            ttl_ms: u64::from(cfg.responses.ttl_s) * 1000,
+            seed: cfg.prefix.hash_seed,
+        }
+    }
+
     fn hash(&self, id: &str) -> u64 {
         xxh3_64_with_seed(id.as_bytes(), self.seed ^ 0x7265_7370_6f6e_7365)
     }

@@ -344,23 +344,14 @@ impl Router {
         let layout = layout_of(cfg.regions.iter().map(|r| r.name.as_str()));
         let ttl_ms = u64::from(cfg.directory.ttl_s) * 1000;
         Router {
-            dir: Directory {
-                slots: cfg.directory.slots,
-                ttl_ms,
-                regions: cfg.regions.len(),
-                layout,
-            },
+            dir: Directory::new(cfg),
             sessions: Sessions {
                 slots: cfg.directory.slots,
                 ttl_ms,
                 layout,
                 seed: cfg.prefix.hash_seed,
             },
-            responses: ResponseMap {
-                slots: cfg.responses.slots,
-                ttl_ms: u64::from(cfg.responses.ttl_s) * 1000,
-                seed: cfg.prefix.hash_seed,
-            },
+            responses: ResponseMap::new(cfg),
         }
     }
 
@@ -648,16 +639,15 @@ impl Router {
         )
     }
 
-    /// What the last `learn` or `finish` wrote, as news for the other
-    /// Envoys of the deployment (`exchange`): the checkpoints written,
-    /// their stamp and the prompt's end. `None` when nothing was written.
-    pub fn placement_note(&self, learning: &Learning, served: usize) -> Option<Vec<u8>> {
-        let from = learning.lookup.written_from;
+    /// What the last `learn` or `finish` wrote at `served`, as news for
+    /// the other Envoys of the deployment (the exchange): the checkpoints
+    /// written, their stamp and the prompt's end. `None` when nothing was
+    /// written.
+    pub fn written(&self, learning: &Learning, served: usize) -> Option<Written> {
         let hashes: Vec<u64> = learning
             .checkpoints
-            .get(from..)?
+            .get(learning.lookup.written_from..)?
             .iter()
-            .take(crate::exchange::MAX_HASHES)
             .map(|c| c.hash)
             .collect();
         let stamp = if learning.finished {
@@ -668,15 +658,12 @@ impl Router {
         if hashes.is_empty() || stamp == 0 {
             return None;
         }
-        Some(crate::exchange::encode_note(
-            &crate::exchange::Body::Placement {
-                region: u16::try_from(served).ok()?,
-                stamp,
-                blocks: learning.prefix.0,
-                tag: learning.prefix.1 as u32,
-                hashes,
-            },
-        ))
+        Some(Written {
+            region: u16::try_from(served).ok()?,
+            stamp,
+            end: learning.prefix,
+            hashes,
+        })
     }
 
     /// This Envoy's prefill of the prompt at `served` (recorded by
@@ -718,6 +705,17 @@ impl Router {
             tokens,
         )
     }
+}
+
+/// The directory entries one write stamped: `region` holds each
+/// checkpoint of `hashes` as of `stamp`, as part of a prompt ending at
+/// `end` (blocks, last block's hash).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Written {
+    pub region: u16,
+    pub stamp: u64,
+    pub end: (u32, u64),
+    pub hashes: Vec<u64>,
 }
 
 /// Why region `h`, which holds a stored response, cannot take the request

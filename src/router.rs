@@ -651,7 +651,14 @@ fn share_placement(
     if !shared.cfg.exchange.enabled() {
         return;
     }
-    if let Some(note) = shared.router.placement_note(learning, served) {
+    if let Some(w) = shared.router.written(learning, served) {
+        let note = crate::exchange::encode_note(&crate::exchange::Body::Placement {
+            region: w.region,
+            stamp: w.stamp,
+            blocks: w.end.0,
+            tag: w.end.1 as u32,
+            hashes: w.hashes,
+        });
         host.enqueue(OBSERVATIONS_QUEUE, &note);
     }
 }
