@@ -28,7 +28,9 @@
 //! - kind 1, placement: `region u16 ‖ stamp u64 ‖ blocks u32 ‖ end tag u32 ‖
 //!   n u8 ‖ checkpoint hash u64 × n` (1 ≤ n ≤ 64);
 //! - kind 2, stored response: `region u16 ‖ recorded ms u64 ‖ id hash u64`;
-//! - kind 3, usage report: the router's report as the probe's queue carries it.
+//! - kind 3, usage report: the router's report as the probe's queue carries it;
+//! - kind 4, session record: `region u16 ‖ recorded ms u64 ‖ session hash u64
+//!   ‖ prompt blocks u32 ‖ last block hash u64`.
 //!
 //! A message is refused whole, never merged in part, when any of it is
 //! malformed, beyond the size limit, or of another layout (region list,
@@ -40,6 +42,7 @@ use std::collections::{BTreeMap, HashMap};
 use crate::config::Config;
 use crate::directory::Directory;
 use crate::responses::ResponseMap;
+use crate::session::Sessions;
 use crate::stream::{Flow, Reply};
 use crate::usage::UsageReport;
 
@@ -61,6 +64,7 @@ const HEAD: usize = 4 + 1 + 1 + 4 + 8 + 8 + 2;
 const KIND_PLACEMENT: u8 = 1;
 const KIND_RESPONSE: u8 = 2;
 const KIND_USAGE: u8 = 3;
+const KIND_SESSION: u8 = 4;
 
 /// Layout id of a configuration: what must agree for two Envoys' hashes
 /// and region numbers to mean the same.
@@ -104,6 +108,15 @@ pub enum Body {
     Response { region: u16, at_ms: u64, hash: u64 },
     /// An engine's answer's usage, as the router reported it.
     Usage(Vec<u8>),
+    /// `region` served the session whose key hashes to `hash` at `at_ms`,
+    /// its prompt ending at `blocks` with a last block hashing to `last`.
+    Session {
+        region: u16,
+        at_ms: u64,
+        hash: u64,
+        blocks: u32,
+        last: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -154,6 +167,7 @@ impl Body {
             Body::Placement { .. } => KIND_PLACEMENT,
             Body::Response { .. } => KIND_RESPONSE,
             Body::Usage(_) => KIND_USAGE,
+            Body::Session { .. } => KIND_SESSION,
         }
     }
 
@@ -186,6 +200,19 @@ impl Body {
                 out.extend_from_slice(&hash.to_le_bytes());
             }
             Body::Usage(b) => out.extend_from_slice(b),
+            Body::Session {
+                region,
+                at_ms,
+                hash,
+                blocks,
+                last,
+            } => {
+                out.extend_from_slice(&region.to_le_bytes());
+                out.extend_from_slice(&at_ms.to_le_bytes());
+                out.extend_from_slice(&hash.to_le_bytes());
+                out.extend_from_slice(&blocks.to_le_bytes());
+                out.extend_from_slice(&last.to_le_bytes());
+            }
         }
     }
 
@@ -194,6 +221,7 @@ impl Body {
             Body::Placement { hashes, .. } => 2 + 8 + 4 + 4 + 1 + 8 * hashes.len().min(MAX_HASHES),
             Body::Response { .. } => 2 + 8 + 8,
             Body::Usage(b) => b.len(),
+            Body::Session { .. } => 2 + 8 + 8 + 4 + 8,
         }
     }
 
@@ -251,6 +279,23 @@ impl Body {
                 }
                 r.at = b.len();
                 Body::Usage(b.to_vec())
+            }
+            KIND_SESSION => {
+                let region = r.u16()?;
+                let at_ms = r.u64()?;
+                let hash = r.u64()?;
+                let blocks = r.u32()?;
+                let last = r.u64()?;
+                if !region_ok(region) {
+                    return Err(Refusal::Malformed("region out of range"));
+                }
+                Body::Session {
+                    region,
+                    at_ms,
+                    hash,
+                    blocks,
+                    last,
+                }
             }
             _ => return Err(Refusal::Malformed("unknown item kind")),
         };
@@ -828,9 +873,9 @@ impl ExchangeStream {
                 // not at the probe's next tick: a peer's news is routable
                 // within its transit. Merging is newest-wins per entry, so
                 // the repeats a relay brings change nothing.
-                let (dir, responses) = (Directory::new(cfg), ResponseMap::new(cfg));
+                let maps = SharedMaps::new(cfg);
                 for item in msg.groups.iter().flat_map(|g| &g.items) {
-                    apply_to_shared(&mut *host, &dir, &responses, cfg, &item.body);
+                    maps.apply(&mut *host, cfg, &item.body);
                 }
                 let mut queued = Vec::with_capacity(body.len() + 1);
                 queued.push(PEER_TAG);
@@ -847,41 +892,62 @@ impl ExchangeStream {
     }
 }
 
-/// A placement or a stored response, merged into this Envoy's directory
-/// or response map (a usage report is the probe's).
-pub fn apply_to_shared(
-    store: &mut dyn crate::store::SharedStore,
-    dir: &Directory,
-    responses: &ResponseMap,
-    cfg: &Config,
-    body: &Body,
-) {
-    match body {
-        Body::Placement {
-            region,
-            stamp,
-            blocks,
-            tag,
-            hashes,
-        } => {
-            dir.merge(
-                store,
+/// This Envoy's shared-data maps a peer's news goes to.
+pub struct SharedMaps {
+    pub dir: Directory,
+    pub responses: ResponseMap,
+    pub sessions: Sessions,
+}
+
+impl SharedMaps {
+    pub fn new(cfg: &Config) -> SharedMaps {
+        SharedMaps {
+            dir: Directory::new(cfg),
+            responses: ResponseMap::new(cfg),
+            sessions: Sessions::new(cfg),
+        }
+    }
+
+    /// A placement, stored response or session record, merged newest-wins
+    /// (a usage report is the probe's).
+    pub fn apply(&self, store: &mut dyn crate::store::SharedStore, cfg: &Config, body: &Body) {
+        match body {
+            Body::Placement {
+                region,
+                stamp,
+                blocks,
+                tag,
                 hashes,
-                usize::from(*region),
-                *stamp,
-                (*blocks, u64::from(*tag)),
-            );
-        }
-        Body::Response {
-            region,
-            at_ms,
-            hash,
-        } => {
-            if let Some(r) = cfg.regions.get(usize::from(*region)) {
-                responses.merge(store, *hash, &r.name, *at_ms);
+            } => {
+                self.dir.merge(
+                    store,
+                    hashes,
+                    usize::from(*region),
+                    *stamp,
+                    (*blocks, u64::from(*tag)),
+                );
             }
+            Body::Response {
+                region,
+                at_ms,
+                hash,
+            } => {
+                if let Some(r) = cfg.regions.get(usize::from(*region)) {
+                    self.responses.merge(store, *hash, &r.name, *at_ms);
+                }
+            }
+            Body::Session {
+                region,
+                at_ms,
+                hash,
+                blocks,
+                last,
+            } => {
+                self.sessions
+                    .merge(store, *hash, usize::from(*region), *at_ms, (*blocks, *last));
+            }
+            Body::Usage(_) => {}
         }
-        Body::Usage(_) => {}
     }
 }
 
@@ -1104,6 +1170,15 @@ mod tests {
     fn notes_round_trip() {
         let b = placement(5);
         assert_eq!(decode_note(&encode_note(&b), 2), Some(b));
+        let s = Body::Session {
+            region: 1,
+            at_ms: 9,
+            hash: 77,
+            blocks: 12,
+            last: 5,
+        };
+        assert_eq!(decode_note(&encode_note(&s), 2), Some(s.clone()));
+        assert_eq!(decode_note(&encode_note(&s), 1), None, "region 1 of 1");
         assert_eq!(
             decode_note(&encode_note(&placement(5)), 1),
             None,

@@ -11,7 +11,7 @@
 use crate::config::{Config, HolderUnavailable};
 use crate::context::{self, Exceeded};
 use crate::cost::{self, Decision, Weights};
-use crate::directory::{layout_of, Directory, Keep, Lookup, Lru, RecentIntake};
+use crate::directory::{Directory, Keep, Lookup, Lru, RecentIntake};
 use crate::migration::{self, KvAction};
 use crate::prefix::{Checkpoint, PromptHasher};
 use crate::request::{self, Endpoint, RequestError};
@@ -123,6 +123,8 @@ pub struct Learning {
     finished: bool,
     /// When `finish` restamped the chain.
     finished_ms: u64,
+    /// `learn` wrote the session record.
+    session_written: bool,
 }
 
 impl Learning {
@@ -341,16 +343,9 @@ impl Router {
     }
 
     pub fn new(cfg: &Config) -> Router {
-        let layout = layout_of(cfg.regions.iter().map(|r| r.name.as_str()));
-        let ttl_ms = u64::from(cfg.directory.ttl_s) * 1000;
         Router {
             dir: Directory::new(cfg),
-            sessions: Sessions {
-                slots: cfg.directory.slots,
-                ttl_ms,
-                layout,
-                seed: cfg.prefix.hash_seed,
-            },
+            sessions: Sessions::new(cfg),
             responses: ResponseMap::new(cfg),
         }
     }
@@ -560,6 +555,7 @@ impl Router {
             intake_noted: false,
             finished: false,
             finished_ms: 0,
+            session_written: false,
         });
         Ok(Routed {
             decision,
@@ -599,9 +595,11 @@ impl Router {
             learning.prefix,
         );
         if let Some(s) = learning.session {
-            calls += self
+            let n = self
                 .sessions
                 .record(store, s, served, now_ms, learning.prefix);
+            learning.session_written = n > 0;
+            calls += n;
         }
         calls
     }
@@ -637,6 +635,16 @@ impl Router {
             now_ms,
             learning.prefix,
         )
+    }
+
+    /// The session record `learn` wrote, as news for the other Envoys:
+    /// (session hash, stamp, prompt end). Once.
+    pub fn session_written(&self, learning: &mut Learning) -> Option<(u64, u64, (u32, u64))> {
+        if !std::mem::replace(&mut learning.session_written, false) {
+            return None;
+        }
+        let s = learning.session?;
+        Some((s.hash, learning.served_ms, learning.prefix))
     }
 
     /// What the last `learn` or `finish` wrote at `served`, as news for

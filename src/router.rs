@@ -645,11 +645,23 @@ fn served_region(
 fn share_placement(
     shared: &RouterShared,
     host: &mut dyn StreamHost,
-    learning: &crate::route::Learning,
+    learning: &mut crate::route::Learning,
     served: usize,
 ) {
     if !shared.cfg.exchange.enabled() {
         return;
+    }
+    if let Some((hash, at_ms, (blocks, last))) = shared.router.session_written(learning) {
+        if let Ok(region) = u16::try_from(served) {
+            let note = crate::exchange::encode_note(&crate::exchange::Body::Session {
+                region,
+                at_ms,
+                hash,
+                blocks,
+                last,
+            });
+            host.enqueue(OBSERVATIONS_QUEUE, &note);
+        }
     }
     if let Some(w) = shared.router.written(learning, served) {
         let note = crate::exchange::encode_note(&crate::exchange::Body::Placement {

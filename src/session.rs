@@ -85,6 +85,45 @@ impl Sessions {
     /// sent (`prefix`: blocks, last block's chain hash); skipped (no call)
     /// when the record already says exactly that and is younger than half
     /// the TTL.
+    /// A peer Envoy's record: session `hash` served by `region` at
+    /// `at_ms`, its prompt `prefix`; kept unless the slot holds a newer
+    /// record. True when it changed the slot.
+    pub fn merge(
+        &self,
+        store: &mut dyn SharedStore,
+        hash: u64,
+        region: usize,
+        at_ms: u64,
+        prefix: (u32, u64),
+    ) -> bool {
+        let key = self.key(hash);
+        let newer = store
+            .get(key.as_str())
+            .ok()
+            .flatten()
+            .and_then(|(v, _)| self.decode(&v))
+            .is_some_and(|(_, _, ts, _)| ts >= at_ms);
+        if newer {
+            return false;
+        }
+        let _ = store.set(
+            key.as_str(),
+            &self.encode(hash, region, at_ms, prefix),
+            None,
+        );
+        true
+    }
+
+    /// The sessions of a configuration.
+    pub fn new(cfg: &crate::config::Config) -> Sessions {
+        Sessions {
+            slots: cfg.directory.slots,
+            ttl_ms: u64::from(cfg.directory.ttl_s) * 1000,
+            layout: crate::directory::layout_of(cfg.regions.iter().map(|r| r.name.as_str())),
+            seed: cfg.prefix.hash_seed,
+        }
+    }
+
     pub fn record(
         &self,
         store: &mut dyn SharedStore,
