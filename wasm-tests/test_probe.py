@@ -38,9 +38,11 @@ def test_exactly_one_probe_loop_per_envoy(fleet):
 
 def test_rtt_and_engine_metrics_reach_the_snapshot(fleet):
     envoy = fleet.envoy
-    # Scrapes that failed before the test (a first round while Envoy and
-    # the engines start: CI saw far's first /metrics time out, 504, at
-    # 300 ms) are not this test's; none may fail from here on.
+    # Scrapes that failed while the fleet started are not this test's: CI
+    # saw far's first /metrics (sent 50 ms after Envoy's start) time out,
+    # 504 at 300 ms, and land just after the fixture's snapshot was ready.
+    # Two rounds let it land; none may fail from there on.
+    wait_ticks(envoy, 2)
     failed_before = {n: envoy.stat(f"wasmcustom.llm_geo_router.region.{n}.metrics_scrape_failure")
                      for n in ("mid", "far")}
     rtt = {n: envoy.stat(f"wasmcustom.llm_geo_router.region.{n}.rtt_ms") for n in fleet.engines}
