@@ -1,10 +1,13 @@
 """The local three-region demo: three emulated engine replicas (near 5 ms,
-mid 40 ms, far 120 ms away) behind a real Envoy 1.40 running the plugin from
-envoy/envoy.yaml, and a short scripted traffic run that shows each routing
-decision. Run it through `scripts/demo`, which installs and builds first.
+mid 40 ms, far 120 ms away) behind two real Envoy 1.40s running the plugin
+from envoy/envoy.yaml, one deployment sharing what each Envoy learns (the
+exchange), and a short scripted traffic run that shows each routing
+decision. Requests alternate between the two Envoys as behind a load
+balancer: a conversation's turns go through both. Run it through
+`scripts/demo`, which installs and builds first.
 
-Every request prints one line: what it was, the HTTP status, the replica
-that served it (`x-engine-replica`), the tokens that replica found cached
+Every request prints one line: what it was, the Envoy it went through,
+the HTTP status, the replica that served it (`x-engine-replica`), the tokens that replica found cached
 (`x-engine-cached-tokens`), and the router's reason and TTFT terms (from the
 `x-llm-route` decision header the demo configuration turns on).
 
@@ -54,7 +57,27 @@ def check(ok: bool, why: str) -> bool:
     return ok
 
 
+class Balancer:
+    """The demo's load balancer: each request to the next Envoy in turn."""
+
+    def __init__(self, fleet: Fleet):
+        self.envoys = fleet.envoys
+        self.n = 0
+
+    def next(self) -> int:
+        self.last = self.n % len(self.envoys)
+        self.n += 1
+        return self.last
+
+    def port(self) -> int:
+        return self.envoys[self.next()].port
+
+
+lb: Balancer
+
+
 def show(label: str, r: Response) -> Response:
+    label = f"{label} [envoy {lb.last + 1}]"
     route = r.route
     replica = r.replica or "-"
     if r.status < 400 and r.replica:
@@ -68,7 +91,7 @@ def show(label: str, r: Response) -> Response:
             terms += f"  (runner-up {route['runner_up']} {route.get('runner_up_ttft_ms', '?')} ms)"
     else:
         terms = "no routing decision"
-    print(f"  {label:<39} {r.status}  {replica:<5} cached={cached:<5} {terms}", flush=True)
+    print(f"  {label:<50} {r.status}  {replica:<5} cached={cached:<5} {terms}", flush=True)
     return r
 
 
@@ -83,17 +106,17 @@ def expect_route(r: Response, what: str, region: str, reason: str | None = None)
               f"{what}: router reason {got.get('reason')!r}, expected {reason!r} (x-llm-route: {r.headers.get('x-llm-route')!r})")
 
 
-def gauge(fleet: Fleet, region: str, what: str) -> int:
-    return fleet.envoy.stat(f"wasmcustom.llm_geo_router.region.{region}.{what}")
+def gauge(fleet: Fleet, region: str, what: str, envoy: int = 0) -> int:
+    return fleet.envoys[envoy].stat(f"wasmcustom.llm_geo_router.region.{region}.{what}")
 
 
 def wait_gauge(fleet: Fleet, region: str, what: str, ok, timeout: float = PROBE_WAIT_S) -> tuple[bool, float]:
-    """Poll a probe gauge until ok(value); the demo waits on what the probe
-    published, not on a fixed sleep, so a slow machine does not change the
-    outcome."""
+    """Poll a probe gauge at every Envoy until ok(value) at all; the demo
+    waits on what the probes published, not on a fixed sleep, so a slow
+    machine does not change the outcome."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        if ok(gauge(fleet, region, what)):
+        if all(ok(gauge(fleet, region, what, i)) for i in range(len(fleet.envoys))):
             return True, time.monotonic() - t0
         time.sleep(0.05)
     return False, time.monotonic() - t0
@@ -110,13 +133,14 @@ def scene_cold(fleet: Fleet) -> None:
     heading(1, "three cold prompts (nothing cached anywhere) go to the nearest region, near")
     for i, topic in enumerate(["tides", "volcanoes", "glaciers"], 1):
         r = show(f"cold prompt {i} ({topic})",
-                 chat(fleet.port, [{"role": "user", "content": f"Explain {topic} in one sentence."}]))
+                 chat(lb.port(), [{"role": "user", "content": f"Explain {topic} in one sentence."}]))
         expect_route(r, f"cold prompt {i}", "near", "rtt")
 
 
 def scene_conversation(fleet: Fleet) -> list[dict]:
     heading(2, "a 4-turn conversation (8 KB system prompt) starts on mid while near is down, and stays "
-               "on mid after near recovers: the cached prefix saves more prefill than the extra RTT costs")
+               "on mid after near recovers: the cached prefix saves more prefill than the extra RTT costs. "
+               "Its turns alternate between the Envoys: each knows what the other placed")
     near = fleet.engines["near"]
     near.set_state(healthy=False)
     ok, waited = wait_gauge(fleet, "near", "healthy", lambda v: v == 0)
@@ -133,7 +157,7 @@ def scene_conversation(fleet: Fleet) -> list[dict]:
             if check(ok, f"the probe did not mark near healthy again within {PROBE_WAIT_S} s"):
                 note(f"near is healthy again (probe noticed after {waited:.1f} s)")
         messages.append({"role": "user", "content": q})
-        r = show(f"conversation turn {turn}", chat(fleet.port, messages))
+        r = show(f"conversation turn {turn}", chat(lb.port(), messages))
         if turn == 1:
             expect_route(r, "turn 1 (near unhealthy)", "mid", "rtt")
         else:
@@ -173,7 +197,7 @@ def scene_queue(fleet: Fleet, messages: list[dict]) -> None:
             note(f"probe scraped mid: {gauge(fleet, 'mid', 'engine_waiting')} waiting, "
                  f"{gauge(fleet, 'mid', 'engine_running')} running (after {waited:.1f} s)")
         messages.append({"role": "user", "content": "Also, when will it arrive?"})
-        r = show("conversation turn 5", chat(fleet.port, messages))
+        r = show("conversation turn 5", chat(lb.port(), messages))
         expect_route(r, "turn 5 (mid queued)", "near", "load")
         messages.append({"role": "assistant", "content": reply_text(r)})
     finally:
@@ -189,7 +213,7 @@ def scene_queue(fleet: Fleet, messages: list[dict]) -> None:
 def scene_malformed(fleet: Fleet) -> None:
     heading(4, "a malformed JSON request is refused by the router with 400 and an OpenAI error body")
     body = b'{"model": "emulated-model", "messages": [{"role": "user", "content": "hi"}'
-    r = show("truncated JSON body", request(fleet.port, "POST", "/v1/chat/completions", body))
+    r = show("truncated JSON body", request(lb.port(), "POST", "/v1/chat/completions", body))
     check(r.status == 400, f"malformed JSON: HTTP {r.status}, expected 400")
     check(r.replica is None, f"malformed JSON reached engine {r.replica!r}")
     try:
@@ -204,7 +228,7 @@ def scene_malformed(fleet: Fleet) -> None:
 def scene_spoof(fleet: Fleet) -> None:
     heading(5, "a client sending x-llm-cluster: region_far cannot choose the region")
     r = show("cold prompt, x-llm-cluster: region_far",
-             chat(fleet.port, [{"role": "user", "content": "Explain monsoons in one sentence."}],
+             chat(lb.port(), [{"role": "user", "content": "Explain monsoons in one sentence."}],
                   headers={"x-llm-cluster": "region_far"}))
     expect_route(r, "spoofed cluster header", "near", "rtt")
     seen = r.headers.get("x-echo-x-llm-cluster")
@@ -216,15 +240,15 @@ def scene_spoof(fleet: Fleet) -> None:
 
 def scene_responses(fleet: Fleet) -> None:
     heading(6, "a Responses API conversation is stored by the engine that answered it (mid, while near "
-               "is down); after near recovers, its follow-up (previous_response_id) goes back to mid, the "
-               "only region that has it")
+               "is down); after near recovers, its follow-up (previous_response_id), through the other "
+               "Envoy, goes back to mid, the only region that has it")
     near = fleet.engines["near"]
     near.set_state(healthy=False)
     ok, _ = wait_gauge(fleet, "near", "healthy", lambda v: v == 0)
     check(ok, f"the probe did not mark near unhealthy within {PROBE_WAIT_S} s")
     first = {"model": "emulated-model", "instructions": "Be brief.", "input": "Where is parcel 1142?",
              "max_output_tokens": 16}
-    r = show("responses turn 1", request(fleet.port, "POST", "/v1/responses", first))
+    r = show("responses turn 1", request(lb.port(), "POST", "/v1/responses", first))
     expect_route(r, "responses turn 1 (near unhealthy)", "mid", "rtt")
     near.set_state(healthy=True)
     ok, _ = wait_gauge(fleet, "near", "healthy", lambda v: v == 1)
@@ -236,35 +260,45 @@ def scene_responses(fleet: Fleet) -> None:
         return
     note(f"mid stored response {rid}")
     follow = {**first, "input": "Can it be redirected?", "previous_response_id": rid}
-    r = show("responses turn 2 (previous_response_id)", request(fleet.port, "POST", "/v1/responses", follow))
+    r = show("responses turn 2 (previous_response_id)", request(lb.port(), "POST", "/v1/responses", follow))
     expect_route(r, "responses turn 2 (near healthy, response stored on mid)", "mid", "response")
 
 
 def summary(fleet: Fleet) -> None:
-    print(f"\n[{elapsed()}] Requests per region (Envoy stats wasmcustom.llm_geo_router.region.<name>.rq_total)")
-    stats = fleet.envoy.stats()
+    print(f"\n[{elapsed()}] Requests per region, both Envoys' counts added "
+          "(Envoy stats wasmcustom.llm_geo_router.region.<name>.rq_total)")
+    every = [e.stats() for e in fleet.envoys]
+
+    def total(name: str) -> int:
+        return sum(s.get(name, 0) for s in every)
+
     print(f"  {'region':<8} {'rq_total':>8} {'served (seen by demo)':>22} {'rq_active now':>14}")
     for name in harness.DEMO_REGIONS:
-        total = stats.get(f"wasmcustom.llm_geo_router.region.{name}.rq_total", 0)
-        active = stats.get(f"wasmcustom.llm_geo_router.region.{name}.rq_active", 0)
-        print(f"  {name:<8} {total:>8} {served.get(name, 0):>22} {active:>14}")
-        check(total == served.get(name, 0),
-              f"rq_total for {name} is {total}, but the demo saw {served.get(name, 0)} requests served there")
+        rq = total(f"wasmcustom.llm_geo_router.region.{name}.rq_total")
+        active = total(f"wasmcustom.llm_geo_router.region.{name}.rq_active")
+        print(f"  {name:<8} {rq:>8} {served.get(name, 0):>22} {active:>14}")
+        check(rq == served.get(name, 0),
+              f"rq_total for {name} is {rq}, but the demo saw {served.get(name, 0)} requests served there")
         # Every request has finished: an in-flight count left over would skew
         # the queue term of every later decision.
         check(active == 0, f"rq_active for {name} is {active} with no request in flight")
-    reasons = {k.rsplit(".", 1)[1]: v for k, v in stats.items()
-               if k.startswith("wasmcustom.llm_geo_router.router.decision.")}
-    print("  decisions: " + ", ".join(f"{k}={v}" for k, v in sorted(reasons.items())))
-    print(f"  invalid requests refused by the router: {stats.get('wasmcustom.llm_geo_router.router.invalid_request', 0)}")
-    # harness.traps: log lines that show a trap or panic (older versions: a count).
-    traps = harness.traps(fleet.envoy)
-    lines = traps if isinstance(traps, list) else []
-    count = len(traps) if isinstance(traps, list) else int(traps)
-    print(f"  wasm VM traps/panics in Envoy's log: {count}")
-    for line in lines[:3]:
-        print(f"    {line.strip()[:200]}")
-    check(count == 0, f"Envoy logged {count} wasm VM failures; see {fleet.envoy.log_path}")
+    prefix = "wasmcustom.llm_geo_router.router.decision."
+    reasons = {k[len(prefix):]: total(k) for k in sorted({k for s in every for k in s if k.startswith(prefix)})}
+    print("  decisions: " + ", ".join(f"{k}={v}" for k, v in reasons.items()))
+    print(f"  invalid requests refused by the router: {total('wasmcustom.llm_geo_router.router.invalid_request')}")
+    print("  the exchange (wasmcustom.llm_geo_router.exchange.*):")
+    for i, s in enumerate(every, 1):
+        x = {k: s.get(f"wasmcustom.llm_geo_router.exchange.{k}", 0)
+             for k in ("sent", "received", "merged", "refused", "peers")}
+        print(f"    envoy {i}: " + ", ".join(f"{k}={v}" for k, v in x.items()))
+        check(x["received"] > 0 and x["merged"] > 0 and x["refused"] == 0 and x["peers"] == len(fleet.envoys) - 1,
+              f"envoy {i}'s exchange: {x}, expected messages received and merged from its one peer, none refused")
+    for i, e in enumerate(fleet.envoys, 1):
+        lines = harness.traps(e)
+        print(f"  wasm VM traps/panics in envoy {i}'s log: {len(lines)}")
+        for line in lines[:3]:
+            print(f"    {line.strip()[:200]}")
+        check(not lines, f"envoy {i} logged {len(lines)} wasm VM failures; see {e.log_path}")
 
 
 def main() -> int:
@@ -277,12 +311,14 @@ def main() -> int:
     run_dir = fresh_run_dir("demo")
     fleet = Fleet(run_dir)
     print(f"[{elapsed()}] Starting emulated regions near (5 ms), mid (40 ms), far (120 ms, sglang) "
-          f"and Envoy; logs in {run_dir.relative_to(harness.ROOT)}", flush=True)
+          f"and two Envoys sharing; logs in {run_dir.relative_to(harness.ROOT)}", flush=True)
+    global lb
     try:
-        fleet.start()
-        e = fleet.envoy
-        print(f"[{elapsed()}] Envoy listening on 127.0.0.1:{e.port} (admin {e.admin_port}); "
-              f"probe snapshot published", flush=True)
+        fleet.start(envoys=2, shared=True)
+        lb = Balancer(fleet)
+        for i, (e, peers) in enumerate(zip(fleet.envoys, fleet.exchange_ports), 1):
+            print(f"[{elapsed()}] Envoy {i} listening on 127.0.0.1:{e.port} (admin {e.admin_port}, "
+                  f"peers {peers}); probe snapshot published", flush=True)
         scene_cold(fleet)
         messages = scene_conversation(fleet)
         scene_queue(fleet, messages)

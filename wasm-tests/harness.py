@@ -4,9 +4,12 @@ until they are ready, and tears everything down even when a test fails.
 
 The Envoy configuration is the repository's own `envoy/envoy.yaml`, loaded
 with PyYAML and rewritten only where a test must differ: ports, the .wasm
-path, and plugin-configuration overrides merged into the JSON all three
+path, and plugin-configuration overrides merged into the JSON all the
 roots share; a region started as several replicas gets one endpoint per
-replica, and a fleet with a Prometheus gets a `prometheus` cluster.
+replica, and a fleet with a Prometheus gets a `prometheus` cluster. The
+file's exchange (a deployment of Envoys sharing what each learns) is kept,
+with its ports moved, for a fleet started `shared`, and taken out whole
+otherwise: each Envoy on its own, as without the `exchange` block.
 
 A region may run as several emulator replicas (`Fleet.start(replicas=
 {"near": 3})`), and a real Prometheus (/usr/bin/prometheus, installed by
@@ -257,64 +260,51 @@ PEERS_CLUSTER = "llm_geo_router_peers"
 EXCHANGE_LISTENER = "llm_exchange"
 
 
-def exchange_edit(peer_ports: list[int]):
-    """An `envoy_edit` for Fleet.start that makes its Envoys one deployment
-    sharing what they learn: the i-th Envoy started gets a listener on
-    peer_ports[i] whose only filter is the plugin's `exchange` root (every
-    other request gets 404), and every Envoy a ROUND_ROBIN cluster
-    PEERS_CLUSTER of all of them (itself included, as a headless Service
-    would list it). The plugin config needs {"exchange": {"cluster":
-    PEERS_CLUSTER}}."""
-    count = iter(range(len(peer_ports)))
-
-    def edit(cfg: dict) -> None:
-        i = next(count)
-        router = next(c for c in wasm_plugins(cfg) if c.get("root_id") == "router")
-        exchange = copy.deepcopy(router)
-        exchange["name"] = "llm_geo_router_exchange"
-        exchange["root_id"] = "exchange"
-        cfg["static_resources"]["listeners"].append({
-            "name": EXCHANGE_LISTENER,
-            "address": {"socket_address": {"address": "127.0.0.1", "port_value": peer_ports[i]}},
-            "filter_chains": [{"filters": [{
-                "name": "envoy.filters.network.http_connection_manager",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                    "stat_prefix": EXCHANGE_LISTENER,
-                    "route_config": {"virtual_hosts": [{
-                        "name": "peers", "domains": ["*"],
-                        "routes": [{"match": {"prefix": "/"}, "direct_response": {"status": 404}}]}]},
-                    "http_filters": [
-                        {"name": "llm_geo_router_exchange", "typed_config": {
-                            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-                            "config": exchange}},
-                        {"name": "envoy.filters.http.router", "typed_config": {
-                            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
-                    ],
-                }}]}],
-        })
-        peers = static_cluster(PEERS_CLUSTER, peer_ports[0])
-        peers["lb_policy"] = "ROUND_ROBIN"
-        peers["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
-            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
-            for p in peer_ports]
-        cfg["static_resources"]["clusters"].append(peers)
-
-    return edit
+def set_exchange(cfg: dict, peers: tuple[int, list[int]] | None) -> None:
+    """The exchange of envoy/envoy.yaml (its `llm_exchange` listener, its
+    PEERS_CLUSTER and the plugin's `exchange` block) made that of one Envoy
+    of a deployment on loopback: `peers` is (this Envoy's exchange port,
+    every Envoy's exchange port, its own included, as a headless Service
+    lists it). With None the exchange is taken out whole: one Envoy on its
+    own, as without the `exchange` block."""
+    res = cfg["static_resources"]
+    if peers is None:
+        res["listeners"] = [l for l in res["listeners"] if l["name"] != EXCHANGE_LISTENER]
+        res["clusters"] = [c for c in res["clusters"] if c["name"] != PEERS_CLUSTER]
+        for p in wasm_plugins(cfg):
+            plugin = json.loads(p["configuration"]["value"])
+            plugin.pop("exchange", None)
+            p["configuration"]["value"] = json.dumps(plugin)
+        return
+    own, ports = peers
+    (lis,) = [l for l in res["listeners"] if l["name"] == EXCHANGE_LISTENER]
+    lis["address"]["socket_address"]["port_value"] = own
+    (cl,) = [c for c in res["clusters"] if c["name"] == PEERS_CLUSTER]
+    (group,) = cl["load_assignment"]["endpoints"]
+    template = group["lb_endpoints"][0]
+    group["lb_endpoints"] = []
+    for port in ports:
+        lb = copy.deepcopy(template)
+        lb["endpoint"]["address"]["socket_address"]["port_value"] = port
+        group["lb_endpoints"].append(lb)
 
 
 def render_config(engines: dict[str, Engine | list[Engine]] | None, admin_port: int, port: int,
                   overrides: dict | None = None, base: Path = DEMO_CONFIG,
-                  prometheus_port: int | None = None) -> dict:
+                  prometheus_port: int | None = None, peers: tuple[int, list[int]] | None = None) -> dict:
     """The demo Envoy config on the given ports. `engines` maps an engine
     name of ALL_ENGINES to the engine started for it, or to the list of
     replicas started for that region (each becomes an endpoint wherever the
     demo config has the region's engine). With `prometheus_port`, a STATIC
-    cluster PROMETHEUS_CLUSTER points at a Prometheus on that loopback port."""
+    cluster PROMETHEUS_CLUSTER points at a Prometheus on that loopback port.
+    `peers` is this Envoy's place in a deployment sharing through the
+    exchange (see set_exchange); without it the Envoy is on its own."""
     cfg = yaml.safe_load(base.read_text())
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    set_exchange(cfg, peers)
     for lis in cfg["static_resources"]["listeners"]:
-        lis["address"]["socket_address"]["port_value"] = port
+        if lis["name"] != EXCHANGE_LISTENER:
+            lis["address"]["socket_address"]["port_value"] = port
     if engines is not None:
         # An engine's port in the demo config is its cluster's first
         # endpoint; every endpoint on that port (a region cluster's failover
@@ -635,6 +625,8 @@ class Fleet:
     envoys: list[Envoy] = field(default_factory=list)
     replicas: dict[str, list[Engine]] = field(default_factory=dict)
     prometheus: Prometheus | None = None
+    # Each Envoy's peers' listener port, when the fleet is shared.
+    exchange_ports: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         for name, e in self.engines.items():
@@ -650,12 +642,15 @@ class Fleet:
 
     def start(self, overrides: dict | None = None, engine_extra: dict | None = None, envoys: int = 1,
               fallback: bool = False, envoy_edit=None, replicas: dict[str, int] | None = None,
-              prometheus: bool = False, scrape_interval: str = "1s") -> "Fleet":
+              prometheus: bool = False, scrape_interval: str = "1s", shared: bool = False) -> "Fleet":
         """Starts the engines, then (with `prometheus`) a Prometheus scraping
         every replica of the three regions, then the Envoys (with a cluster
         PROMETHEUS_CLUSTER when there is a Prometheus). `engine_extra` maps
         a region to flags for all its replicas, or a replica name (near-2)
-        to flags for that one (applied after the region's)."""
+        to flags for that one (applied after the region's). With `shared`
+        the Envoys are one deployment sharing what they learn, through
+        envoy/envoy.yaml's exchange (each Envoy's peers' port is in
+        `exchange_ports`); without it each is on its own."""
         extra = engine_extra or {}
         for name, (_, delay, mode) in DEMO_REGIONS.items():
             n = (replicas or {}).get(name, 1)
@@ -677,9 +672,12 @@ class Fleet:
             self.prometheus = start_prometheus(self.run_dir, dict(self.replicas), scrape_interval,
                                                wait_targets=False)
         prom_port = self.prometheus.port if self.prometheus else None
+        if shared:
+            self.exchange_ports = [free_port() for _ in range(envoys)]
         for i in range(envoys):
+            peers = (self.exchange_ports[i], self.exchange_ports) if shared else None
             cfg = render_config({**self.replicas, **self.fallbacks}, free_port(), free_port(), overrides,
-                                prometheus_port=prom_port)
+                                prometheus_port=prom_port, peers=peers)
             if envoy_edit is not None:
                 envoy_edit(cfg)
             self.envoys.append(start_envoy(self.run_dir, cfg, name=f"envoy{i}"))

@@ -34,6 +34,11 @@ SERVICES = {
     18013: "far-fallback",
 }
 SERVICE_PORT = 8000
+# The demo's two Envoys' peers' listeners on loopback (envoy/envoy.yaml's
+# llm_geo_router_peers cluster) -> the compose service of each Envoy; both
+# containers listen for peers on the first one's port.
+ENVOYS = {10001: "envoy", 10011: "envoy-2"}
+PEER_PORT = 10001
 WASM_IN_CONTAINER = "/etc/envoy/llm_geo_router.wasm"
 WASM_IN_DEMO = "target/wasm32-wasip1/release/llm_geo_router.wasm"
 
@@ -44,10 +49,11 @@ HEADER = """\
 #
 # The docker-compose variant of the local demo (docker-compose.yml). It differs
 # from envoy/envoy.yaml only where a container differs from loopback:
-#   - admin and listener bind 0.0.0.0, so other containers (Prometheus) and
-#     the published ports reach them;
-#   - every endpoint is a compose service resolved by name (STRICT_DNS, IPv4,
-#     port 8000) instead of a loopback address;
+#   - admin and listeners bind 0.0.0.0, so other containers (Prometheus, the
+#     other Envoy) and the published ports reach them;
+#   - every endpoint is a compose service resolved by name (STRICT_DNS, IPv4)
+#     instead of a loopback address: the engines on port 8000, the two
+#     Envoys (envoy, envoy-2) on their peers' port 10001;
 #   - the .wasm is read from /etc/envoy/llm_geo_router.wasm, a bind mount of
 #     target/wasm32-wasip1/release/llm_geo_router.wasm.
 #
@@ -73,12 +79,14 @@ def render(demo_text: str) -> str:
         if n == 0 or (count is not None and n != count):
             raise ValueError(f"envoy/envoy.yaml changed shape: {pattern!r} matched {n} times")
 
-    once(r"socket_address: \{ address: 127\.0\.0\.1, port_value: (9901|10000) \}",
-         r"socket_address: { address: 0.0.0.0, port_value: \1 }", count=2)
-    once(re.escape(f"filename: {WASM_IN_DEMO}"), f"filename: {WASM_IN_CONTAINER}", count=3)
+    once(r"(?m)^(\s+)socket_address: \{ address: 127\.0\.0\.1, port_value: (9901|10000|10001) \}$",
+         r"\1socket_address: { address: 0.0.0.0, port_value: \2 }", count=3)
+    once(re.escape(f"filename: {WASM_IN_DEMO}"), f"filename: {WASM_IN_CONTAINER}", count=4)
 
     def endpoint(m: re.Match) -> str:
         port = int(m.group(1))
+        if port in ENVOYS:
+            return f"address: {ENVOYS[port]}, port_value: {PEER_PORT}"
         if port not in SERVICES:
             raise ValueError(f"envoy/envoy.yaml: endpoint port {port} has no compose service")
         return f"address: {SERVICES[port]}, port_value: {SERVICE_PORT}"
@@ -109,15 +117,15 @@ def strip_compose_differences(cfg: dict) -> dict:
         sa["address"] = "127.0.0.1"
     for p in harness.wasm_plugins(cfg):
         p["vm_config"]["code"]["local"]["filename"] = WASM_IN_DEMO
-    by_service = {s: port for port, s in SERVICES.items()}
+    by_service = {(s, SERVICE_PORT): port for port, s in SERVICES.items()}
+    by_service.update({(s, PEER_PORT): port for port, s in ENVOYS.items()})
     for cl in cfg["static_resources"]["clusters"]:
         assert cl.pop("type") == "STRICT_DNS" and cl.pop("dns_lookup_family") == "V4_ONLY"
         cl["type"] = "STATIC"
         for group in cl["load_assignment"]["endpoints"]:
             for lb in group["lb_endpoints"]:
                 sa = lb["endpoint"]["address"]["socket_address"]
-                assert sa["port_value"] == SERVICE_PORT
-                sa["port_value"] = by_service[sa["address"]]
+                sa["port_value"] = by_service[(sa["address"], sa["port_value"])]
                 sa["address"] = "127.0.0.1"
     return cfg
 
@@ -167,14 +175,24 @@ def test_every_file_docker_compose_mounts_or_builds_from_exists():
 def test_docker_compose_runs_the_generated_config_the_tested_envoy_and_every_endpoint_service():
     c = compose_file()
     services = c["services"]
-    envoy = services["envoy"]
-    assert envoy["image"] == "envoyproxy/envoy:v1.40.0"
     version = harness.subprocess.run([str(harness.ENVOY), "--version"], capture_output=True, text=True).stdout
     assert "/1.40.0/" in version, version
-    mounts = {v["target"]: v["source"] for v in envoy["volumes"] if isinstance(v, dict)}
-    config_arg = envoy["command"][envoy["command"].index("-c") + 1]
-    assert mounts[config_arg] == "./envoy/envoy-compose.yaml"
-    assert mounts[WASM_IN_CONTAINER] == "./" + WASM_IN_DEMO
+    # Both Envoys of the deployment, each a host of the peers' cluster, run
+    # the generated config and the built .wasm; the peers' port is
+    # published on no host port (only the compose network reaches it).
+    published = []
+    for name in ENVOYS.values():
+        envoy = services[name]
+        assert envoy["image"] == "envoyproxy/envoy:v1.40.0", name
+        mounts = {v["target"]: v["source"] for v in envoy["volumes"] if isinstance(v, dict)}
+        config_arg = envoy["command"][envoy["command"].index("-c") + 1]
+        assert mounts[config_arg] == "./envoy/envoy-compose.yaml", name
+        assert mounts[WASM_IN_CONTAINER] == "./" + WASM_IN_DEMO, name
+        ports = [p.rsplit(":", 1) for p in envoy["ports"]]
+        assert all(host.startswith("127.0.0.1:") for host, _ in ports), envoy["ports"]
+        assert sorted(int(inner) for _, inner in ports) == [9901, 10000], (name, envoy["ports"])
+        published += [host for host, _ in ports]
+    assert len(set(published)) == len(published), published
     # Every endpoint the config names is a service that listens on 8000.
     for port, name in SERVICES.items():
         cmd = services[name]["command"]
@@ -183,7 +201,7 @@ def test_docker_compose_runs_the_generated_config_the_tested_envoy_and_every_end
     prom = yaml.safe_load((harness.ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     job = next(j for j in prom["scrape_configs"] if j["job_name"] == "envoy")
     assert job["metrics_path"] == "/stats/prometheus"
-    assert job["static_configs"][0]["targets"] == ["envoy:9901"]
+    assert job["static_configs"][0]["targets"] == [f"{name}:9901" for name in ENVOYS.values()]
 
 
 def test_compose_engines_run_as_the_suite_runs_them():

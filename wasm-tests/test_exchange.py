@@ -1,7 +1,9 @@
 """Many Envoys, one view (issue 26): three Envoys in front of the demo
 regions share what each learns through the plugin's exchange (the probe's
 callouts to the peers' cluster, the `exchange` filter on a listener only
-peers reach)."""
+peers reach), as envoy/envoy.yaml ships it: its `llm_exchange` listener,
+its `llm_geo_router_peers` cluster and its `exchange` block, with the
+ports moved (harness.set_exchange)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,12 @@ import struct
 import time
 import urllib.request
 
+import yaml
+
 import harness
 from harness import chat, filler
 
 FAST = {"probe": {"tick_ms": 300, "timeout_ms": 300, "snapshot_max_age_ms": 3000}}
-SHARED = {**FAST, "exchange": {"cluster": harness.PEERS_CLUSTER}}
 
 
 def stat(envoy, name):
@@ -31,10 +34,8 @@ def wait_all(envoys, name, predicate, timeout=15.0):
 
 
 def start(fleet_factory, shared=True, n=3):
-    ports = [harness.free_port() for _ in range(n)]
-    fleet = fleet_factory(SHARED if shared else FAST, envoys=n,
-                          envoy_edit=harness.exchange_edit(ports) if shared else None)
-    return fleet, ports
+    fleet = fleet_factory(FAST, envoys=n, shared=shared)
+    return fleet, fleet.exchange_ports
 
 
 def turn_on_mid(fleet, via, seed, envoys=None):
@@ -127,7 +128,8 @@ def test_forged_or_damaged_messages_change_nothing(fleet_factory):
     fleet, ports = start(fleet_factory, n=2)
     e1, e2 = fleet.envoys
     wait_all(fleet.envoys, "exchange.peers", lambda v: v == 1)
-    path = SHARED["exchange"].get("path", "/llm-geo-router/exchange")
+    path = harness.plugin_config(yaml.safe_load(harness.DEMO_CONFIG.read_text()))["exchange"].get(
+        "path", "/llm-geo-router/exchange")
     # On the client listener the exchange path is just an unknown path: the
     # router sends it to a region, whose engine does not know it.
     assert post(e1.port, path, message(0, 42, [1, 2, 3])) == 404
@@ -160,10 +162,8 @@ def test_the_ladder_sees_the_deployments_demand_and_drops_a_stopped_peers(fleet_
     ladder = {"dwell_s": 1, "up_at": [1.0, 0.75, 0.6, 0.5, 0.4], "down_at": [1.25, 0.95, 0.8, 0.65, 0.55]}
     probe = {"tick_ms": 1000, "busy_tick_ms": 1000, "timeout_ms": 500, "snapshot_max_age_ms": 5000,
              "demand_alpha": 0.3}
-    ports = [harness.free_port() for _ in range(2)]
-    fleet = fleet_factory({"regions": regions(10 / 3), "probe": probe, "ladder": ladder,
-                           "exchange": {"cluster": harness.PEERS_CLUSTER}},
-                          envoys=2, envoy_edit=harness.exchange_edit(ports))
+    fleet = fleet_factory({"regions": regions(10 / 3), "probe": probe, "ladder": ladder},
+                          envoys=2, shared=True)
     e1, e2 = fleet.envoys
     with Load(e1.port, 9):
         with Load(e2.port, 3):
