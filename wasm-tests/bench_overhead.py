@@ -32,6 +32,12 @@ per configuration and saturated case and splits the CPU time per request
 into wasm code, what it calls (host calls), the rest of Envoy, the kernel.
 Scheduling on a shared machine: see SCHED below.
 
+`--baseline-wasm PATH` adds a third configuration, `baseline`: the plugin
+configuration running another build of the module (an earlier commit's),
+alternated with the other two in every round, so that two builds are
+compared side by side on the same machine at the same time; reported as
+the plugin's requests/s and CPU per request over the baseline's.
+
 Every run must return only 2xx; for the plugin, the router's own counters
 must show every request routed (`region.*.rq_total`) and the decisions must
 match the case (`cache` for fixed bodies, never `cache` for varied ones).
@@ -65,6 +71,10 @@ ROOT = harness.ROOT
 PLAIN_YAML = ROOT / "envoy" / "bench" / "overhead-plain.yaml"
 PLUGIN_YAML = ROOT / "envoy" / "bench" / "overhead-plugin.yaml"
 PATH = "/v1/chat/completions"
+# The configurations measured, in the order each round runs them; `baseline`
+# only with --baseline-wasm. PLUGINS are those running the plugin.
+CONFIGS = ["plain", "plugin"]
+PLUGINS = ("plugin", "baseline")
 MARKER = "SESSION-00000000"
 # Targets: plugin requests/s over plain requests/s, per body size; for the
 # streamed case, plain Envoy CPU per request over the plugin's.
@@ -434,20 +444,21 @@ def check_run(target: Target, run: dict, before: dict | None, after: dict | None
     errs = {k: v for k, v in run["errors"].items() if v}
     if errs:
         problems.append(f"{target.name}: wrk errors {errs}")
-    if target.name == "plugin" and before is not None and after is not None:
+    if target.name in PLUGINS and before is not None and after is not None:
         d = diff(before, after)
         run["router"] = d
         routed = sum(v for k, v in d.items() if k.endswith(".rq_total"))
+        who = target.name
         # wrk counts completed responses; up to `connections` more were in flight.
         if routed < run["requests"]:
-            problems.append(f"plugin: router counted {routed} routed requests for {run['requests']} answered")
+            problems.append(f"{who}: router counted {routed} routed requests for {run['requests']} answered")
         if d.get("router.passthrough") or d.get("router.invalid_request"):
-            problems.append(f"plugin: requests not interpreted: {d}")
+            problems.append(f"{who}: requests not interpreted: {d}")
         cache = d.get("router.decision.cache", 0)
         if not vary and cache < 0.99 * routed:
-            problems.append(f"plugin: fixed body but only {cache}/{routed} cache decisions: {d}")
+            problems.append(f"{who}: fixed body but only {cache}/{routed} cache decisions: {d}")
         if vary and cache:
-            problems.append(f"plugin: varied bodies but {cache} cache decisions: {d}")
+            problems.append(f"{who}: varied bodies but {cache} cache decisions: {d}")
     return problems
 
 
@@ -534,7 +545,7 @@ def median(xs):
 
 
 def summarize(case: dict) -> dict:
-    by = {c: [r for r in case["runs"] if r["config"] == c] for c in ("plain", "plugin")}
+    by = {c: runs for c in CONFIGS if (runs := [r for r in case["runs"] if r["config"] == c])}
     s = {}
     for c, runs in by.items():
         s[c] = {
@@ -557,6 +568,13 @@ def summarize(case: dict) -> dict:
     s["added_cpu_us_per_rq"] = q["envoy_cpu_us_per_rq"] - p["envoy_cpu_us_per_rq"]
     s["cpu_ratio"] = (p["envoy_cpu_us_per_rq"] / q["envoy_cpu_us_per_rq"]
                       if q["envoy_cpu_us_per_rq"] else 0.0)
+    if "baseline" in s:
+        b = s["baseline"]
+        s["vs_baseline"] = {"rps": q["rps"] / b["rps"] if b["rps"] else 0.0,
+                            "cpu_us_per_rq": (q["envoy_cpu_us_per_rq"] / b["envoy_cpu_us_per_rq"]
+                                              if b["envoy_cpu_us_per_rq"] else 0.0),
+                            "rps_per_round": [round(x["rps"] / y["rps"], 3) for x, y in zip(by["plugin"], by["baseline"])
+                                              if y["rps"]]}
     if case.get("stream"):
         s["target"] = STREAM_TARGET
         s["met"] = s["cpu_ratio"] >= STREAM_TARGET
@@ -588,6 +606,22 @@ def table(cases: list[dict]) -> str:
                 f"| {p['p50_ms']:.2f} → {q['p50_ms']:.2f} | {p['p90_ms']:.2f} → {q['p90_ms']:.2f} "
                 f"| {p['envoy_cpu_us_per_rq']:.0f} → {q['envoy_cpu_us_per_rq']:.0f} "
                 f"({s['added_cpu_us_per_rq']:+.0f}) |")
+    based = [c for c in cases if "vs_baseline" in c["summary"]]
+    if based:
+        if lines:
+            lines.append("")
+        lines += [
+            "| case | baseline rq/s | plugin rq/s | plugin / baseline rq/s (per round) "
+            "| Envoy CPU µs/rq baseline → plugin |",
+            "|---|---:|---:|---|---|",
+        ]
+        for c in based:
+            s, b, q = c["summary"], c["summary"]["baseline"], c["summary"]["plugin"]
+            v = s["vs_baseline"]
+            lines.append(
+                f"| {c['name']} | {b['rps']:,.0f} | {q['rps']:,.0f} | {v['rps']:.3f} "
+                f"({', '.join(f'{x:.2f}' for x in v['rps_per_round'])}) "
+                f"| {b['envoy_cpu_us_per_rq']:.0f} → {q['envoy_cpu_us_per_rq']:.0f} |")
     if one:
         if lines:
             lines.append("")
@@ -725,6 +759,9 @@ def main() -> int:
                     help="the plugin with the exchange on (exchange.cluster: a sink, the upstream, that "
                          "answers every message 200): the sender's side of the exchange, what each routed "
                          "request adds to the probe's messages; compare with a run without")
+    ap.add_argument("--baseline-wasm", metavar="PATH",
+                    help="also run the plugin configuration with this build of the module (e.g. an earlier "
+                         "commit's), alternated with the others in every round: two builds side by side")
     ap.add_argument("--upstream", choices=["envoy", "emulator"], default="envoy",
                     help="envoy: direct_response (default); emulator: the engine emulator at zero cost")
     ap.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
@@ -743,6 +780,10 @@ def main() -> int:
     ap.add_argument("--wrk", default="wrk")
     ap.add_argument("--json", metavar="PATH", help="also write one JSON object with every run to PATH ('-': stdout)")
     args = ap.parse_args()
+    if args.baseline_wasm:
+        CONFIGS.append("baseline")
+        if not Path(args.baseline_wasm).is_file():
+            raise SystemExit(f"--baseline-wasm: {args.baseline_wasm} is not a file")
 
     for p in (harness.WASM, harness.ENVOY, *( [harness.EMULATOR] if args.upstream == "emulator" else [])):
         if not p.exists():
@@ -789,15 +830,19 @@ def main() -> int:
 
         # The two measured Envoys, both up for the whole run; one is loaded at a time.
         targets = {}
-        for name, path in (("plain", PLAIN_YAML), ("plugin", PLUGIN_YAML)):
+        for name in CONFIGS:
             admin_port, port = harness.free_port(), harness.free_port()
-            cfg, _ = split_config(path, upstream_ports, admin_port, port)
+            cfg, _ = split_config(PLAIN_YAML if name == "plain" else PLUGIN_YAML, upstream_ports, admin_port, port)
             if name == "plugin" and args.exchange:
                 add_exchange_sink(cfg, upstream_ports["vllm"])
+            if name == "baseline":
+                for p in harness.wasm_plugins(cfg):
+                    p["vm_config"]["code"]["local"]["filename"] = str(Path(args.baseline_wasm).resolve())
             proc, _ = start_envoy(run_dir, name, cfg, envoy_cpu)
             procs.append(proc)
             targets[name] = Target(name, proc, admin_port, port)
-        wait_snapshot(targets["plugin"].admin_port, 3)
+        for name in CONFIGS[1:]:
+            wait_snapshot(targets[name].admin_port, 3)
 
         bodies = {}
         scripts = {}
@@ -812,9 +857,10 @@ def main() -> int:
                               .replace("@MARKER@", MARKER))
                 scripts[(size, mode)] = sp
             # The plugin actually routes (decision header) and both answer 200.
-            h = probe_one(targets["plugin"], body)
-            if not h.get("x-llm-route", "").startswith("region="):
-                raise RuntimeError(f"plugin: no decision header: {h}")
+            for name in CONFIGS[1:]:
+                h = probe_one(targets[name], body)
+                if not h.get("x-llm-route", "").startswith("region="):
+                    raise RuntimeError(f"{name}: no decision header: {h}")
             probe_one(targets["plain"], body)
 
         cases = []
@@ -836,22 +882,22 @@ def main() -> int:
             case["runs"] = []
             script = scripts[(case["body_bytes"], case["mode"])]
             vary = case["mode"] == "vary"
-            for name in ("plain", "plugin"):
+            for name in CONFIGS:
                 offset += 1
                 wrk(args, targets[name], script, args.warmup, case["connections"], offset, upstream,
                     others(name))
             for rnd in range(args.rounds):
-                for name in ("plain", "plugin"):
+                for name in CONFIGS:
                     t = targets[name]
                     offset += 1
-                    before = router_counters(t.admin_port) if name == "plugin" else None
+                    before = router_counters(t.admin_port) if name in PLUGINS else None
                     run = wrk(args, t, script, case["seconds"], case["connections"], offset, upstream,
                               others(name))
-                    after = router_counters(t.admin_port) if name == "plugin" else None
+                    after = router_counters(t.admin_port) if name in PLUGINS else None
                     problems += check_run(t, run, before, after, vary)
                     run.update(config=name, round=rnd + 1)
                     case["runs"].append(run)
-                    print(f"  {case['name']:<22} round {rnd + 1} {name:<6} {run['rps']:>9,.0f} rq/s  "
+                    print(f"  {case['name']:<22} round {rnd + 1} {name:<8} {run['rps']:>9,.0f} rq/s  "
                           f"p50 {run['lat_us']['p50'] / 1000:.2f} ms  p99 {run['lat_us']['p99'] / 1000:.2f} ms  "
                           f"envoy CPU {run['envoy_cpu_util']:.0%} ({run['envoy_cpu_us_per_rq']:.0f} µs/rq)  "
                           f"upstream CPU {run['upstream_cpu_util']:.0%}  wrk CPU {run['wrk_cpu_util']:.0%}  "
@@ -883,7 +929,7 @@ def main() -> int:
                          "envoy_concurrency": 1, "configs": [str(PLAIN_YAML.relative_to(ROOT)),
                                                              str(PLUGIN_YAML.relative_to(ROOT))],
                          "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-                         "exchange": args.exchange},
+                         "exchange": args.exchange, "baseline_wasm": args.baseline_wasm},
             "targets": {**{f"{k // 1024} KB": v for k, v in TARGETS.items()}, "stream_cpu_ratio": STREAM_TARGET},
             "cases": cases,
             "targets_met": all(c["summary"]["met"] for c in cases if c["summary"]["met"] is not None),
