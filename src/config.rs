@@ -544,10 +544,11 @@ pub struct ExchangeConfig {
     pub path: String,
     /// How often this Envoy sends its news (ms); default `probe.tick_ms`.
     pub interval_ms: Option<u32>,
-    /// Peers each message goes to (one callout each, the cluster's load
-    /// balancer picks the host; round robin spreads them). A deployment of
-    /// at most `fanout + 1` Envoys is all-to-all every interval; a larger
-    /// one relays.
+    /// The most callouts one send makes (the cluster's load balancer picks
+    /// each host; round robin spreads them). A deployment whose Envoys all
+    /// fit (each peer heard from, this Envoy and one spare) is all-to-all
+    /// and relays nothing; a larger one sends `fanout` and relays each item
+    /// once (`exchange::plan`).
     pub fanout: u32,
     /// The largest message sent or taken; the outbox drops (and counts)
     /// news beyond it.
@@ -561,7 +562,7 @@ impl Default for ExchangeConfig {
             authority: None,
             path: "/llm-geo-router/exchange".into(),
             interval_ms: None,
-            fanout: 3,
+            fanout: 8,
             max_message_bytes: 262_144,
         }
     }

@@ -573,6 +573,25 @@ pub struct Exchange {
     /// The peers' arrivals this Envoy has learnt of, summed over their
     /// loads (a counter: what a stopped peer saw stays in it).
     pub peer_arrivals: u64,
+    /// Whether the deployment is all-to-all (see [`plan`]): then nothing
+    /// is relayed, every peer had it from its origin.
+    pub direct: bool,
+}
+
+/// How one send goes out, with `live` peers heard from: `live + 2`
+/// callouts through the peers' cluster's round robin (this Envoy, each
+/// peer, and one for a peer not heard from yet) reach every host, so when
+/// that fits in `fanout` the deployment is all-to-all and relaying would
+/// only send every item again (each Envoy would receive `fanout` copies
+/// instead of one). Beyond it, `fanout` callouts and each item relayed
+/// once. Returns the callouts and whether the send is direct.
+pub fn plan(fanout: usize, live: usize) -> (usize, bool) {
+    let all = live.saturating_add(2);
+    if all <= fanout {
+        (all, true)
+    } else {
+        (fanout, false)
+    }
 }
 
 impl Exchange {
@@ -589,6 +608,7 @@ impl Exchange {
             dropped: 0,
             forgotten: 0,
             peer_arrivals: 0,
+            direct: false,
         }
     }
 
@@ -655,7 +675,8 @@ impl Exchange {
     }
 
     /// Merges a peer's message at `now_ms` (this Envoy's clock); news goes
-    /// to `apply` and into the outbox, to be relayed once.
+    /// to `apply` and, unless the deployment is all-to-all, into the
+    /// outbox, to be relayed once.
     pub fn merge(&mut self, msg: Message, now_ms: u64, apply: &mut dyn Apply) -> Merged {
         let mut out = Merged::default();
         if msg.sender == self.origin {
@@ -699,9 +720,11 @@ impl Exchange {
             for it in fresh {
                 apply.apply(g.origin, &it.body);
                 out.fresh += 1;
-                self.push(g.origin, it);
+                if !self.direct {
+                    self.push(g.origin, it);
+                }
             }
-            if let Some(l) = relay_load {
+            if let Some(l) = relay_load.filter(|_| !self.direct) {
                 self.relay_load(g.origin, l);
             }
         }
@@ -1103,6 +1126,38 @@ mod tests {
         assert_eq!(r.fresh, 0, "a's own items come back to it and are skipped");
         // A silent peer's load stops counting.
         assert_eq!(relay.peer_inflight(40 + 5000, 1000), vec![0.0, 0.0]);
+    }
+
+    #[test]
+    fn a_deployment_that_fits_the_fanout_is_all_to_all_and_relays_nothing() {
+        // Each peer known, itself, and one not heard from yet: while that
+        // fits in the fan-out every host is reached directly.
+        assert_eq!(plan(3, 0), (2, true));
+        assert_eq!(plan(3, 1), (3, true));
+        assert_eq!(plan(3, 2), (3, false));
+        assert_eq!(plan(16, 11), (13, true));
+        assert_eq!(plan(16, 14), (16, true));
+        assert_eq!(plan(16, 47), (16, false));
+        let c = cfg();
+        let mut a = Exchange::new(&c, 1);
+        let mut b = Exchange::new(&c, 2);
+        a.note(placement(100));
+        let m = a.take_message(load(10, 1, 10), 10);
+        let dec = |b: &[u8]| Message::decode(b, layout(&c), 2, 1 << 20).unwrap();
+        b.direct = true;
+        let mut log = Log::default();
+        assert_eq!(b.merge(dec(&m), 20, &mut log).fresh, 1);
+        assert_eq!(log.0.len(), 1, "applied");
+        let sent = dec(&b.take_message(load(21, 0, 0), 21));
+        assert_eq!(sent.groups.len(), 1, "only b's own load: nothing relayed");
+        assert_eq!(sent.groups[0].origin, 2);
+        // The same message to an Envoy of a deployment too large for its
+        // fan-out is relayed once, load and item.
+        let mut c3 = Exchange::new(&c, 3);
+        c3.merge(dec(&m), 20, &mut log);
+        let relayed = dec(&c3.take_message(load(21, 0, 0), 21));
+        let from_a = relayed.groups.iter().find(|g| g.origin == 1).unwrap();
+        assert_eq!((from_a.items.len(), from_a.load.is_some()), (1, true));
     }
 
     #[test]

@@ -954,9 +954,13 @@ impl Probe {
             inflight,
         };
         self.export_peers(host, now);
+        let fresh = self.peer_fresh_ms();
         let Some(x) = self.exchange.as_mut() else {
             return;
         };
+        let (calls, direct) =
+            crate::exchange::plan(self.cfg.exchange.fanout as usize, x.live_peers(now, fresh));
+        x.direct = direct;
         let dropped = std::mem::take(&mut x.dropped);
         if dropped > 0 {
             host.count(Stat::Global(Global::ExchangeDropped), dropped as i64);
@@ -989,7 +993,7 @@ impl Probe {
             .values()
             .filter(|(_, k, _)| *k == Kind::Exchange)
             .count();
-        for _ in out..self.cfg.exchange.fanout as usize {
+        for _ in out..calls {
             match host.dispatch(&cluster, &headers, Some(&body), timeout) {
                 Ok(token) => {
                     self.pending
