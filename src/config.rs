@@ -1684,6 +1684,24 @@ mod tests {
         {"name":"far","cluster":"c_far","capacity_rps":10,"rtt_ms":120}]}"#;
 
     #[test]
+    fn each_engine_family_is_accepted_by_its_name() {
+        for (name, kind) in [
+            ("vllm", EngineKind::Vllm),
+            ("sglang", EngineKind::Sglang),
+            ("llamacpp", EngineKind::Llamacpp),
+        ] {
+            let c = Config::parse(
+                format!(
+                    r#"{{"regions":[{{"name":"a","cluster":"c","capacity_rps":1,"engine":"{name}"}}]}}"#
+                )
+                .as_bytes(),
+            )
+            .unwrap();
+            assert_eq!(c.regions[0].engine, kind, "{name}");
+        }
+    }
+
+    #[test]
     fn minimal_config_gets_documented_defaults() {
         let c = Config::parse(MINIMAL.as_bytes()).unwrap();
         assert_eq!(c.headers.cluster, "x-llm-cluster");
@@ -1882,6 +1900,16 @@ mod tests {
         let e =
             err(r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1,"engine":"trtllm"}]}"#);
         assert!(e.reason.contains("unknown variant `trtllm`"), "{e}");
+        // The three families, by their names.
+        assert!(
+            e.reason
+                .contains("expected one of `vllm`, `sglang`, `llamacpp`"),
+            "{e}"
+        );
+        let e = err(
+            r#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1,"engine":"llama.cpp"}]}"#,
+        );
+        assert!(e.reason.contains("unknown variant `llama.cpp`"), "{e}");
     }
 
     #[test]

@@ -1,14 +1,15 @@
 //! Context limits at the edge: what a region's engine says its context
-//! limit is (`max_model_len` in its `/v1/models`), the router's estimate of
-//! a request's prompt tokens, whether a region can take the request, and
-//! the 400 the router answers in the engine's own words when no allowed
-//! region can.
+//! limit is (in its `/v1/models`: vLLM's and SGLang's `max_model_len`,
+//! llama.cpp's `meta.n_ctx`), the router's estimate of a request's prompt
+//! tokens, whether a region can take the request, and the 400 the router
+//! answers in the engine's own words when no allowed region can.
 //!
 //! The estimate can be wrong both ways (the router counts bytes of its
 //! canonical prompt text, not the engine's tokens under its chat template),
 //! so a region is passed over only when the estimate lowered by
-//! `context.margin`, plus the output tokens the request asks for, still
-//! exceeds its limit. A region whose limit is unknown takes everything.
+//! `context.margin`, plus the output tokens the request asks for where the
+//! engine counts them, still exceeds its limit. A region whose limit is
+//! unknown takes everything.
 
 use serde_json::Value;
 
@@ -17,12 +18,31 @@ use crate::metrics::EngineKind;
 use crate::request::{Endpoint, InferenceRequest};
 use crate::snapshot::{RegionState, Snapshot};
 
-/// The context limit a `/v1/models` body states: the smallest non-null
-/// `max_model_len` among its cards. vLLM and SGLang list the served model
-/// with its limit; LoRA adapters are listed with `max_model_len: null` and
-/// share the base model's limit. The smallest is taken so that a request
-/// the router lets through is one every listed model can take.
-pub fn parse_model_limit(body: &[u8]) -> Result<u32, String> {
+/// Where a model card states the context limit, per engine family, as a
+/// path of keys (also how messages name it).
+fn limit_keys(engine: EngineKind) -> &'static [&'static str] {
+    match engine {
+        EngineKind::Vllm | EngineKind::Sglang => &["max_model_len"],
+        // The context of one slot (`-c` / `--parallel`): what one request
+        // can fill, and what llama-server refuses a prompt against.
+        EngineKind::Llamacpp => &["meta", "n_ctx"],
+    }
+}
+
+/// The field a model card states the limit in, as messages name it
+/// (`max_model_len`, `meta.n_ctx`).
+pub fn limit_field(engine: EngineKind) -> String {
+    limit_keys(engine).join(".")
+}
+
+/// The context limit a `/v1/models` body states: the smallest limit among
+/// its cards that state one, in the engine family's field
+/// ([`limit_field`]). vLLM and SGLang list the served model with its limit;
+/// LoRA adapters are listed with `max_model_len: null` and share the base
+/// model's limit. llama.cpp lists its model with `meta.n_ctx`. The
+/// smallest is taken so that a request the router lets through is one
+/// every listed model can take.
+pub fn parse_model_limit(engine: EngineKind, body: &[u8]) -> Result<u32, String> {
     let v: Value =
         serde_json::from_slice(body).map_err(|e| format!("model list is not JSON: {e}"))?;
     let data = v
@@ -30,25 +50,40 @@ pub fn parse_model_limit(body: &[u8]) -> Result<u32, String> {
         .ok_or("model list has no `data`")?
         .as_array()
         .ok_or("model list `data` is not an array")?;
+    let field = limit_field(engine);
     let mut least: Option<u32> = None;
     for (i, card) in data.iter().enumerate() {
-        let limit = match card.get("max_model_len") {
+        let stated = limit_keys(engine)
+            .iter()
+            .try_fold(card, |v, key| v.get(key));
+        let limit = match stated {
             None | Some(Value::Null) => continue,
             Some(Value::Number(n)) => n
                 .as_u64()
                 .and_then(|n| u32::try_from(n).ok())
                 .filter(|&n| n > 0)
-                .ok_or_else(|| format!("data[{i}].max_model_len {n} is not a token count"))?,
+                .ok_or_else(|| format!("data[{i}].{field} {n} is not a token count"))?,
             Some(other) => {
                 return Err(format!(
-                    "data[{i}].max_model_len is {}, not a number",
+                    "data[{i}].{field} is {}, not a number",
                     kind_of(other)
                 ))
             }
         };
         least = Some(least.map_or(limit, |l| l.min(limit)));
     }
-    least.ok_or_else(|| format!("none of the {} model cards has a max_model_len", data.len()))
+    least.ok_or_else(|| format!("none of the {} model cards has a {field}", data.len()))
+}
+
+/// Whether the engine refuses a request whose prompt and requested output
+/// together exceed its limit. vLLM and SGLang do; llama.cpp refuses only a
+/// prompt that fills the slot's context and stops generating when the
+/// context is full, so its output length is not the edge's to refuse.
+pub fn output_counts(engine: EngineKind) -> bool {
+    match engine {
+        EngineKind::Vllm | EngineKind::Sglang => true,
+        EngineKind::Llamacpp => false,
+    }
 }
 
 fn kind_of(v: &Value) -> &'static str {
@@ -134,7 +169,7 @@ pub fn check(
     snapshot_index: &[Option<usize>],
     allowed: Option<&[bool]>,
 ) -> Check {
-    let output = requested_output(req);
+    let requested = requested_output(req);
     let mut fits_mask = 0u64;
     let mut any_allowed_fits = false;
     let mut closest: Option<Exceeded> = None;
@@ -142,6 +177,8 @@ pub fn check(
         let state = snapshot.region_at(snapshot_index, i);
         let limit = state.and_then(|s| s.max_model_len);
         let estimate = prompt_tokens(cfg, req, state);
+        let output =
+            requested.filter(|_| cfg.regions.get(i).is_none_or(|r| output_counts(r.engine)));
         let ok = fits(cfg.context.margin, limit, estimate, output);
         let is_allowed = allowed.is_none_or(|a| a.get(i).copied().unwrap_or(false));
         if ok {
@@ -164,9 +201,20 @@ pub fn check(
     }
 }
 
+/// The refusal's OpenAI error `type`: `invalid_request_error`, except
+/// where the engine's clients look for its own (llama.cpp's
+/// `exceed_context_size_error`).
+pub fn refusal_type(engine: EngineKind) -> &'static str {
+    match engine {
+        EngineKind::Vllm | EngineKind::Sglang => "invalid_request_error",
+        EngineKind::Llamacpp => "exceed_context_size_error",
+    }
+}
+
 /// The refusal's message, in the words of the region's engine, saying that
 /// the count is the router's estimate. vLLM and SGLang each have two: the
-/// prompt alone is too long, or prompt plus requested output is.
+/// prompt alone is too long, or prompt plus requested output is; llama.cpp
+/// has one (it refuses on the prompt alone).
 pub fn refusal_message(engine: EngineKind, e: &Exceeded, margin: f64) -> String {
     let (limit, n) = (e.limit, e.estimate);
     let prompt_alone = !fits(margin, Some(limit), n, None);
@@ -183,6 +231,9 @@ pub fn refusal_message(engine: EngineKind, e: &Exceeded, margin: f64) -> String 
         (EngineKind::Sglang, Some(m)) => format!(
             "Requested token count exceeds the model's maximum context length of {limit} tokens. You requested a total of about {} tokens: about {n} tokens from the input messages (estimated at the edge) and {m} tokens for the completion. Please reduce the number of tokens in the input messages or the completion to fit within the limit.",
             n.saturating_add(m)
+        ),
+        (EngineKind::Llamacpp, _) => format!(
+            "request (about {n} tokens, estimated at the edge) exceeds the available context size ({limit} tokens), try increasing it"
         ),
     }
 }
@@ -202,9 +253,9 @@ mod tests {
     fn the_limit_is_the_smallest_card_and_garbage_is_an_error() {
         let vllm = br#"{"object":"list","data":[{"id":"m","object":"model","max_model_len":32768},
             {"id":"lora","object":"model","max_model_len":null,"parent":"m"}]}"#;
-        assert_eq!(parse_model_limit(vllm), Ok(32768));
+        assert_eq!(parse_model_limit(EngineKind::Vllm, vllm), Ok(32768));
         let two = br#"{"data":[{"max_model_len":8192},{"max_model_len":4096}]}"#;
-        assert_eq!(parse_model_limit(two), Ok(4096));
+        assert_eq!(parse_model_limit(EngineKind::Vllm, two), Ok(4096));
         for (body, says) in [
             (&b"\x00garbage{"[..], "not JSON"),
             (b"[]", "no `data`"),
@@ -230,12 +281,52 @@ mod tests {
                 "data[1]",
             ),
         ] {
-            let e = parse_model_limit(body).unwrap_err();
+            let e = parse_model_limit(EngineKind::Sglang, body).unwrap_err();
             assert!(e.contains(says), "{e}");
         }
         // Deeply nested: serde's recursion limit, an error and no overflow.
         let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
-        assert!(parse_model_limit(deep.as_bytes()).is_err());
+        assert!(parse_model_limit(EngineKind::Llamacpp, deep.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn llamacpp_states_its_limit_in_meta_n_ctx() {
+        // As llama-server b11434 lists its model (`-c 16384 --parallel 4`):
+        // no max_model_len; `meta.n_ctx` is one slot's context.
+        let llama = br#"{"models":[{"name":"tiny.gguf","model":"tiny.gguf"}],"object":"list",
+            "data":[{"id":"tiny.gguf","aliases":["tiny"],"tags":[],"object":"model","created":1764540000,
+            "owned_by":"llamacpp","meta":{"vocab_type":2,"n_vocab":128256,"n_ctx":4096,
+            "n_ctx_train":131072,"n_embd":64,"n_params":8409088,"size":33686528,"ftype":1}}]}"#;
+        assert_eq!(parse_model_limit(EngineKind::Llamacpp, llama), Ok(4096));
+        assert_eq!(limit_field(EngineKind::Llamacpp), "meta.n_ctx");
+        // Read as vLLM's, the same list has no limit; and a vLLM list read
+        // as llama.cpp's neither: each family's field only.
+        let e = parse_model_limit(EngineKind::Vllm, llama).unwrap_err();
+        assert_eq!(e, "none of the 1 model cards has a max_model_len");
+        let vllm = br#"{"data":[{"id":"m","max_model_len":32768}]}"#;
+        let e = parse_model_limit(EngineKind::Llamacpp, vllm).unwrap_err();
+        assert_eq!(e, "none of the 1 model cards has a meta.n_ctx");
+        for (body, says) in [
+            (
+                &br#"{"data":[{"meta":{"n_ctx":"4096"}}]}"#[..],
+                "data[0].meta.n_ctx is a string, not a number",
+            ),
+            (
+                br#"{"data":[{"meta":{"n_ctx":0}}]}"#,
+                "data[0].meta.n_ctx 0 is not a token count",
+            ),
+            (
+                br#"{"data":[{"meta":4096}]}"#,
+                "none of the 1 model cards has a meta.n_ctx",
+            ),
+        ] {
+            assert_eq!(
+                parse_model_limit(EngineKind::Llamacpp, body).unwrap_err(),
+                says
+            );
+        }
+        let two = br#"{"data":[{"meta":{"n_ctx":8192}},{"meta":{"n_ctx":null}},{"meta":{"n_ctx":2048}}]}"#;
+        assert_eq!(parse_model_limit(EngineKind::Llamacpp, two), Ok(2048));
     }
 
     #[test]
@@ -329,6 +420,33 @@ mod tests {
     }
 
     #[test]
+    fn a_llamacpp_region_counts_only_the_prompt() {
+        let mut c = cfg();
+        if let Some(r) = c.regions.get_mut(2) {
+            r.engine = EngineKind::Llamacpp;
+        }
+        let idx = [Some(0), Some(1), Some(2)];
+        let s = snap(&c, [Some(4096), Some(4096), Some(4096)]);
+        // 1,000 tokens of prompt and 8,000 asked for: vLLM and SGLang
+        // refuse it, llama.cpp serves it until its context is full.
+        let req = chat(3_994, r#","max_tokens":8000"#);
+        let k = check(&c, &req, &s, &idx, None);
+        assert_eq!((k.fits, k.exceeded), (0b100, None));
+        // A prompt that fills the slot's context: refused there too.
+        let req = chat(19_994, r#","max_tokens":1"#);
+        let k = check(&c, &req, &s, &idx, Some(&[false, false, true]));
+        assert_eq!(
+            k.exceeded,
+            Some(Exceeded {
+                region: 2,
+                limit: 4096,
+                estimate: 5_000,
+                output: None
+            })
+        );
+    }
+
+    #[test]
     fn the_refusal_is_in_the_engines_words_with_an_estimate() {
         let e = Exceeded {
             region: 0,
@@ -360,6 +478,17 @@ mod tests {
         // A prompt too long on its own is said so, whatever max_tokens says.
         let e = Exceeded { limit: 4096, ..e };
         assert!(refusal_message(EngineKind::Vllm, &e, 0.1).starts_with("This model's maximum"));
+        // llama.cpp's one wording, its error type.
+        assert_eq!(
+            refusal_message(EngineKind::Llamacpp, &e, 0.1),
+            "request (about 10002 tokens, estimated at the edge) exceeds the available context size (4096 tokens), try increasing it"
+        );
+        assert_eq!(
+            refusal_type(EngineKind::Llamacpp),
+            "exceed_context_size_error"
+        );
+        assert_eq!(refusal_type(EngineKind::Vllm), "invalid_request_error");
+        assert_eq!(refusal_type(EngineKind::Sglang), "invalid_request_error");
         assert_eq!(param(Endpoint::Completions), "prompt");
     }
 }

@@ -437,7 +437,19 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
                 .and_then(|s| s.prefill_ms_per_token)
                 .unwrap_or(region.prefill_ms_per_token);
             let inflight_now = inp.inflight.get(i).copied().unwrap_or(0.0);
-            let occupancy = state.map_or(inflight_now, |s| occupancy(s, inflight_now, inp.now_ms));
+            let slots = region_slots(inp, i);
+            let occupancy = state.map_or(inflight_now, |s| {
+                let known = occupancy(s, inflight_now, inp.now_ms);
+                // A load nobody can read is no free slot: priced full (its
+                // last known queue standing), so that it takes what regions
+                // with room cannot, and a saturated engine behind a broken
+                // scrape is never the idle nearest region.
+                if s.load_unknown {
+                    known.max(f64::from(slots))
+                } else {
+                    known
+                }
+            });
             // A region not yet measured counts in the fleet's unit, for its
             // prompt and its cache alike.
             let (tpb, prompt_tokens) = if state.is_some_and(|s| s.tokens_per_byte.is_some()) {
@@ -452,7 +464,6 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
             let uncached = prompt_tokens - cached_tokens;
             let rtt_ms = w.w_rtt * rtt;
             let prefill_ms = prefill_rate * uncached as f64;
-            let slots = region_slots(inp, i);
             let wait = queue_ms(occupancy, slots, region.service_ms);
             // Congestion pricing: a request added to a busy region also delays
             // the ones behind it; 1/(1 − ρ) (ρ capped) keeps the router from
@@ -844,6 +855,35 @@ mod tests {
         // A short prompt: the saving (8 blocks → 16 ms) does not pay for 35 ms.
         let d = run(&c, Some(&s), [0, 2, 0], [0.0; 3], 40);
         assert_eq!((d.region, d.reason), (0, Reason::Rtt));
+    }
+
+    #[test]
+    fn a_region_whose_load_is_unknown_is_priced_full_never_idle() {
+        let c = cfg();
+        let mut s = snap(&c);
+        // near's scrapes have failed (another family's payload, a 501): its
+        // figures are the last good scrape's, here none.
+        s.regions[0].load_unknown = true;
+        let d = run(&c, Some(&s), [0, 0, 0], [0.0; 3], 1000);
+        assert_eq!(d.costs[0].occupancy, 4.0, "every slot taken");
+        // One request beyond 4 slots: a quarter of service_ms, ×5 congestion.
+        assert!((d.costs[0].queue_ms - 1000.0 / 4.0 * 5.0).abs() < 1e-9);
+        assert_eq!((d.region, d.reason), (1, Reason::Rtt), "{:?}", d.costs);
+        // A queue known from before the failures stands above that.
+        s.regions[0].waiting = 6.0;
+        s.regions[0].running = 4.0;
+        let d = run(&c, Some(&s), [0, 0, 0], [0.0; 3], 1000);
+        assert_eq!(d.costs[0].occupancy, 10.0);
+        // A conversation it holds stays while the wait for a slot there
+        // (250 ms) is below a full prefill elsewhere (500 ms).
+        s.regions[0].waiting = 0.0;
+        s.regions[0].running = 0.0;
+        let d = run(&c, Some(&s), [62, 0, 0], [0.0; 3], 1000);
+        assert_eq!((d.region, d.reason), (0, Reason::Cache));
+        // Known load, idle: the nearest again.
+        s.regions[0].load_unknown = false;
+        let d = run(&c, Some(&s), [0, 0, 0], [0.0; 3], 1000);
+        assert_eq!((d.region, d.costs[0].occupancy), (0, 0.0));
     }
 
     #[test]

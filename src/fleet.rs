@@ -613,6 +613,10 @@ impl Fleet {
                 drain_rps: r.drain_rps.filter(|_| r.metrics_ok),
                 scraped_ms: r.scraped_ms,
                 metrics_ok: r.metrics_ok,
+                // The streak the assessment counts as the metrics signal
+                // down: one failed scrape leaves the last figures standing,
+                // a run of them leaves nothing known.
+                load_unknown: r.scrape_failures >= cfg.probe.unhealthy_after,
                 prefill_ms_per_token: fit
                     .and_then(|f| f.prefill_ms_per_token.get(i).copied().flatten()),
                 release: r.release.clone(),
@@ -887,6 +891,39 @@ mod tests {
         assert!(s.regions[0].metrics_ok && !s.regions[1].metrics_ok);
         assert_eq!(s.ratio, None);
         assert_eq!(s.version, 1);
+    }
+
+    #[test]
+    fn a_run_of_failed_scrapes_leaves_the_load_unknown_not_idle() {
+        let c = cfg(); // unhealthy_after 2
+        let mut f = Fleet::new(&c, 0);
+        let load = |w: f64, r: f64| EngineSample {
+            waiting: Some(w),
+            running: Some(r),
+            ..EngineSample::default()
+        };
+        let state = |f: &mut Fleet, now| {
+            let r = f.snapshot(&c, now).regions[0].clone();
+            (r.waiting, r.running, r.metrics_ok, r.load_unknown)
+        };
+        // Before any answer: nothing failed, nothing unknown.
+        assert_eq!(state(&mut f, 0), (0.0, 0.0, false, false));
+        f.on_metrics(&c, 0, Some(load(3.0, 8.0)), 0.0, 1000);
+        assert_eq!(state(&mut f, 1000), (3.0, 8.0, true, false));
+        // One failure: the last figures stand.
+        f.on_metrics(&c, 0, None, 0.0, 2000);
+        assert_eq!(state(&mut f, 2000), (3.0, 8.0, false, false));
+        // The second in a row (the metrics signal of the assessment): the
+        // load is unknown, the figures kept only as a floor.
+        f.on_metrics(&c, 0, None, 0.0, 3000);
+        assert_eq!(state(&mut f, 3000), (3.0, 8.0, false, true));
+        // A good scrape brings it back.
+        f.on_metrics(&c, 0, Some(load(0.0, 1.0)), 0.0, 4000);
+        assert_eq!(state(&mut f, 4000), (0.0, 1.0, true, false));
+        // A region never read: unknown after the same run.
+        f.on_metrics(&c, 1, None, 0.0, 4000);
+        f.on_metrics(&c, 1, None, 0.0, 5000);
+        assert!(f.snapshot(&c, 5000).regions[1].load_unknown);
     }
 
     #[test]

@@ -1,12 +1,15 @@
 //! Engine load metrics: turns the Prometheus text exposition (format 0.0.4)
-//! that vLLM and SGLang serve on `/metrics` into the few numbers the router
-//! weighs (queue depth, running requests, KV-cache usage, prefix-cache
-//! counters or hit rate, KV-cache capacity in tokens) and an optional
-//! release digest read from a label.
+//! that vLLM, SGLang and llama.cpp's `llama-server` serve on `/metrics`
+//! into the few numbers the router weighs (queue depth, running requests,
+//! KV-cache usage, prefix-cache counters or hit rate, KV-cache capacity in
+//! tokens) and an optional release digest read from a label.
 //!
 //! This module owns the text-format parsing and the per-engine metric names.
 //! It does no I/O and keeps no state between scrapes; the probe fetches the
-//! payload and decides what a missing number means for routing.
+//! payload and decides what a missing number means for routing. A payload
+//! with neither of the family's load figures (waiting, running) is an
+//! error, not an idle engine: read with the wrong family's names, every
+//! engine would look idle.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -27,15 +30,27 @@ pub const MAX_CACHE_TOKENS: u64 = 1_000_000_000_000;
 pub enum EngineKind {
     Vllm,
     Sglang,
+    /// llama.cpp's `llama-server` (started with `--metrics`).
+    Llamacpp,
 }
 
 impl EngineKind {
+    /// The name in the configuration (`regions[].engine`) and in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineKind::Vllm => "vllm",
+            EngineKind::Sglang => "sglang",
+            EngineKind::Llamacpp => "llamacpp",
+        }
+    }
+
     /// Every metric this module reads for the kind starts with this, so most
     /// lines of a scrape are rejected by one prefix comparison.
     fn metric_prefix(self) -> &'static [u8] {
         match self {
             EngineKind::Vllm => b"vllm:",
             EngineKind::Sglang => b"sglang:",
+            EngineKind::Llamacpp => b"llamacpp:",
         }
     }
 
@@ -43,7 +58,17 @@ impl EngineKind {
         match self {
             EngineKind::Vllm => VLLM_SERIES,
             EngineKind::Sglang => SGLANG_SERIES,
+            EngineKind::Llamacpp => LLAMACPP_SERIES,
         }
+    }
+
+    /// The names of the kind's waiting and running series, as a
+    /// failed scrape names them.
+    fn load_series(self) -> impl Iterator<Item = &'static str> {
+        self.wanted_series()
+            .iter()
+            .filter(|(_, s)| matches!(s, Series::Waiting | Series::Running))
+            .map(|(name, _)| *name)
     }
 }
 
@@ -57,9 +82,11 @@ pub struct EngineSample {
     pub running: Option<f64>,
     /// KV-cache usage as a fraction in 0..=1, the mean over all series.
     pub kv_usage: Option<f64>,
-    /// Cumulative prefix-cache lookups, in tokens, summed over all series.
+    /// Cumulative prefix-cache lookups, in tokens, summed over all series
+    /// (llama.cpp: the prompt tokens it prefilled plus those it reused).
     pub prefix_queries: Option<f64>,
-    /// Cumulative prefix-cache hits, in tokens, summed over all series.
+    /// Cumulative prefix-cache hits, in tokens, summed over all series
+    /// (llama.cpp: the prompt tokens it reused from its cache).
     pub prefix_hits: Option<f64>,
     /// Prefix-cache hit rate in 0..=1, when the engine reports a rate itself.
     pub hit_rate: Option<f64>,
@@ -67,8 +94,8 @@ pub struct EngineSample {
     /// metric that carries that label.
     pub release: Option<String>,
     /// Cumulative requests the engine finished, summed over all series
-    /// (vLLM `request_success_total`, SGLang `num_requests_total`): the
-    /// probe measures the engine's drain rate from it.
+    /// (vLLM `request_success_total`, SGLang `num_requests_total`; llama.cpp
+    /// has none): the probe measures the engine's drain rate from it.
     pub completed: Option<f64>,
     /// KV-cache capacity in tokens, summed over the endpoint's engines;
     /// `None` when the engine exports no capacity metric.
@@ -99,6 +126,20 @@ pub enum MetricsError {
         lines: usize,
         first_malformed_line: Option<usize>,
     },
+    /// Samples parsed, but no usable value of the kind's waiting or
+    /// running series: another engine family (`regions[].engine` wrong),
+    /// or not an engine's endpoint. Taken as an idle engine, it would
+    /// draw every cold prompt.
+    NoLoadSeries {
+        engine: EngineKind,
+        /// The first sample line's metric name (names are `[a-zA-Z0-9_:]`
+        /// only, cut to [`MAX_NAME_SHOWN`] bytes): no label value, no
+        /// payload.
+        first_metric: String,
+        /// The first metric name with a `namespace:` (which engine it is),
+        /// when the first sample has none.
+        first_namespaced: Option<String>,
+    },
     /// A line of a metric this module reads is not UTF-8.
     NotUtf8 { line: usize, metric: String },
     /// The configured release label is not `metric_name/label_name`.
@@ -128,6 +169,23 @@ impl fmt::Display for MetricsError {
                 f,
                 "metrics payload has no sample line in {lines} lines (only blanks and comments)"
             ),
+            MetricsError::NoLoadSeries {
+                engine,
+                first_metric,
+                first_namespaced,
+            } => {
+                let names: Vec<&str> = engine.load_series().collect();
+                write!(
+                    f,
+                    "metrics payload has no {} load figure ({}); its first sample is {first_metric}",
+                    engine.name(),
+                    names.join(", ")
+                )?;
+                if let Some(other) = first_namespaced {
+                    write!(f, ", its first namespaced metric {other}")?;
+                }
+                f.write_str(" (is regions[].engine right?)")
+            }
             MetricsError::NotUtf8 { line, metric } => {
                 write!(f, "metrics line {line} ({metric}) is not valid UTF-8")
             }
@@ -141,13 +199,17 @@ impl fmt::Display for MetricsError {
 
 impl std::error::Error for MetricsError {}
 
+/// Metric names shown in an error are cut to this many bytes.
+pub const MAX_NAME_SHOWN: usize = 120;
+
 /// Reads the load numbers of one engine from its `/metrics` payload.
 ///
 /// Malformed lines are skipped, so one bad series never hides the rest; the
 /// scrape fails only when nothing in it parses as a sample, when a line of a
-/// metric we read is not UTF-8, when it is over [`MAX_PAYLOAD_BYTES`], or when
-/// `release_label` is not `metric_name/label_name`. A valid payload that lacks
-/// every metric of `kind` yields a sample whose fields are all `None`.
+/// metric we read is not UTF-8, when it is over [`MAX_PAYLOAD_BYTES`], when
+/// `release_label` is not `metric_name/label_name`, or when neither `kind`'s
+/// waiting nor its running series has a usable value ([`MetricsError::NoLoadSeries`]).
+/// Every other figure may be missing (`None`).
 pub fn parse_engine_metrics(
     kind: EngineKind,
     text: &[u8],
@@ -169,10 +231,17 @@ pub fn parse_engine_metrics(
     let mut saw_sample = false;
     let mut first_malformed_line = None;
     let mut line_count = 0;
+    // For the error that names what came back when the load series are
+    // missing: one name scan per line until both are found.
+    let mut first_metric: Option<&[u8]> = None;
+    let mut first_namespaced: Option<&[u8]> = None;
 
     for line in lines(text) {
         line_count = line.number;
         let name = leading_metric_name(line.bytes);
+        if first_namespaced.is_none() && name.contains(&b':') {
+            first_namespaced = Some(name);
+        }
         let series = if name.starts_with(prefix) {
             wanted
                 .iter()
@@ -191,7 +260,10 @@ pub fn parse_engine_metrics(
             if !saw_sample {
                 match classify(line.bytes) {
                     LineClass::Comment => {}
-                    LineClass::Sample => saw_sample = true,
+                    LineClass::Sample => {
+                        saw_sample = true;
+                        first_metric = Some(name);
+                    }
                     LineClass::Malformed => {
                         first_malformed_line.get_or_insert(line.number);
                     }
@@ -210,6 +282,9 @@ pub fn parse_engine_metrics(
             first_malformed_line.get_or_insert(line.number);
             continue;
         };
+        if !saw_sample {
+            first_metric = Some(name);
+        }
         saw_sample = true;
         match series {
             Some(Series::CacheConfigInfo | Series::MaxTotalTokens) => {
@@ -233,7 +308,21 @@ pub fn parse_engine_metrics(
             first_malformed_line,
         });
     }
-    Ok(totals.into_sample(release))
+    let sample = totals.into_sample(release);
+    if sample.waiting.is_none() && sample.running.is_none() {
+        let shown =
+            |n: &[u8]| String::from_utf8_lossy(n.get(..MAX_NAME_SHOWN).unwrap_or(n)).into_owned();
+        let first_metric = first_metric.map(shown).unwrap_or_default();
+        let first_namespaced = first_namespaced
+            .map(shown)
+            .filter(|n| !first_metric.contains(':') && *n != first_metric);
+        return Err(MetricsError::NoLoadSeries {
+            engine: kind,
+            first_metric,
+            first_namespaced,
+        });
+    }
+    Ok(sample)
 }
 
 /// One physical line of a payload, without its `\n` or `\r\n`.
@@ -370,6 +459,13 @@ enum Series {
     KvUsageLegacy,
     PrefixQueries(PrefixFamily),
     PrefixHits(PrefixFamily),
+    /// Prompt tokens prefilled, not found in the cache (llama.cpp's
+    /// `prompt_tokens_total`, which leaves the cached ones out).
+    PrefixMisses,
+    /// Prompt tokens reused from the cache (llama.cpp's
+    /// `prompt_tokens_cached_total`): the hits; a lookup is a miss or one
+    /// of these.
+    PrefixReused,
     HitRate,
     Completed,
     /// vLLM's `cache_config_info`: the capacity is in its labels.
@@ -455,6 +551,17 @@ const SGLANG_SERIES: &[(&str, Series)] = &[
     ("sglang:max_total_num_tokens", Series::MaxTotalTokens),
 ];
 
+/// llama.cpp (`llama-server --metrics`) prints every series unlabelled and
+/// has no KV-cache usage, no cache capacity and no completions counter:
+/// those figures stay `None` (see docs/OPERATIONS.md for what the cost does
+/// without them).
+const LLAMACPP_SERIES: &[(&str, Series)] = &[
+    ("llamacpp:requests_deferred", Series::Waiting),
+    ("llamacpp:requests_processing", Series::Running),
+    ("llamacpp:prompt_tokens_total", Series::PrefixMisses),
+    ("llamacpp:prompt_tokens_cached_total", Series::PrefixReused),
+];
+
 /// Running sum of the series of one name.
 #[derive(Debug, Clone, Copy, Default)]
 struct Accumulator {
@@ -491,6 +598,8 @@ struct Totals {
     kv_usage_legacy: Accumulator,
     prefix_queries: [Accumulator; 4],
     prefix_hits: [Accumulator; 4],
+    prefix_misses: Accumulator,
+    prefix_reused: Accumulator,
     hit_rate: Accumulator,
     completed: Accumulator,
     capacity: CapacitySum,
@@ -605,6 +714,8 @@ impl Totals {
             Series::Running => (Some(&mut self.running), count),
             Series::PrefixQueries(family) => (self.prefix_queries.get_mut(family as usize), count),
             Series::PrefixHits(family) => (self.prefix_hits.get_mut(family as usize), count),
+            Series::PrefixMisses => (Some(&mut self.prefix_misses), count),
+            Series::PrefixReused => (Some(&mut self.prefix_reused), count),
             Series::KvUsage => (Some(&mut self.kv_usage), Some(ratio)),
             Series::KvUsageLegacy => (Some(&mut self.kv_usage_legacy), Some(ratio)),
             Series::HitRate => (Some(&mut self.hit_rate), Some(ratio)),
@@ -623,6 +734,20 @@ impl Totals {
                 let queries = self.prefix_queries.get(family as usize)?;
                 let hits = self.prefix_hits.get(family as usize)?;
                 (queries.series > 0 || hits.series > 0).then(|| (queries.total(), hits.total()))
+            })
+            .or_else(|| {
+                // Counted as misses and hits (llama.cpp): the lookups are
+                // both, so that queries − hits is the tokens prefilled, as
+                // with vLLM's counters.
+                let (misses, reused) = (self.prefix_misses, self.prefix_reused);
+                (misses.series > 0 || reused.series > 0).then(|| {
+                    let queries = misses
+                        .total()
+                        .zip(reused.total())
+                        .map(|(m, r)| m + r)
+                        .filter(|q| q.is_finite());
+                    (queries, reused.total())
+                })
             })
             .unwrap_or((None, None));
         EngineSample {
@@ -964,6 +1089,7 @@ vllm:gpu_prefix_cache_hits{model_name=\"qwen\"} 512\n";
     #[test]
     fn prefix_counters_come_from_one_spelling_in_preference_order() {
         let text = "\
+vllm:num_requests_running 0\n\
 vllm:prefix_cache_queries{engine=\"0\"} 10\n\
 vllm:prefix_cache_hits{engine=\"0\"} 4\n\
 vllm:prefix_cache_queries_total{engine=\"0\"} 100\n\
@@ -1101,7 +1227,7 @@ sglang:max_total_num_tokens{{{tp1}}} 262144.0\n"
         ]));
         assert!(why.contains("sum over engines"), "{why}");
         // A series without the label is refused, not read as 0.
-        let text = "vllm:cache_config_info{block_size=\"16\"} 1.0\n";
+        let text = "vllm:num_requests_running 0\nvllm:cache_config_info{block_size=\"16\"} 1.0\n";
         let c = parse_engine_metrics(EngineKind::Vllm, text.as_bytes(), None).unwrap();
         assert_eq!(
             invalid(c.cache_capacity),
@@ -1112,7 +1238,8 @@ sglang:max_total_num_tokens{{{tp1}}} 262144.0\n"
     #[test]
     fn sglang_capacity_is_the_value_summed_over_dp_ranks() {
         let parse = |lines: &str| {
-            parse_engine_metrics(EngineKind::Sglang, lines.as_bytes(), None)
+            let text = format!("sglang:num_running_reqs 0\n{lines}");
+            parse_engine_metrics(EngineKind::Sglang, text.as_bytes(), None)
                 .unwrap()
                 .cache_capacity
         };
@@ -1151,11 +1278,158 @@ sglang:max_total_num_tokens{{{tp1}}} 262144.0\n"
         );
     }
 
+    /// What `llama-server --metrics` (b11434) prints: every series
+    /// unlabelled, counters then gauges, each with its HELP and TYPE lines;
+    /// no KV usage, no capacity, no completions counter. Values are C++
+    /// stream output: six significant digits, past a million in exponent
+    /// form.
+    const LLAMACPP_PAYLOAD: &str = "\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens\n\
+# TYPE llamacpp:prompt_tokens_total counter\n\
+llamacpp:prompt_tokens_total 5210\n\
+# HELP llamacpp:prompt_tokens_cached_total Number of prompt tokens reused from the cache\n\
+# TYPE llamacpp:prompt_tokens_cached_total counter\n\
+llamacpp:prompt_tokens_cached_total 1.23457e+06\n\
+# HELP llamacpp:prompt_seconds_total Total time spent processing prompts\n\
+# TYPE llamacpp:prompt_seconds_total counter\n\
+llamacpp:prompt_seconds_total 3.5\n\
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed\n\
+# TYPE llamacpp:tokens_predicted_total counter\n\
+llamacpp:tokens_predicted_total 912\n\
+# HELP llamacpp:tokens_predicted_seconds_total Total time spent generating tokens\n\
+# TYPE llamacpp:tokens_predicted_seconds_total counter\n\
+llamacpp:tokens_predicted_seconds_total 11.25\n\
+# HELP llamacpp:n_decode_total Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding\n\
+# TYPE llamacpp:n_decode_total counter\n\
+llamacpp:n_decode_total 640\n\
+# HELP llamacpp:n_tokens_max Largest observed sequence length (prompt + generation)\n\
+# TYPE llamacpp:n_tokens_max counter\n\
+llamacpp:n_tokens_max 4096\n\
+# HELP llamacpp:spec_decode_num_draft_tokens_total Speculative: Total draft tokens generated\n\
+# TYPE llamacpp:spec_decode_num_draft_tokens_total counter\n\
+llamacpp:spec_decode_num_draft_tokens_total 0\n\
+# HELP llamacpp:spec_decode_num_accepted_tokens_total Speculative: Total draft tokens accepted by the target model\n\
+# TYPE llamacpp:spec_decode_num_accepted_tokens_total counter\n\
+llamacpp:spec_decode_num_accepted_tokens_total 0\n\
+# HELP llamacpp:spec_decode_num_drafts_total Speculative: Total speculative decoding verification steps\n\
+# TYPE llamacpp:spec_decode_num_drafts_total counter\n\
+llamacpp:spec_decode_num_drafts_total 0\n\
+# HELP llamacpp:prompt_tokens_seconds Average prompt throughput in tokens/s\n\
+# TYPE llamacpp:prompt_tokens_seconds gauge\n\
+llamacpp:prompt_tokens_seconds 1488.57\n\
+# HELP llamacpp:predicted_tokens_seconds Average generation throughput in tokens/s\n\
+# TYPE llamacpp:predicted_tokens_seconds gauge\n\
+llamacpp:predicted_tokens_seconds 81.07\n\
+# HELP llamacpp:requests_processing Number of requests processing\n\
+# TYPE llamacpp:requests_processing gauge\n\
+llamacpp:requests_processing 4\n\
+# HELP llamacpp:requests_deferred Number of requests deferred\n\
+# TYPE llamacpp:requests_deferred gauge\n\
+llamacpp:requests_deferred 3\n\
+# HELP llamacpp:n_busy_slots_per_decode Average number of busy slots per llama_decode() call\n\
+# TYPE llamacpp:n_busy_slots_per_decode gauge\n\
+llamacpp:n_busy_slots_per_decode 3.6\n";
+
     #[test]
-    fn wrong_engine_kind_gives_an_empty_sample_not_an_error() {
+    fn llamacpp_queue_running_and_prompt_tokens_as_lookups_and_hits() {
         let sample =
-            parse_engine_metrics(EngineKind::Sglang, vllm_v1_payload().as_bytes(), None).unwrap();
-        assert_eq!(sample, EngineSample::default());
+            parse_engine_metrics(EngineKind::Llamacpp, LLAMACPP_PAYLOAD.as_bytes(), None).unwrap();
+        assert_eq!(
+            sample,
+            EngineSample {
+                waiting: Some(3.0),
+                running: Some(4.0),
+                kv_usage: None,
+                // Its prompt counter leaves the cached tokens out: the
+                // lookups are 5210 prefilled + 1234570 reused, so that
+                // lookups − hits is the 5210 tokens that went in.
+                prefix_queries: Some(1_239_780.0),
+                prefix_hits: Some(1_234_570.0),
+                hit_rate: None,
+                release: None,
+                completed: None,
+                cache_capacity: None,
+            }
+        );
+        // Without the cached counter (no hits), no lookups either: the
+        // prompt counter alone is not what vLLM's queries mean.
+        let text = "llamacpp:requests_processing 1\nllamacpp:prompt_tokens_total 10\n";
+        let sample = parse_engine_metrics(EngineKind::Llamacpp, text.as_bytes(), None).unwrap();
+        assert_eq!((sample.prefix_queries, sample.prefix_hits), (None, None));
+    }
+
+    #[test]
+    fn another_familys_payload_is_a_failed_scrape_naming_what_came_back() {
+        // Each family read with another's names: vLLM's and SGLang's
+        // payloads start with Python's own series, llama.cpp's with its own.
+        let sglang =
+            "sglang:num_running_reqs{dp_rank=\"0\"} 8\nsglang:num_queue_reqs{dp_rank=\"0\"} 8\n";
+        for (kind, text, first, namespaced) in [
+            (
+                EngineKind::Sglang,
+                vllm_v1_payload(),
+                "python_gc_objects_collected_total",
+                Some("vllm:num_requests_running"),
+            ),
+            (
+                EngineKind::Vllm,
+                LLAMACPP_PAYLOAD.to_string(),
+                "llamacpp:prompt_tokens_total",
+                None,
+            ),
+            (
+                EngineKind::Llamacpp,
+                sglang.to_string(),
+                "sglang:num_running_reqs",
+                None,
+            ),
+        ] {
+            let err = parse_engine_metrics(kind, text.as_bytes(), None).unwrap_err();
+            assert_eq!(
+                err,
+                MetricsError::NoLoadSeries {
+                    engine: kind,
+                    first_metric: first.to_string(),
+                    first_namespaced: namespaced.map(str::to_string),
+                },
+                "{kind:?}"
+            );
+        }
+        let err = parse_engine_metrics(EngineKind::Sglang, vllm_v1_payload().as_bytes(), None)
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "metrics payload has no sglang load figure (sglang:num_queue_reqs, sglang:num_running_reqs); \
+             its first sample is python_gc_objects_collected_total, its first namespaced metric \
+             vllm:num_requests_running (is regions[].engine right?)"
+        );
+        let err =
+            parse_engine_metrics(EngineKind::Vllm, LLAMACPP_PAYLOAD.as_bytes(), None).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "metrics payload has no vllm load figure (vllm:num_requests_waiting, vllm:num_requests_running); \
+             its first sample is llamacpp:prompt_tokens_total (is regions[].engine right?)"
+        );
+        // The load series there but with no usable value is no figure either.
+        let err = parse_engine_metrics(EngineKind::Vllm, b"vllm:num_requests_waiting NaN\n", None)
+            .unwrap_err();
+        assert!(matches!(err, MetricsError::NoLoadSeries { .. }), "{err}");
+        // One of the two is a load figure (the other is taken as 0).
+        let one = parse_engine_metrics(
+            EngineKind::Llamacpp,
+            b"llamacpp:requests_deferred 2\n",
+            None,
+        )
+        .unwrap();
+        assert_eq!((one.waiting, one.running), (Some(2.0), None));
+        // A name is shown cut, never the payload around it.
+        let long = format!("{} 1\n", "x".repeat(10_000));
+        match parse_engine_metrics(EngineKind::Vllm, long.as_bytes(), None) {
+            Err(MetricsError::NoLoadSeries { first_metric, .. }) => {
+                assert_eq!(first_metric.len(), MAX_NAME_SHOWN)
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
@@ -1182,7 +1456,7 @@ vllm:gpu_prefix_cache_hit_rate{model_name=\"m\"} -1\n";
 
     #[test]
     fn only_nan_usage_falls_back_to_the_legacy_name() {
-        let text = "vllm:kv_cache_usage_perc NaN\nvllm:gpu_cache_usage_perc 0.5\n";
+        let text = "vllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc NaN\nvllm:gpu_cache_usage_perc 0.5\n";
         let sample = parse_engine_metrics(EngineKind::Vllm, text.as_bytes(), None).unwrap();
         assert_eq!(sample.kv_usage, Some(0.5));
     }
@@ -1353,14 +1627,18 @@ vllm:num_requests_waiting 0\n";
         )
         .unwrap();
         assert_eq!(no_metric.release, None);
-        // A release metric is a sample in its own right.
+        // A release without load figures is no load scrape (nor a release
+        // read: the probe takes nothing from a failed scrape).
         let only_release = parse_engine_metrics(
             EngineKind::Sglang,
             b"build_info{revision=\"r1\"} 1\n",
             Some("build_info/revision"),
         )
-        .unwrap();
-        assert_eq!(only_release.release.as_deref(), Some("r1"));
+        .unwrap_err();
+        assert!(
+            matches!(only_release, MetricsError::NoLoadSeries { .. }),
+            "{only_release}"
+        );
     }
 
     #[test]
@@ -1466,7 +1744,12 @@ vllm:num_requests_waiting 0\n";
         };
         assert_eq!(parse("vllm").unwrap(), EngineKind::Vllm);
         assert_eq!(parse("sglang").unwrap(), EngineKind::Sglang);
+        assert_eq!(parse("llamacpp").unwrap(), EngineKind::Llamacpp);
         assert!(parse("Vllm").is_err());
+        assert!(parse("llama.cpp").is_err());
+        for kind in [EngineKind::Vllm, EngineKind::Sglang, EngineKind::Llamacpp] {
+            assert_eq!(parse(kind.name()).unwrap(), kind);
+        }
     }
 
     /// Tiny linear congruential generator (Knuth's MMIX constants); enough to
@@ -1510,7 +1793,7 @@ vllm:num_requests_waiting 0\n";
                     mutated
                 }
             };
-            for kind in [EngineKind::Vllm, EngineKind::Sglang] {
+            for kind in [EngineKind::Vllm, EngineKind::Sglang, EngineKind::Llamacpp] {
                 if let Ok(sample) =
                     parse_engine_metrics(kind, &bytes, Some("vllm:num_requests_waiting/engine"))
                 {

@@ -19,7 +19,7 @@ use std::rc::Rc;
 use crate::assess::Assessment;
 use crate::calibration::Verdict;
 use crate::config::{Config, LoadSource, ProbeConfig, ReleaseSource};
-use crate::context::parse_model_limit;
+use crate::context::{limit_field, parse_model_limit};
 use crate::effects::{CalloutResponse, Level, ProbeHost};
 use crate::exchange::{self, Apply, Body, Exchange, Load, Message};
 use crate::fleet::{Fleet, HealthChange};
@@ -607,14 +607,14 @@ impl Probe {
         let Some(r) = self.cfg.regions.get(region) else {
             return;
         };
-        let (name, path) = (r.name.clone(), r.models_path.clone());
+        let (name, path, engine) = (r.name.clone(), r.models_path.clone(), r.engine);
         let read = match status {
             Some(s) if (200..300).contains(&s) => match response.body(MODELS_BODY_MAX + 1) {
                 Some(b) if b.len() > MODELS_BODY_MAX => Err(format!(
                     "the body is larger than {} KiB",
                     MODELS_BODY_MAX / 1024
                 )),
-                Some(b) => parse_model_limit(&b),
+                Some(b) => parse_model_limit(engine, &b),
                 None => Err("the answer has no body".to_string()),
             },
             Some(s) => Err(format!("status {s}")),
@@ -628,7 +628,10 @@ impl Probe {
                 if self.fleet.on_model_limit(region, limit) {
                     host.log(
                         Level::Info,
-                        &format!("llm-geo-router probe: region {name}: context limit {limit} tokens (max_model_len in {path})"),
+                        &format!(
+                            "llm-geo-router probe: region {name}: context limit {limit} tokens ({} in {path})",
+                            limit_field(engine)
+                        ),
                     );
                     self.publish(host, now);
                 }
@@ -747,6 +750,7 @@ impl Probe {
         let metric = match r.engine {
             EngineKind::Vllm => "vllm:cache_config_info (num_gpu_blocks x block_size)",
             EngineKind::Sglang => "sglang:max_total_num_tokens",
+            EngineKind::Llamacpp => "llama.cpp has no such metric",
         };
         let what = match capacity {
             Some(CacheCapacity::Invalid(why)) => format!("KV-cache capacity ignored: {why}"),
@@ -1677,6 +1681,100 @@ mod tests {
         let snap = p.fleet.snapshot(&c, T0 + 4000);
         assert!(snap.regions[0].healthy && snap.regions[0].release_ok);
         assert!(!snap.regions[1].healthy);
+    }
+
+    #[test]
+    fn another_familys_metrics_are_a_failed_scrape_and_never_an_idle_engine() {
+        // near is configured as SGLang but runs vLLM, saturated: 8 running
+        // on its 8 slots, 8 waiting. mid is vLLM, idle.
+        let c = Rc::new(
+            Config::parse(
+                br#"{"regions":[
+                  {"name":"near","cluster":"cn","capacity_rps":5,"rtt_ms":5,"max_concurrency":8,"engine":"sglang"},
+                  {"name":"mid","cluster":"cm","capacity_rps":5,"rtt_ms":40,"max_concurrency":8}],
+                  "probe":{"tick_ms":1000,"timeout_ms":500}}"#,
+            )
+            .unwrap(),
+        );
+        const SATURATED: &str =
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+vllm:num_requests_running{model_name=\"m\"} 8.0\nvllm:num_requests_waiting{model_name=\"m\"} 8.0\n";
+        const IDLE: &str = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n";
+        const SGLANG: &str = "sglang:num_running_reqs 1\nsglang:num_queue_reqs 0\n";
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        let round = |p: &mut Probe, host: &mut Recorder, at: u64, near: &str| {
+            tick(p, host, at);
+            for (token, cluster, path) in std::mem::take(&mut host.callouts) {
+                let mut a = Answer {
+                    status: Some(200),
+                    ..Answer::default()
+                };
+                if path == "/metrics" {
+                    a.body = if cluster == "cn" { near } else { IDLE }.into();
+                }
+                // near 5 ms away, mid 40.
+                host.now_ms = at + if cluster == "cn" { 5 } else { 40 };
+                p.on_callout_response(host, token, &mut a);
+            }
+            host.now_ms = at;
+        };
+        for i in 1..=3 {
+            round(&mut p, &mut host, T0 + 1000 * i, SATURATED);
+        }
+        // Counted at every scrape, warned once, naming the region, the
+        // family expected and what came back.
+        assert_eq!(
+            host.value(Stat::Region(0, RegionStat::MetricsScrapeFailure)),
+            3
+        );
+        assert_eq!(
+            host.value(Stat::Region(1, RegionStat::MetricsScrapeFailure)),
+            0
+        );
+        let warnings = |host: &Recorder| -> Vec<String> {
+            host.logs
+                .iter()
+                .map(|(_, m)| m.clone())
+                .filter(|m| m.contains("region near: metrics scrape failed"))
+                .collect()
+        };
+        assert_eq!(
+            warnings(&host),
+            ["llm-geo-router probe: region near: metrics scrape failed: metrics payload has no sglang load figure (sglang:num_queue_reqs, sglang:num_running_reqs); its first sample is vllm:num_requests_running (is regions[].engine right?)"]
+        );
+        // Priced as unknown load: a cold prompt goes to mid, not to the
+        // nearest region taken for idle.
+        let snap = published(&host);
+        assert!(!snap.regions[0].metrics_ok && snap.regions[0].load_unknown);
+        let decide = |snap: &Snapshot| {
+            crate::cost::decide(&crate::cost::Inputs {
+                config: &c,
+                snapshot: Some(snap),
+                snapshot_index: &[Some(0), Some(1)],
+                cached_blocks: &[0, 0],
+                inflight: &[0.0, 0.0],
+                prompt_tokens: 100,
+                prompt_bytes: 400,
+                tokens_per_byte: 0.25,
+                model: None,
+                first_block: Some(7),
+                allowed: None,
+                fits: u64::MAX,
+                session_region: None,
+                weights: crate::cost::Weights::configured(&c),
+                draw: u64::MAX,
+                now_ms: T0 + 3000,
+            })
+        };
+        assert_eq!(decide(&snap).region, 1, "{:?}", decide(&snap).costs);
+        // The right family's figures: known again, and the warning re-armed.
+        round(&mut p, &mut host, T0 + 4000, SGLANG);
+        let snap = published(&host);
+        assert!(snap.regions[0].metrics_ok && !snap.regions[0].load_unknown);
+        assert_eq!(decide(&snap).region, 0);
+        round(&mut p, &mut host, T0 + 5000, SATURATED);
+        assert_eq!(warnings(&host).len(), 2);
     }
 
     /// The model-list callouts of the last round, answered `ms` later with

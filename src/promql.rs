@@ -9,7 +9,9 @@
 //! all joined with `or`. Signals: `waiting`, `running` (sums), `kv` (mean
 //! KV-cache usage), `replicas` (series of the running gauge), `completed`
 //! (the completions counters, summed), `prefix_queries`/`prefix_hits`
-//! (vLLM's prefix-cache counters, summed), `hit_rate` (SGLang's, mean),
+//! (vLLM's prefix-cache counters, summed; llama.cpp's queries are the sum
+//! of its prefilled and its cached prompt tokens, each summed over the
+//! selector, added), `hit_rate` (SGLang's, mean),
 //! `scraped` (the oldest scrape time of the running gauge's series) and
 //! `cache` (the KV-cache capacity series, not aggregated).
 //!
@@ -41,29 +43,43 @@ pub struct RegionLoad {
     pub scraped_ms: Option<u64>,
 }
 
-/// The metric names of each signal, per engine (alternatives joined with
-/// `or`: vLLM renamed some).
-fn metric(engine: EngineKind, signal: &str) -> Option<&'static [&'static str]> {
+/// The metric names of each signal, per engine: the terms of a sum (one
+/// term for most), each a list of alternatives joined with `or` (vLLM
+/// renamed some). A signal the engine does not export is `None`.
+fn metric(engine: EngineKind, signal: &str) -> Option<&'static [&'static [&'static str]]> {
     Some(match (engine, signal) {
-        (EngineKind::Vllm, "waiting") => &["vllm:num_requests_waiting"],
-        (EngineKind::Vllm, "running" | "replicas" | "scraped") => &["vllm:num_requests_running"],
-        (EngineKind::Vllm, "kv") => &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
-        (EngineKind::Vllm, "completed") => &["vllm:request_success_total"],
-        (EngineKind::Vllm, "prefix_queries") => &[
+        (EngineKind::Vllm, "waiting") => &[&["vllm:num_requests_waiting"]],
+        (EngineKind::Vllm, "running" | "replicas" | "scraped") => &[&["vllm:num_requests_running"]],
+        (EngineKind::Vllm, "kv") => &[&["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"]],
+        (EngineKind::Vllm, "completed") => &[&["vllm:request_success_total"]],
+        (EngineKind::Vllm, "prefix_queries") => &[&[
             "vllm:prefix_cache_queries_total",
             "vllm:gpu_prefix_cache_queries_total",
-        ],
-        (EngineKind::Vllm, "prefix_hits") => &[
+        ]],
+        (EngineKind::Vllm, "prefix_hits") => &[&[
             "vllm:prefix_cache_hits_total",
             "vllm:gpu_prefix_cache_hits_total",
+        ]],
+        (EngineKind::Vllm, "cache") => &[&["vllm:cache_config_info"]],
+        (EngineKind::Sglang, "waiting") => &[&["sglang:num_queue_reqs"]],
+        (EngineKind::Sglang, "running" | "replicas" | "scraped") => &[&["sglang:num_running_reqs"]],
+        (EngineKind::Sglang, "kv") => &[&["sglang:token_usage"]],
+        (EngineKind::Sglang, "completed") => &[&["sglang:num_requests_total"]],
+        (EngineKind::Sglang, "hit_rate") => &[&["sglang:cache_hit_rate"]],
+        (EngineKind::Sglang, "cache") => &[&["sglang:max_total_num_tokens"]],
+        (EngineKind::Llamacpp, "waiting") => &[&["llamacpp:requests_deferred"]],
+        (EngineKind::Llamacpp, "running" | "replicas" | "scraped") => {
+            &[&["llamacpp:requests_processing"]]
+        }
+        // Its prompt counter leaves out the tokens reused from the cache:
+        // a lookup is one or the other (as `metrics` reads a scrape).
+        (EngineKind::Llamacpp, "prefix_queries") => &[
+            &["llamacpp:prompt_tokens_total"],
+            &["llamacpp:prompt_tokens_cached_total"],
         ],
-        (EngineKind::Sglang, "waiting") => &["sglang:num_queue_reqs"],
-        (EngineKind::Sglang, "running" | "replicas" | "scraped") => &["sglang:num_running_reqs"],
-        (EngineKind::Sglang, "kv") => &["sglang:token_usage"],
-        (EngineKind::Sglang, "completed") => &["sglang:num_requests_total"],
-        (EngineKind::Sglang, "hit_rate") => &["sglang:cache_hit_rate"],
-        (EngineKind::Vllm, "cache") => &["vllm:cache_config_info"],
-        (EngineKind::Sglang, "cache") => &["sglang:max_total_num_tokens"],
+        (EngineKind::Llamacpp, "prefix_hits") => &[&["llamacpp:prompt_tokens_cached_total"]],
+        // llama.cpp exports no KV-cache usage, completions counter, hit
+        // rate or capacity; SGLang no prefix counters, vLLM v1 no hit rate.
         _ => return None,
     })
 }
@@ -87,17 +103,26 @@ pub fn region_query(region: &Region) -> String {
     let sel = region.selector();
     let mut parts = Vec::new();
     for (signal, agg) in SIGNALS {
-        let Some(names) = metric(region.engine, signal) else {
+        let Some(terms) = metric(region.engine, signal) else {
             continue;
         };
-        let series: Vec<String> = names.iter().map(|m| format!("{m}{{{sel}}}")).collect();
-        let mut inner = series.join(" or ");
-        if signal == "scraped" {
-            inner = format!("timestamp({inner})");
-        }
-        if !agg.is_empty() {
-            inner = format!("{agg}({inner})");
-        }
+        // Each term aggregated on its own, then added: `sum(a) + sum(b)`,
+        // whose two sides have no labels left and so match one to one.
+        let inner: Vec<String> = terms
+            .iter()
+            .map(|names| {
+                let series: Vec<String> = names.iter().map(|m| format!("{m}{{{sel}}}")).collect();
+                let mut term = series.join(" or ");
+                if signal == "scraped" {
+                    term = format!("timestamp({term})");
+                }
+                if !agg.is_empty() {
+                    term = format!("{agg}({term})");
+                }
+                term
+            })
+            .collect();
+        let inner = inner.join(" + ");
         parts.push(format!(
             "label_replace(label_replace({inner},\"{REGION_LABEL}\",\"{}\",\"\",\"\"),\"{SIGNAL_LABEL}\",\"{signal}\",\"\",\"\")",
             region.name
@@ -196,8 +221,8 @@ pub fn parse_answer(cfg: &Config, body: &[u8]) -> Result<HashMap<usize, RegionLo
             continue;
         };
         if signal == "cache" {
-            let names = cfg.regions.get(i).and_then(|r| metric(r.engine, "cache"));
-            if let Some(name) = names.and_then(|n| n.first()) {
+            let terms = cfg.regions.get(i).and_then(|r| metric(r.engine, "cache"));
+            if let Some(name) = terms.and_then(|t| t.first()).and_then(|n| n.first()) {
                 let v = parse_sample_value(&s.value.1);
                 capacity
                     .entry(i)
@@ -304,6 +329,69 @@ mod tests {
         let only_scrape =
             Config::parse(br#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}]}"#).unwrap();
         assert_eq!(fleet_query(&only_scrape), None);
+    }
+
+    #[test]
+    fn llamacpp_regions_are_queried_by_their_names() {
+        let c = Config::parse(
+            br#"{"regions":[
+              {"name":"edge","cluster":"ce","capacity_rps":5,"engine":"llamacpp","load_source":"prometheus"}],
+              "prometheus":{"cluster":"prom"}}"#,
+        )
+        .unwrap();
+        let q = fleet_query(&c).unwrap();
+        let part = |inner: &str, signal: &str| {
+            format!(
+                r#"label_replace(label_replace({inner},"llm_geo_region","edge","",""),"llm_geo_signal","{signal}","","")"#
+            )
+        };
+        let sel = r#"{region="edge"}"#;
+        for (inner, signal) in [
+            (format!("sum(llamacpp:requests_deferred{sel})"), "waiting"),
+            (format!("sum(llamacpp:requests_processing{sel})"), "running"),
+            (format!("count(llamacpp:requests_processing{sel})"), "replicas"),
+            // Prefilled and reused prompt tokens are the lookups: each
+            // summed over the replicas, then added.
+            (
+                format!("sum(llamacpp:prompt_tokens_total{sel}) + sum(llamacpp:prompt_tokens_cached_total{sel})"),
+                "prefix_queries",
+            ),
+            (format!("sum(llamacpp:prompt_tokens_cached_total{sel})"), "prefix_hits"),
+            (format!("min(timestamp(llamacpp:requests_processing{sel}))"), "scraped"),
+        ] {
+            assert!(q.contains(&part(&inner, signal)), "{signal}: {q}");
+        }
+        // Nothing it does not export: no KV usage, completions, hit rate
+        // or capacity, and no other family's names.
+        for signal in ["kv", "completed", "hit_rate", "cache"] {
+            assert!(
+                !q.contains(&format!(r#""llm_geo_signal","{signal}""#)),
+                "{q}"
+            );
+        }
+        assert!(!q.contains("vllm:") && !q.contains("sglang:"), "{q}");
+        assert_eq!(q.matches(" or ").count(), 5, "six signals: {q}");
+        let body = answer(&[
+            series("edge", "waiting", "3"),
+            series("edge", "running", "8"),
+            series("edge", "replicas", "2"),
+            series("edge", "prefix_queries", "1239780"),
+            series("edge", "prefix_hits", "1234570"),
+        ]);
+        let out = parse_answer(&c, body.as_bytes()).unwrap();
+        let s = &out[&0].sample;
+        assert_eq!(
+            (s.waiting, s.running, out[&0].replicas),
+            (Some(3.0), Some(8.0), 2)
+        );
+        assert_eq!(
+            (s.prefix_queries, s.prefix_hits),
+            (Some(1_239_780.0), Some(1_234_570.0))
+        );
+        assert_eq!(
+            (s.kv_usage, s.completed, s.cache_capacity.clone()),
+            (None, None, None)
+        );
     }
 
     fn series(region: &str, signal: &str, v: &str) -> String {

@@ -200,9 +200,11 @@ pub enum Refusal {
     UnknownResidency(String),
     /// No allowed region can take the request by its context limit: 400
     /// `context_length_exceeded`, `message` in the words of the engine of
-    /// the region that came closest; `param` the prompt's field.
+    /// the region that came closest, `error_type` the OpenAI `type` its
+    /// clients expect; `param` the prompt's field.
     ContextLength {
         message: String,
+        error_type: &'static str,
         param: &'static str,
         exceeded: Exceeded,
     },
@@ -374,6 +376,7 @@ impl Router {
                 .map_or(crate::metrics::EngineKind::Vllm, |r| r.engine);
             return Err(Refusal::ContextLength {
                 message: context::refusal_message(engine, &exceeded, cfg.context.margin),
+                error_type: context::refusal_type(engine),
                 param: context::param(inp.endpoint),
                 exceeded,
             });
@@ -1095,6 +1098,7 @@ mod tests {
         match router.route(&c, &mut store, &inp) {
             Err(Refusal::ContextLength {
                 message,
+                error_type,
                 param,
                 exceeded,
             }) => {
@@ -1102,6 +1106,7 @@ mod tests {
                     (param, exceeded.region, exceeded.limit),
                     ("messages", 1, 8192)
                 );
+                assert_eq!(error_type, "invalid_request_error");
                 assert!(
                     message.starts_with("This model's maximum context length is 8192 tokens. However, your request has about 12"),
                     "{message}"

@@ -205,11 +205,16 @@ impl RouterStream {
                 host.count(Stat::Global(Global::RouterResidencyRejected), 1);
                 return reject("invalid_residency", &msg, None);
             }
-            Err(Refusal::ContextLength { message, param, .. }) => {
+            Err(Refusal::ContextLength {
+                message,
+                error_type,
+                param,
+                ..
+            }) => {
                 // Refused here rather than shipped across the WAN to be
                 // refused by the engine, in the engine's own words.
                 host.count(Stat::Global(Global::RouterContextRejected), 1);
-                return reject("context_length_exceeded", &message, Some(param));
+                return reject_context(error_type, &message, param);
             }
             Err(Refusal::HolderUnavailable(message)) => {
                 return holder_unavailable(host, &message, Some("previous_response_id"));
@@ -335,9 +340,12 @@ impl RouterStream {
             }
             Err(Refusal::HolderUnavailable(msg)) => return holder_unavailable(host, &msg, None),
             Err(Refusal::Invalid(e)) => return reject("invalid_request", &e.message, e.param),
-            Err(Refusal::ContextLength { message, param, .. }) => {
-                return reject("context_length_exceeded", &message, Some(param))
-            }
+            Err(Refusal::ContextLength {
+                message,
+                error_type,
+                param,
+                ..
+            }) => return reject_context(error_type, &message, param),
         };
         drop(inflight);
         if placed.unknown_response {
@@ -689,6 +697,20 @@ fn holder_unavailable(host: &mut dyn StreamHost, message: &str, param: Option<&s
         "response_region_unavailable",
         message,
         param,
+        &[],
+    ))
+}
+
+/// A prompt no allowed region's context can take: 400
+/// `context_length_exceeded`, with the error `type` of the engine's
+/// family (`context::refusal_type`).
+fn reject_context(error_type: &str, message: &str, param: &str) -> Flow {
+    Flow::Reply(Reply::error(
+        400,
+        error_type,
+        "context_length_exceeded",
+        message,
+        Some(param),
         &[],
     ))
 }
@@ -1317,6 +1339,46 @@ mod tests {
         );
         assert_eq!(f, Flow::Continue);
         assert_eq!(host.request_header("x-llm-cluster"), Some(Some("cn")));
+    }
+
+    #[test]
+    fn llamacpp_regions_refuse_in_llamacpp_words_and_only_on_the_prompt() {
+        let mut c = (*shared("").cfg).clone();
+        for r in &mut c.regions {
+            r.engine = crate::metrics::EngineKind::Llamacpp;
+        }
+        let sh = RouterShared::new(Rc::new(c));
+        let mut host = new_host(&sh);
+        let mut snap = Snapshot::all_healthy(&sh.cfg);
+        snap.version = 2;
+        snap.generated_ms = NOW;
+        // meta.n_ctx: the context of one slot.
+        snap.regions[0].max_model_len = Some(4096);
+        snap.regions[1].max_model_len = Some(4096);
+        host.publish(&snap);
+        let long = format!(r#"{{"prompt":"{}"}}"#, "word ".repeat(8000));
+        let (_, f) = request(&sh, &mut host, headers("/v1/completions", &[]), &long);
+        let Flow::Reply(r) = f else { panic!("{f:?}") };
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(r.status, 400);
+        assert_eq!(v["error"]["type"], "exceed_context_size_error");
+        assert_eq!(v["error"]["code"], "context_length_exceeded");
+        assert_eq!(
+            v["error"]["message"],
+            "request (about 10000 tokens, estimated at the edge) exceeds the available context size (4096 tokens), try increasing it"
+        );
+        assert_eq!(host.value(Stat::Global(Global::RouterContextRejected)), 1);
+        // A short prompt asking for more output than the context holds:
+        // llama-server takes it (and stops when the context is full), so
+        // the edge does too. (vLLM's region would refuse it.)
+        let (_, f) = request(
+            &sh,
+            &mut host,
+            headers("/v1/completions", &[]),
+            r#"{"prompt":"hi","max_tokens":100000}"#,
+        );
+        assert_eq!(f, Flow::Continue);
+        assert_eq!(host.value(Stat::Global(Global::RouterContextRejected)), 1);
     }
 
     #[test]

@@ -71,6 +71,13 @@ pub struct RegionState {
     pub scraped_ms: Option<u64>,
     /// Whether the last `/metrics` scrape succeeded.
     pub metrics_ok: bool,
+    /// The engine's load is not known: its last `probe.unhealthy_after`
+    /// scrapes failed (no answer, an error status, garbage, or none of its
+    /// family's load series). `waiting` and `running` are then the last
+    /// good scrape's, if any, and the router prices the region as full,
+    /// never as idle (`cost`, its occupancy).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub load_unknown: bool,
     /// Prefill rate refined from observed TTFT; absent: the configured one.
     #[serde(default)]
     pub prefill_ms_per_token: Option<f64>,
@@ -133,6 +140,10 @@ fn is_zero(v: &f64) -> bool {
     *v == 0.0
 }
 
+fn is_false(v: &bool) -> bool {
+    !*v
+}
+
 impl RegionState {
     /// Slots the region runs at once: `max_concurrency` per replica.
     pub fn slots(&self, max_concurrency: u32) -> u32 {
@@ -157,6 +168,7 @@ impl Default for RegionState {
             drain_rps: None,
             scraped_ms: None,
             metrics_ok: false,
+            load_unknown: false,
             prefill_ms_per_token: None,
             release: None,
             release_ok: true,

@@ -1,7 +1,8 @@
 """The probe singleton inside a real Envoy: one loop per process, RTTs
-measured through the regions' clusters, vLLM and SGLang /metrics read, and
-garbage /metrics survived. Probe tick 300 ms; the adaptive tick (1000 ms
-idle, 100 ms busy) on a fleet of its own."""
+measured through the regions' clusters, vLLM and SGLang /metrics read,
+garbage /metrics survived, and another family's /metrics a failed scrape.
+Probe tick 300 ms; the adaptive tick (1000 ms idle, 100 ms busy) on a
+fleet of its own."""
 
 import threading
 import time
@@ -102,6 +103,58 @@ def test_garbage_metrics_are_survived_and_reported_once(fleet):
     failures = envoy.stat("wasmcustom.llm_geo_router.region.far.metrics_scrape_failure")
     wait_ticks(envoy, 3)
     assert envoy.stat("wasmcustom.llm_geo_router.region.far.metrics_scrape_failure") == failures
+
+
+def test_another_familys_metrics_are_failed_scrapes_and_a_saturated_near_is_not_idle(fleet_factory):
+    # near's emulator runs vLLM; its region is configured as SGLang (the
+    # issue's case: llama.cpp's names read as another family's). Every
+    # scrape parses, and none has sglang:num_queue_reqs or
+    # sglang:num_running_reqs.
+    import yaml
+
+    from harness import chat
+
+    regions = harness.plugin_config(yaml.safe_load(harness.DEMO_CONFIG.read_text()))["regions"]
+    for r in regions:
+        if r["name"] == "near":
+            r["engine"] = "sglang"
+    fleet = fleet_factory({"regions": regions, "probe": {"tick_ms": 300, "timeout_ms": 300,
+                                                         "snapshot_max_age_ms": 3000}})
+    envoy = fleet.envoy
+    wait_ticks(envoy, 2)
+    failed_before = {n: envoy.stat(f"wasmcustom.llm_geo_router.region.{n}.metrics_scrape_failure")
+                     for n in ("mid", "far")}
+    # A failed scrape at every round, warned once, naming the region, the
+    # family expected and the first metric that came back.
+    wait_stat(envoy, "region.near.metrics_scrape_failure", lambda v: v >= 3)
+    near = fleet.engines["near"]
+    load = harness.saturate(near, 16)
+    try:
+        deadline = time.time() + 10
+        while (near.stats()["running"], near.stats()["waiting"]) != (8, 8):
+            assert time.time() < deadline, near.stats()
+            time.sleep(0.05)
+        wait_ticks(envoy, 3)
+        # Priced as unknown load, not as the idle nearest region: cold
+        # prompts go elsewhere while near is full.
+        routes = []
+        for i in range(6):
+            r = chat(fleet.port, [{"role": "user", "content": f"cold prompt while near is full {i}"}])
+            assert r.status == 200, r.body
+            routes.append((r.route["region"], r.route["reason"], r.route.get("ttft_ms")))
+        print("cold prompts while near is full (region, reason, ttft_ms):", routes)
+        assert all(region != "near" for region, _, _ in routes), routes
+    finally:
+        load.close()
+    warnings = [l for l in envoy.log().splitlines() if "region near: metrics scrape failed" in l]
+    assert len(warnings) == 1, warnings
+    assert ("metrics payload has no sglang load figure (sglang:num_queue_reqs, sglang:num_running_reqs); "
+            "its first sample is vllm:num_requests_running (is regions[].engine right?)") in warnings[0], warnings
+    # Health is judged by the health probe: near stays in routing.
+    assert envoy.stat("wasmcustom.llm_geo_router.region.near.healthy") == 1
+    # The regions configured right are scraped as before.
+    for name, before in failed_before.items():
+        assert envoy.stat(f"wasmcustom.llm_geo_router.region.{name}.metrics_scrape_failure") == before, name
 
 
 def test_unknown_cluster_is_reported_once_and_the_region_is_unhealthy(fleet_factory):

@@ -212,10 +212,10 @@ fn check_accepted(endpoint: Endpoint, data: &[u8], req: &InferenceRequest) {
 
 const RELEASE_LABEL: &str = "vllm:cache_config_info/release";
 
-/// `parse_engine_metrics` for both engines, with and without a release
-/// label, plus `lines` and `Sample::parse` on every line.
+/// `parse_engine_metrics` for every engine family, with and without a
+/// release label, plus `lines` and `Sample::parse` on every line.
 pub fn metrics(data: &[u8]) {
-    for kind in [EngineKind::Vllm, EngineKind::Sglang] {
+    for kind in [EngineKind::Vllm, EngineKind::Sglang, EngineKind::Llamacpp] {
         let plain = metrics::parse_engine_metrics(kind, data, None);
         let labelled = metrics::parse_engine_metrics(kind, data, Some(RELEASE_LABEL));
         if let Ok(s) = &plain {
@@ -224,6 +224,20 @@ pub fn metrics(data: &[u8]) {
         }
         if let Ok(s) = &labelled {
             check_sample(s);
+        }
+        // A failed load scrape names metrics, never more of the payload.
+        if let Err(MetricsError::NoLoadSeries {
+            first_metric,
+            first_namespaced,
+            ..
+        }) = &plain
+        {
+            for name in std::iter::once(first_metric).chain(first_namespaced) {
+                assert!(name.len() <= metrics::MAX_NAME_SHOWN, "{name}");
+                assert!(name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b':'));
+            }
         }
         // Asking for a release label may add a release and may find a line
         // of its metric that is not UTF-8; it changes nothing else.
@@ -266,6 +280,8 @@ pub fn metrics(data: &[u8]) {
 }
 
 fn check_sample(s: &EngineSample) {
+    // Without a load figure the scrape is refused, never an idle engine.
+    assert!(s.waiting.is_some() || s.running.is_some());
     for count in [s.waiting, s.running, s.prefix_queries, s.prefix_hits]
         .into_iter()
         .flatten()
