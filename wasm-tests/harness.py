@@ -209,6 +209,48 @@ def threading_drain(stream, sink) -> None:
     threading.Thread(target=run, daemon=True).start()
 
 
+# llama.cpp's llama-server, built once from the pinned PyPI sdist's source
+# and cached by scripts/llama-server-build (scripts/setup runs it), with its
+# tiny random-weight model over the real Llama-3 vocabulary.
+LLAMA_BUILD = ROOT / "scripts" / "llama-server-build"
+# The model name the llama-server regions answer to (--alias): what clients
+# send, and what their /v1/models lists.
+LLAMA_MODEL = "tiny-llama3"
+
+
+def llama_server() -> tuple[Path, Path]:
+    """(llama-server, the tiny model), as scripts/llama-server-build reports
+    them: at once from its cache, or after building on a machine where
+    scripts/setup has not run."""
+    r = subprocess.run([str(LLAMA_BUILD)], capture_output=True, text=True, timeout=3600, cwd=ROOT)
+    if r.returncode != 0:
+        raise RuntimeError(f"scripts/llama-server-build failed ({r.returncode}): {r.stderr[-2000:]}")
+    paths = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+    return Path(paths["LLAMA_SERVER"]), Path(paths["LLAMA_TINY_MODEL"])
+
+
+def start_llama(name: str, run_dir: Path, ctx: int = 16384, parallel: int = 4, port: int = 0) -> Engine:
+    """A real llama-server on a loopback port serving the tiny model as
+    LLAMA_MODEL, its metrics on: `parallel` slots of ctx / parallel tokens
+    of context each (the per-request limit its /v1/models reports as
+    meta.n_ctx). Ready once /health answers 200 (it answers 503 while the
+    model loads)."""
+    binary, model = llama_server()
+    port = port or free_port()
+    log_path = run_dir / f"llama-{name}.log"
+    args = [str(binary), "-m", str(model), "--alias", LLAMA_MODEL, "--host", "127.0.0.1", "--port", str(port),
+            "--metrics", "-c", str(ctx), "--parallel", str(parallel), "--threads", "1"]
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=open(log_path, "w"), cwd=run_dir)
+    try:
+        wait_http_ok(f"llama-server {name}", proc, f"http://127.0.0.1:{port}/health", log_path, time.time() + 60)
+    except RuntimeError:
+        proc.kill()
+        proc.wait(timeout=10)
+        raise
+    return Engine(name, port, proc, log_path, args)
+
+
 @dataclass
 class Envoy:
     proc: subprocess.Popen
