@@ -217,6 +217,24 @@ def test_load_moves_away_from_a_region_whose_engine_defers_requests(llama):
     assert busy_region not in loaded, loaded
 
 
+def test_a_prompt_the_engine_refused_is_never_believed_cached(llama):
+    # Six-digit numbers take about 0.4 tokens a byte in the Llama-3
+    # vocabulary, twice what the router calibrated on prose: its estimate
+    # lets this ~14 KB prompt through, and llama-server, counting ~6,000
+    # tokens against its 4,096, refuses it itself. The router must not
+    # then believe that region holds the prompt: the same prompt again is
+    # no `cache` decision, however often it is sent.
+    text = " ".join(f"{i * 7919 % 1000000:06d}" for i in range(2000))
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
+    for attempt in range(3):
+        r = request(llama.port, "POST", "/v1/chat/completions", body)
+        assert r.status == 400, (attempt, r.status, r.body[:300])
+        err = r.json()["error"]
+        # The engine's own refusal (it states the prompt's real length), not the edge's.
+        assert err["type"] == "exceed_context_size_error" and err.get("n_prompt_tokens", 0) > 4096, err
+        assert r.route.get("reason") != "cache" and r.route.get("cached_tokens", "0") == "0", (attempt, r.route)
+
+
 def test_an_over_context_prompt_is_refused_at_the_edge(llama):
     # llama-server's /v1/models states each slot's context (meta.n_ctx):
     # the probe reads it, and a prompt far beyond it is refused by the router
