@@ -17,7 +17,6 @@ import signal
 import sys
 import time
 
-import yaml
 
 import demo
 import harness
@@ -70,14 +69,17 @@ def scene_conversation() -> str:
         check(r.status == 200, f"turn {turn}: HTTP {r.status}")
         if turn == 1:
             home = r.route.get("region")
-            # The other Envoy takes the next turn: wait for the placement to
-            # reach it (the exchange sends once a probe tick).
-            other = demo.lb.envoys[(demo.lb.last + 1) % len(demo.lb.envoys)]
-            merged = other.stat("wasmcustom.llm_geo_router.exchange.merged")
-            deadline = time.monotonic() + 5
-            while other.stat("wasmcustom.llm_geo_router.exchange.merged") <= merged and time.monotonic() < deadline:
+            # The other Envoy takes the next turn: wait until this one has
+            # sent a message since (the exchange sends once a probe tick,
+            # and the placement was noted before the answer came back),
+            # and for its transit on loopback.
+            sender = demo.lb.envoys[demo.lb.last]
+            sent = sender.stat("wasmcustom.llm_geo_router.exchange.sent")
+            t0 = time.monotonic()
+            while sender.stat("wasmcustom.llm_geo_router.exchange.sent") <= sent and time.monotonic() - t0 < 5:
                 time.sleep(0.05)
-            note(f"the other Envoy learnt the placement after {5 - (deadline - time.monotonic()):.1f} s")
+            time.sleep(0.3)
+            note(f"Envoy {demo.lb.last + 1} sent its next exchange message {time.monotonic() - t0 - 0.3:.1f} s later")
         else:
             check(r.route.get("region") == home and r.route.get("reason") == "cache",
                   f"turn {turn}: {r.route}, expected {home} for cache")
@@ -136,22 +138,7 @@ def main() -> int:
     print(f"[{elapsed()}] Starting three llama-server regions (near, mid, far on loopback) and two Envoys "
           f"sharing; logs in {run_dir.relative_to(harness.ROOT)}", flush=True)
     try:
-        for name in harness.DEMO_REGIONS:
-            fleet.engines[name] = harness.start_llama(name, run_dir, ctx=4096 * SLOTS, parallel=SLOTS)
-        fleet.replicas = {n: [e] for n, e in fleet.engines.items()}
-        plugin = harness.plugin_config(yaml.safe_load(harness.DEMO_CONFIG.read_text()))
-        regions = [{**r, "engine": "llamacpp"} for r in plugin["regions"]]
-        fleet.exchange_ports = [harness.free_port(), harness.free_port()]
-        for i in range(2):
-            cfg = harness.render_config(fleet.engines, harness.free_port(), harness.free_port(),
-                                        {"regions": regions}, peers=(fleet.exchange_ports[i], fleet.exchange_ports))
-            fleet.envoys.append(harness.start_envoy(run_dir, cfg, name=f"envoy{i}"))
-        deadline = time.monotonic() + 30
-        while not all(e.stat(f"wasmcustom.llm_geo_router.region.{n}.max_model_len") > 0
-                      for e in fleet.envoys for n in harness.DEMO_REGIONS):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the probes did not read every region's context limit")
-            time.sleep(0.1)
+        fleet.start_llama(envoys=2, shared=True, slots=SLOTS)
         demo.lb = demo.Balancer(fleet)
         print(f"[{elapsed()}] Envoys on 127.0.0.1:{fleet.envoys[0].port} and :{fleet.envoys[1].port}; "
               f"every region healthy, its context limit read from llama-server", flush=True)

@@ -729,6 +729,37 @@ class Fleet:
             self.prometheus.wait_targets_up()
         return self
 
+    def start_llama(self, overrides: dict | None = None, envoys: int = 1, shared: bool = False,
+                    slots: int = 4, slot_ctx: int = 4096) -> "Fleet":
+        """Three real llama-server regions (start_llama: `slots` slots of
+        `slot_ctx` tokens each) in place of the emulators, then the Envoys,
+        every region's `engine` set to `llamacpp`; ready once every Envoy's
+        probe has every region healthy and its context limit read (their
+        loopback round trips may read 0 ms, so not wait_snapshot)."""
+        for name in DEMO_REGIONS:
+            self.engines[name] = start_llama(name, self.run_dir, ctx=slot_ctx * slots, parallel=slots)
+        self.replicas = {n: [e] for n, e in self.engines.items()}
+        demo = plugin_config(yaml.safe_load(DEMO_CONFIG.read_text()))
+        regions = [{**r, "engine": "llamacpp"} for r in demo["regions"]]
+        overrides = {**(overrides or {}), "regions": regions}
+        if shared:
+            self.exchange_ports = [free_port() for _ in range(envoys)]
+        for i in range(envoys):
+            peers = (self.exchange_ports[i], self.exchange_ports) if shared else None
+            cfg = render_config(self.engines, free_port(), free_port(), overrides, peers=peers)
+            self.envoys.append(start_envoy(self.run_dir, cfg, name=f"envoy{i}"))
+        deadline = time.time() + 30
+        for e in self.envoys:
+            while True:
+                s = e.stats(r"llm_geo_router\.region\.[a-z]+\.(healthy|max_model_len)$")
+                if all(s.get(f"wasmcustom.llm_geo_router.region.{n}.{k}", 0)
+                       for n in DEMO_REGIONS for k in ("healthy", "max_model_len")):
+                    break
+                if time.time() > deadline:
+                    raise RuntimeError(f"llama-server regions not ready: {s}; see {e.log_path}")
+                time.sleep(0.1)
+        return self
+
     def wait_snapshot(self, envoy: Envoy, timeout: float = 20.0) -> None:
         """Until the probe has published and measured every region's RTT."""
         deadline = time.time() + timeout

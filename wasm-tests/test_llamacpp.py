@@ -19,7 +19,6 @@ import urllib.request
 
 import openai
 import pytest
-import yaml
 
 import harness
 from harness import request
@@ -63,32 +62,13 @@ class LlamaFleet(harness.Fleet):
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
+def llama():
     """Three llama-server regions and one Envoy, for the whole module (the
     engines take seconds to start); each test uses prompts of its own."""
     run_dir = harness.fresh_run_dir("test_llamacpp")
     fleet = LlamaFleet(run_dir)
     try:
-        for name in harness.DEMO_REGIONS:
-            fleet.engines[name] = harness.start_llama(name, run_dir, ctx=4096 * SLOTS, parallel=SLOTS)
-        fleet.replicas = {n: [e] for n, e in fleet.engines.items()}
-        demo = harness.plugin_config(yaml.safe_load(harness.DEMO_CONFIG.read_text()))
-        regions = [{**r, "engine": "llamacpp"} for r in demo["regions"]]
-        cfg = harness.render_config(fleet.engines, harness.free_port(), harness.free_port(),
-                                    {**FAST, "regions": regions})
-        fleet.envoys.append(harness.start_envoy(run_dir, cfg))
-        # Every region healthy and its context limit read (loopback round
-        # trips may round to 0 ms: the harness's own wait needs them > 0).
-        deadline = time.time() + 30
-        while True:
-            s = fleet.envoy.stats(r"llm_geo_router\.region\.[a-z]+\.(healthy|max_model_len)$")
-            ready = [s.get(f"wasmcustom.llm_geo_router.region.{n}.{k}", 0)
-                     for n in harness.DEMO_REGIONS for k in ("healthy", "max_model_len")]
-            if all(ready):
-                break
-            if time.time() > deadline:
-                raise RuntimeError(f"regions not ready: {s}; see {fleet.envoy.log_path}")
-            time.sleep(0.1)
+        fleet.start_llama(FAST, slots=SLOTS)
         yield fleet
     finally:
         fleet.stop()
