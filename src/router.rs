@@ -17,7 +17,7 @@ use std::rc::Rc;
 use crate::config::{Config, InvalidRequests, StreamUsage};
 use crate::cost::Reason;
 use crate::effects::StreamHost;
-use crate::outcome::{Ending, VIA_UPSTREAM};
+use crate::outcome::{flags, Ending, VIA_UPSTREAM};
 use crate::protocol::{
     Global, RegionStat, Stat, ATTEMPTS_PROPERTY, CODE_DETAILS_PROPERTY, DECISION_FILTER_STATE,
     HOST_REGION_PROPERTY, OBSERVATIONS_QUEUE, POOL_FALLBACK, RESPONSE_FLAGS_PROPERTY,
@@ -83,6 +83,16 @@ pub struct RouterStream {
     endpoint: Option<Endpoint>,
     /// The region routed to (counted in flight there until the end).
     routed: Option<usize>,
+    /// The region the request was sent to, read or not (its outcome is
+    /// the region's, unless Envoy or a filter answered in its place).
+    sent: Option<usize>,
+    /// `rq_total` was counted for `sent`: at the response headers when an
+    /// upstream answered or failed, at the end otherwise.
+    counted: bool,
+    /// The response is a local reply that never concerned the region (no
+    /// route, a direct response, another filter's refusal): neither
+    /// counted nor labelled as the region's.
+    local: bool,
     /// The region whose engine answered (its host served the last try),
     /// once a successful answer has started; `None` before, or when a
     /// retry went to a host of no configured region.
@@ -300,7 +310,7 @@ impl RouterStream {
         };
         host.set_request_header(&cfg.headers.cluster, Some(cluster));
         host.clear_route_cache();
-        host.count(Stat::Region(region, RegionStat::RqTotal), 1);
+        self.sent = Some(region);
         if inflight {
             host.count(Stat::Region(region, RegionStat::RqActive), 1);
             self.routed = Some(region);
@@ -384,20 +394,50 @@ impl RouterStream {
         shared: &RouterShared,
         host: &mut dyn StreamHost,
     ) -> Flow {
+        let Some(region) = self.sent else {
+            return Flow::Continue;
+        };
+        // Envoy answers in the region's place when no route matches, for a
+        // direct response, or for a filter after this one: that answer is
+        // not the region's. One property read; a second only for a reply
+        // that did not come from upstream (an upstream failure's is the
+        // region's).
+        let via_upstream = host
+            .property(&CODE_DETAILS_PROPERTY)
+            .is_some_and(|d| d == VIA_UPSTREAM.as_bytes());
+        self.local = !via_upstream
+            && host
+                .property(&RESPONSE_FLAGS_PROPERTY)
+                .and_then(u64_le)
+                .unwrap_or(0)
+                & flags::UPSTREAM_FAILURE
+                == 0;
+        if self.local {
+            self.pending = None;
+            self.tail = None;
+            self.head = None;
+            return Flow::Continue;
+        }
+        self.count_sent(host, region);
         if let (Some(name), Some(value)) = (&shared.cfg.headers.decision, &self.decision_header) {
             host.add_response_header(name, value);
         }
-        if self.routed.is_some() {
-            self.status = host.response_status();
-            // Only a successful stream's first byte is a time to first
-            // token, and only a successful answer reports usage.
-            if !self.status.is_some_and(|s| (200..300).contains(&s)) {
-                self.pending = None;
-                self.tail = None;
-                self.head = None;
-            }
+        self.status = host.response_status();
+        // Only a successful stream's first byte is a time to first
+        // token, and only a successful answer reports usage.
+        if !self.status.is_some_and(|s| (200..300).contains(&s)) {
+            self.pending = None;
+            self.tail = None;
+            self.head = None;
         }
         Flow::Continue
+    }
+
+    /// Count the request in the region's `rq_total`, once.
+    fn count_sent(&mut self, host: &mut dyn StreamHost, region: usize) {
+        if !std::mem::replace(&mut self.counted, true) {
+            host.count(Stat::Region(region, RegionStat::RqTotal), 1);
+        }
     }
 
     /// Whether the next response byte is news: the first of a stream whose
@@ -573,10 +613,18 @@ impl RouterStream {
                 share_placement(shared, host, learning, served);
             }
         }
-        let Some(region) = self.routed.take() else {
+        if let Some(region) = self.routed.take() {
+            host.count(Stat::Region(region, RegionStat::RqActive), -1);
+        }
+        let Some(region) = self.sent.take() else {
             return;
         };
-        host.count(Stat::Region(region, RegionStat::RqActive), -1);
+        if self.local {
+            return;
+        }
+        // Ended before any response headers (the client left first): it
+        // was on its way to the region.
+        self.count_sent(host, region);
         // The fallback pool is other engines: its outcomes say nothing about
         // the region's own (Envoy's cluster stats show them).
         if self.fallback {
@@ -730,7 +778,7 @@ fn reject(code: &str, message: &str, param: Option<&str>) -> Flow {
 mod tests {
     use super::*;
     use crate::effects::Recorder;
-    use crate::outcome::flags;
+
     use crate::snapshot::Snapshot;
 
     const NOW: u64 = 1_700_000_000_000;
@@ -759,7 +807,21 @@ mod tests {
         snap.version = 1;
         snap.generated_ms = NOW;
         host.publish(&snap);
+        // Answers come from the region's engine unless a test says not.
+        host.properties.insert(
+            CODE_DETAILS_PROPERTY.join("."),
+            VIA_UPSTREAM.as_bytes().to_vec(),
+        );
         host
+    }
+
+    /// The engine answered with `status` (a response from upstream).
+    fn engine_status(host: &mut Recorder, status: Option<u32>) {
+        host.status = status;
+        host.properties.insert(
+            CODE_DETAILS_PROPERTY.join("."),
+            VIA_UPSTREAM.as_bytes().to_vec(),
+        );
     }
 
     type Headers = Vec<(&'static str, &'static str)>;
@@ -804,24 +866,107 @@ mod tests {
         assert_eq!(host.request_header("x-llm-cluster"), Some(Some("cn")));
         assert_eq!(host.request_header("x-llm-stream"), Some(None));
         assert_eq!(host.route_cache_cleared, 1);
-        assert_eq!(host.value(Stat::Region(0, RegionStat::RqTotal)), 1);
+        // In flight now; a request to the region once an answer comes.
+        assert_eq!(host.value(Stat::Region(0, RegionStat::RqTotal)), 0);
         assert_eq!(host.value(Stat::Region(0, RegionStat::RqActive)), 1);
         assert_eq!(host.value(Stat::Decision(Reason::Rtt)), 1);
         assert_eq!(host.value(Stat::RegionDecision(0, Reason::Rtt)), 1);
         let (key, text) = &host.filter_state[0];
         assert_eq!(key, DECISION_FILTER_STATE);
         assert!(text.starts_with(b"region=near; reason=rtt; ttft_ms="));
-        host.status = Some(200);
+        engine_status(&mut host, Some(200));
         s.on_response_headers(&sh, &mut host);
         assert!(host.response_headers[0]
             .1
             .starts_with("region=near; reason=rtt"));
+        assert_eq!(host.value(Stat::Region(0, RegionStat::RqTotal)), 1);
         s.on_log(&sh, &mut host);
+        assert_eq!(host.value(Stat::Region(0, RegionStat::RqTotal)), 1);
         assert_eq!(host.value(Stat::Region(0, RegionStat::RqActive)), 0);
         assert_eq!(
             host.value(Stat::Region(0, RegionStat::UpstreamRqAnswered)),
             1
         );
+    }
+
+    #[test]
+    fn a_local_reply_is_neither_counted_nor_labelled_as_the_regions() {
+        let sh = shared("");
+        // Envoy's 404 for a path no route matches (flag NR, details
+        // route_not_found), and a direct response's 200 (no flag).
+        for (status, details, flag) in [
+            (404, "route_not_found", 1u64 << 8),
+            (200, "direct_response", 0),
+        ] {
+            for path in ["/unknown", "/v1/chat/completions"] {
+                let mut host = new_host(&sh);
+                let (mut s, _) = request(&sh, &mut host, headers(path, &[]), CHAT);
+                host.status = Some(status);
+                host.properties
+                    .insert(CODE_DETAILS_PROPERTY.join("."), details.as_bytes().to_vec());
+                host.properties.insert(
+                    RESPONSE_FLAGS_PROPERTY.join("."),
+                    flag.to_le_bytes().to_vec(),
+                );
+                s.on_response_headers(&sh, &mut host);
+                assert!(
+                    host.response_headers.is_empty(),
+                    "{path}: {:?}",
+                    host.response_headers
+                );
+                s.on_log(&sh, &mut host);
+                for st in [
+                    RegionStat::RqTotal,
+                    RegionStat::RqActive,
+                    RegionStat::UpstreamFailure,
+                    RegionStat::UpstreamRqAnswered,
+                ] {
+                    assert_eq!(host.value(Stat::Region(0, st)), 0, "{path} {status} {st:?}");
+                }
+            }
+        }
+        // Envoy's 503 when the region's engines cannot be reached is the
+        // region's: labelled and counted, a failure.
+        let mut host = new_host(&sh);
+        let (mut s, _) = request(&sh, &mut host, headers("/v1/models", &[]), "");
+        host.status = Some(503);
+        host.properties.insert(
+            CODE_DETAILS_PROPERTY.join("."),
+            b"upstream_reset_before_response_started{connection_failure}".to_vec(),
+        );
+        host.properties.insert(
+            RESPONSE_FLAGS_PROPERTY.join("."),
+            flags::UPSTREAM_CONNECTION_FAILURE.to_le_bytes().to_vec(),
+        );
+        s.on_response_headers(&sh, &mut host);
+        assert_eq!(host.response_headers.len(), 1);
+        s.on_log(&sh, &mut host);
+        assert_eq!(host.value(Stat::Region(0, RegionStat::RqTotal)), 1);
+        assert_eq!(host.value(Stat::Region(0, RegionStat::UpstreamFailure)), 1);
+    }
+
+    #[test]
+    fn an_engine_5xx_on_an_unread_path_counts_against_the_region() {
+        let sh = shared("");
+        for (status, failed, answered) in [(501, 1, 0), (500, 1, 0), (200, 0, 1), (404, 0, 1)] {
+            let mut host = new_host(&sh);
+            let (mut s, _) = request(&sh, &mut host, headers("/v1/embeddings", &[]), CHAT);
+            engine_status(&mut host, Some(status));
+            s.on_response_headers(&sh, &mut host);
+            s.on_log(&sh, &mut host);
+            let v = |st| host.value(Stat::Region(0, st));
+            assert_eq!(
+                (
+                    v(RegionStat::RqTotal),
+                    v(RegionStat::UpstreamFailure),
+                    v(RegionStat::UpstreamRqAnswered)
+                ),
+                (1, failed, answered),
+                "{status}"
+            );
+            // Never counted in flight: it is not inference load.
+            assert_eq!(v(RegionStat::RqActive), 0);
+        }
     }
 
     #[test]
@@ -831,7 +976,7 @@ mod tests {
             let mut host = new_host(&sh);
             let (mut s, _) = request(&sh, &mut host, headers("/v1/chat/completions", &[]), STREAM);
             assert_eq!(host.request_header("x-llm-stream"), Some(Some("true")));
-            host.status = Some(200);
+            engine_status(&mut host, Some(200));
             s.on_response_headers(&sh, &mut host);
             assert!(s.awaiting_first_byte());
             host.now_ms = NOW + 42;
@@ -849,7 +994,7 @@ mod tests {
         // An error status: no TTFT to report.
         let mut host = new_host(&sh);
         let (mut s, _) = request(&sh, &mut host, headers("/v1/chat/completions", &[]), STREAM);
-        host.status = Some(503);
+        engine_status(&mut host, Some(503));
         s.on_response_headers(&sh, &mut host);
         assert!(!s.awaiting_first_byte());
     }
@@ -928,7 +1073,7 @@ mod tests {
     }
 
     fn reason(s: &mut RouterStream, sh: &RouterShared, host: &mut Recorder) -> String {
-        host.status = Some(200);
+        engine_status(host, Some(200));
         s.on_response_headers(sh, host);
         let v = host
             .response_headers
@@ -1005,7 +1150,7 @@ mod tests {
 
     /// Answer the current stream with `body` (200) in one chunk.
     fn answer(s: &mut RouterStream, sh: &RouterShared, host: &mut Recorder, body: &str) {
-        host.status = Some(200);
+        engine_status(host, Some(200));
         s.on_response_headers(sh, host);
         host.response_chunk = body.as_bytes().to_vec();
         if s.wants_response_body() {
@@ -1146,7 +1291,7 @@ mod tests {
         assert!(mid > 500, "{mid}");
         assert_eq!(cluster(&mut host).as_deref(), Some("cm"));
         // mid refuses it (a 400, as for a context limit): nothing learnt.
-        host.status = Some(400);
+        engine_status(&mut host, Some(400));
         s.on_response_headers(&sh, &mut host);
         host.response_chunk = br#"{"error":{"code":400}}"#.to_vec();
         assert!(!s.wants_response_body());
@@ -1155,7 +1300,7 @@ mod tests {
         let long = format!(r#"{{"messages":[{{"role":"user","content":"{doc} {doc} {doc}"}}]}}"#);
         let (mut s, _) = request(&sh, &mut host, headers("/v1/chat/completions", &[]), &long);
         let before = held(&s);
-        host.status = Some(400);
+        engine_status(&mut host, Some(400));
         s.on_response_headers(&sh, &mut host);
         s.on_log(&sh, &mut host);
         host.next_stream();
@@ -1225,7 +1370,7 @@ mod tests {
             headers("/v1/responses", &[]),
             r#"{"input":"x"}"#,
         );
-        host.status = Some(500);
+        engine_status(&mut host, Some(500));
         s.on_response_headers(&sh, &mut host);
         assert!(!s.wants_response_body());
         assert_eq!(host.value(Stat::Global(Global::RouterResponsesRecorded)), 0);
@@ -1237,7 +1382,7 @@ mod tests {
             headers("/v1/responses", &[]),
             r#"{"input":"x","stream":true}"#,
         );
-        host.status = Some(200);
+        engine_status(&mut host, Some(200));
         s.on_response_headers(&sh, &mut host);
         for chunk in [
             "event: response.created\ndata: {\"response\":{\"i",
@@ -1388,7 +1533,7 @@ mod tests {
             let mut host = new_host(&sh);
             let (mut s, _) = request(&sh, &mut host, headers("/v1/chat/completions", &[]), CHAT);
             host.next_stream();
-            host.status = status;
+            engine_status(&mut host, status);
             if status.is_some() {
                 s.on_response_headers(&sh, &mut host);
             }

@@ -306,3 +306,32 @@ def test_retry_on_another_region_is_charged_to_that_region(fleet_factory):
         assert delta[n] == {"rq_total": 0, "upstream_failure": 0,
                             "upstream_rq_answered": sum(rep == n for _, rep in served)}, (n, delta)
     assert envoy.stat("wasmcustom.llm_geo_router.router.outcome_unattributed") == 0
+
+
+def test_unread_5xx_counts_against_the_region_and_local_replies_against_none(fleet):
+    """An engine's 5xx to a request the router does not read (here
+    `/v1/embeddings` answered 501) is the region's failure, as it is for an
+    inference request; Envoy's own 404 for a path no route serves is no
+    region's: no `x-llm-route`, no count."""
+    envoy = fleet.envoy
+    # Before: near is where unread requests go on an idle fleet.
+    r = harness.request(fleet.port, "POST", "/v1/embeddings", {"model": "emulated-model", "input": "hi"})
+    assert r.status == 200 and r.replica == "near", (r.status, r.replica)
+    before = {name: region_stats(envoy, name) for name in fleet.engines}
+    r = harness.request(fleet.port, "GET", "/metrics")
+    assert r.status == 404 and r.replica is None, (r.status, r.headers)
+    assert "x-llm-route" not in r.headers, r.headers
+    fleet.engines["near"].set_state(fail_status=501)
+    r = harness.request(fleet.port, "POST", "/v1/embeddings", {"model": "emulated-model", "input": "hi"})
+    assert r.status == 501 and r.replica == "near", (r.status, r.replica)
+    assert r.route.get("region") == "near", r.headers
+    fleet.engines["near"].set_state(fail_status=0)
+
+    def delta(region, stat):
+        return region_stats(envoy, region).get(stat, 0) - before[region].get(stat, 0)
+
+    # Counted at the end of the request: wait for the stats to show it.
+    assert until(lambda: delta("near", "upstream_failure") == 1), region_stats(envoy, "near")
+    assert sum(delta(name, "rq_total") for name in fleet.engines) == 1, \
+        {name: region_stats(envoy, name) for name in fleet.engines}
+    assert all(delta(name, "upstream_failure") == 0 for name in fleet.engines if name != "near")
