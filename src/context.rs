@@ -75,6 +75,85 @@ pub fn parse_model_limit(engine: EngineKind, body: &[u8]) -> Result<u32, String>
     least.ok_or_else(|| format!("none of the {} model cards has a {field}", data.len()))
 }
 
+/// The most models a region's list is kept with; a longer list (an engine
+/// serving many adapters) is not kept, and the region is taken to serve
+/// any model, as when its list is unknown.
+pub const MAX_LISTED_MODELS: usize = 64;
+/// The longest model id kept; a list with a longer one is not kept.
+const MAX_MODEL_ID_BYTES: usize = 256;
+
+/// The models a `/v1/models` body names: each card's `id`, in order (vLLM
+/// lists its served names and LoRA adapters, SGLang its served name and
+/// adapters, llama.cpp its model or alias). Empty when the list is longer
+/// than [`MAX_LISTED_MODELS`] or an id longer than 256 bytes.
+pub fn parse_model_ids(body: &[u8]) -> Result<Vec<String>, String> {
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| format!("model list is not JSON: {e}"))?;
+    let data = v
+        .get("data")
+        .and_then(Value::as_array)
+        .ok_or("model list has no `data` array")?;
+    if data.is_empty() {
+        return Err("the model list is empty".to_string());
+    }
+    let mut ids = Vec::new();
+    for (i, card) in data.iter().enumerate() {
+        let id = card
+            .get("id")
+            .and_then(Value::as_str)
+            .ok_or_else(|| format!("data[{i}].id is not a string"))?;
+        if data.len() > MAX_LISTED_MODELS || id.len() > MAX_MODEL_ID_BYTES {
+            return Ok(Vec::new());
+        }
+        if !ids.iter().any(|m| m == id) {
+            ids.push(id.to_string());
+        }
+    }
+    Ok(ids)
+}
+
+/// Where a request naming `model` may go: `allowed` (the residency pin),
+/// less every region whose engine's model list does not name the model,
+/// when some allowed region's does. Such a region would answer 404; where
+/// none names it, nothing is excluded and the engines answer in their own
+/// words. A region whose list is unknown is never excluded. `None`: every
+/// region, as `allowed` was. Allocates only when a region is excluded.
+pub fn serving(
+    cfg: &Config,
+    model: Option<&str>,
+    snapshot: &Snapshot,
+    snapshot_index: &[Option<usize>],
+    allowed: Option<Vec<bool>>,
+) -> Option<Vec<bool>> {
+    let Some(model) = model else {
+        return allowed;
+    };
+    let n = cfg.regions.len();
+    let is_allowed = |i: usize| {
+        allowed
+            .as_ref()
+            .is_none_or(|a| a.get(i).copied().unwrap_or(false))
+    };
+    // Per region: Some(true) lists it, Some(false) lists others only,
+    // None not known.
+    let lists = |i: usize| {
+        snapshot
+            .region_at(snapshot_index, i)
+            .filter(|s| !s.models.is_empty())
+            .map(|s| s.models.iter().any(|m| m == model))
+    };
+    let listed_somewhere = (0..n).any(|i| is_allowed(i) && lists(i) == Some(true));
+    let excludes = (0..n).any(|i| is_allowed(i) && lists(i) == Some(false));
+    if !(listed_somewhere && excludes) {
+        return allowed;
+    }
+    Some(
+        (0..n)
+            .map(|i| is_allowed(i) && lists(i) != Some(false))
+            .collect(),
+    )
+}
+
 /// Whether the engine refuses a request whose prompt and requested output
 /// together exceed its limit. vLLM and SGLang do; llama.cpp refuses only a
 /// prompt that fills the slot's context and stops generating when the
@@ -248,6 +327,63 @@ mod tests {
     use super::*;
     use crate::prefix::PromptHasher;
     use crate::request;
+
+    #[test]
+    fn the_models_are_the_cards_ids_and_a_huge_list_is_not_kept() {
+        let vllm = br#"{"object":"list","data":[{"id":"m","max_model_len":32768},
+            {"id":"sql-lora","max_model_len":null,"parent":"m"},{"id":"m"}]}"#;
+        assert_eq!(parse_model_ids(vllm).unwrap(), ["m", "sql-lora"]);
+        for bad in [
+            &b"{}"[..],
+            b"{\"data\":[]}",
+            b"{\"data\":[{\"id\":1}]}",
+            b"nope",
+        ] {
+            assert!(
+                parse_model_ids(bad).is_err(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        let many: Vec<String> = (0..=MAX_LISTED_MODELS)
+            .map(|i| format!(r#"{{"id":"a{i}"}}"#))
+            .collect();
+        let body = format!(r#"{{"data":[{}]}}"#, many.join(","));
+        assert_eq!(
+            parse_model_ids(body.as_bytes()).unwrap(),
+            Vec::<String>::new()
+        );
+    }
+
+    #[test]
+    fn a_region_not_listing_the_model_is_excluded_only_while_another_lists_it() {
+        let cfg = Config::parse(
+            br#"{"regions":[{"name":"a","cluster":"a","capacity_rps":1},{"name":"b","cluster":"b","capacity_rps":1},{"name":"c","cluster":"c","capacity_rps":1}]}"#,
+        )
+        .unwrap();
+        let mut snap = Snapshot::all_healthy(&cfg);
+        let index: Vec<Option<usize>> = (0..3).map(Some).collect();
+        snap.regions[0].models = vec!["base".into()];
+        snap.regions[1].models = vec!["base".into(), "sql-lora".into()];
+        // c's list is unknown: never excluded.
+        let got = |model: Option<&str>, allowed: Option<Vec<bool>>| {
+            serving(&cfg, model, &snap, &index, allowed)
+        };
+        assert_eq!(got(Some("sql-lora"), None), Some(vec![false, true, true]));
+        assert_eq!(got(Some("base"), None), None);
+        assert_eq!(got(None, None), None);
+        // Nobody lists it: the engines answer in their own words.
+        assert_eq!(got(Some("other"), None), None);
+        // Only the allowed regions' lists count, and the pin stays.
+        assert_eq!(
+            got(Some("sql-lora"), Some(vec![true, false, false])),
+            Some(vec![true, false, false])
+        );
+        assert_eq!(
+            got(Some("sql-lora"), Some(vec![true, true, false])),
+            Some(vec![false, true, false])
+        );
+    }
 
     #[test]
     fn the_limit_is_the_smallest_card_and_garbage_is_an_error() {

@@ -47,7 +47,9 @@ pub enum Reason {
     /// candidate within `spread_margin_ms` of the best other than the one
     /// the rule prefers.
     Draw,
-    /// The residency pin excluded the cheapest region.
+    /// Where the request may go excluded the cheapest region: the
+    /// residency pin, or the model (a region whose engine does not list it
+    /// while another does).
     Pin,
     /// The cheapest allowed region's context limit is below the request's
     /// estimated length (`context`).

@@ -63,6 +63,8 @@ struct Region {
     calibration: RegionCalibration,
     /// The engine's context limit, from its model list.
     max_model_len: Option<u32>,
+    /// The models and adapters its model list names (empty: not read).
+    models: Vec<String>,
     /// Replicas behind the entry point (`prometheus` load source).
     replicas: Option<u32>,
     /// The engines' last valid KV-cache capacity (tokens); a later
@@ -146,6 +148,7 @@ impl Fleet {
                     down_since_ms: None,
                     calibration: RegionCalibration::default(),
                     max_model_len: None,
+                    models: Vec::new(),
                     replicas: None,
                     cache_tokens: None,
                 })
@@ -192,6 +195,16 @@ impl Fleet {
         self.regions
             .get_mut(region)
             .is_some_and(|r| r.max_model_len.replace(limit) != Some(limit))
+    }
+
+    /// The models (and adapters) the region's model list names; true when
+    /// they changed. As for the limit, a failed read leaves them standing.
+    pub fn on_models(&mut self, region: usize, models: Vec<String>) -> bool {
+        self.regions.get_mut(region).is_some_and(|r| {
+            let changed = r.models != models;
+            r.models = models;
+            changed
+        })
     }
 
     /// The engines' last valid KV-cache capacity for the region (tokens).
@@ -638,6 +651,7 @@ impl Fleet {
                     .filter(|_| cfg.directory.cache_horizon),
                 cache_reliability: r.calibration.reliability(),
                 max_model_len: r.max_model_len,
+                models: r.models.clone(),
                 replicas: r.replicas,
                 cache_tokens: c.cache_tokens().or(r.cache_tokens),
                 cache_free_tokens: None,

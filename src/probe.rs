@@ -19,7 +19,7 @@ use std::rc::Rc;
 use crate::assess::Assessment;
 use crate::calibration::Verdict;
 use crate::config::{Config, LoadSource, ProbeConfig, ReleaseSource};
-use crate::context::{limit_field, parse_model_limit};
+use crate::context::{limit_field, parse_model_ids, parse_model_limit, MAX_LISTED_MODELS};
 use crate::effects::{CalloutResponse, Level, ProbeHost};
 use crate::exchange::{self, Apply, Body, Exchange, Load, Message};
 use crate::fleet::{Fleet, HealthChange};
@@ -608,18 +608,34 @@ impl Probe {
             return;
         };
         let (name, path, engine) = (r.name.clone(), r.models_path.clone(), r.engine);
-        let read = match status {
+        let body = match status {
             Some(s) if (200..300).contains(&s) => match response.body(MODELS_BODY_MAX + 1) {
                 Some(b) if b.len() > MODELS_BODY_MAX => Err(format!(
                     "the body is larger than {} KiB",
                     MODELS_BODY_MAX / 1024
                 )),
-                Some(b) => parse_model_limit(engine, &b),
+                Some(b) => Ok(b),
                 None => Err("the answer has no body".to_string()),
             },
             Some(s) => Err(format!("status {s}")),
             None => Err("no response".to_string()),
         };
+        // The models it serves, whatever its limit says: a list without
+        // limits still says which requests the region would refuse.
+        if let Ok(Ok(ids)) = body.as_deref().map(parse_model_ids) {
+            let said = match ids.len() {
+                0 => format!("more than {MAX_LISTED_MODELS} models (or an overlong id) in {path}: taken to serve any model"),
+                n => format!("{n} model(s) listed in {path}"),
+            };
+            if self.fleet.on_models(region, ids) {
+                host.log(
+                    Level::Info,
+                    &format!("llm-geo-router probe: region {name}: {said}"),
+                );
+                self.publish(host, now);
+            }
+        }
+        let read = body.and_then(|b| parse_model_limit(engine, &b));
         match read {
             Ok(limit) => {
                 if let Some(w) = self.models_warned.get_mut(region) {

@@ -362,6 +362,13 @@ impl Router {
         let hasher = PromptHasher::new(cfg.prefix.block_bytes, cfg.prefix.hash_seed)
             .reserve_for(inp.body.len());
         let req = request::parse(inp.endpoint, inp.body, hasher).map_err(Refusal::Invalid)?;
+        // A region whose engine does not list the model would answer 404:
+        // not a candidate while another lists it (the fallback pool is
+        // other engines, whose lists the probe does not read).
+        let allowed = match inp.snapshot.filter(|_| !inp.fallback) {
+            Some(s) => context::serving(cfg, req.model.as_deref(), s, inp.snapshot_index, allowed),
+            None => allowed,
+        };
         // The regions' context limits, before any shared-data call. The
         // fallback pool is other engines, whose limits the probe does not
         // read: unchecked, as a region whose limit is unknown.
@@ -736,7 +743,7 @@ pub struct Written {
 /// do not.
 fn holder_unavailable(d: &Decision, h: usize, allowed: Option<&[bool]>) -> Option<&'static str> {
     if allowed.is_some_and(|a| !a.get(h).copied().unwrap_or(false)) {
-        return Some("outside the request's data residency");
+        return Some("outside the request's data residency, or not serving its model");
     }
     // No snapshot: nothing is known against it, as for routing.
     let c = d.costs.get(h)?;

@@ -112,6 +112,11 @@ pub struct RegionState {
     /// list); absent until read, or when it does not say.
     #[serde(default)]
     pub max_model_len: Option<u32>,
+    /// The models and LoRA adapters the engine's model list names (each
+    /// card's `id`); empty: not read, or more than the router keeps
+    /// (`context::MAX_LISTED_MODELS`), and then it is taken to serve any.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub models: Vec<String>,
     /// Engine replicas behind the region's entry point, from the
     /// `prometheus` load source; absent: one (`max_concurrency` is then the
     /// region's).
@@ -178,6 +183,7 @@ impl Default for RegionState {
             cache_horizon_ms: None,
             cache_reliability: None,
             max_model_len: None,
+            models: Vec::new(),
             replicas: None,
             cache_tokens: None,
             cache_free_tokens: None,

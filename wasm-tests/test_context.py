@@ -104,3 +104,28 @@ def test_a_residency_pin_to_regions_that_cannot_take_it_is_refused(fleet_factory
     # Unpinned, it goes where it fits.
     r = chat(fleet.port, long)
     assert r.status == 200 and r.replica == "mid", r.headers
+
+
+def test_a_region_whose_engine_does_not_list_the_model_is_passed_over(fleet_factory):
+    """The model lists are read as the limits are: a request naming a LoRA
+    adapter only mid serves goes to mid, not to the nearer region whose
+    engine would answer 404; a model nobody lists is the engines' to
+    refuse (nothing is excluded then)."""
+    strict = ["--check-model"]
+    fleet = fleet_factory({"probe": {"tick_ms": 300, "timeout_ms": 300, "snapshot_max_age_ms": 3000}},
+                          engine_extra={"near": strict, "mid": strict + ["--lora-modules", "sql-lora=/adapters/sql"],
+                                        "far": strict})
+    wait_stat(fleet.envoy, "region.mid.max_model_len", lambda v: v > 0)
+    assert any("region mid: 2 model(s) listed in /v1/models" in l for l in fleet.envoy.log().splitlines())
+    msgs = [{"role": "user", "content": "which tables hold the orders?"}]
+    r = chat(fleet.port, msgs, model="sql-lora")
+    assert r.status == 200 and r.replica == "mid", (r.status, r.body, r.headers)
+    assert r.route["reason"] == "pin", r.route
+    # The base model: nearest, as ever.
+    r = chat(fleet.port, msgs)
+    assert r.status == 200 and r.replica == "near", (r.status, r.headers)
+    # Listed nowhere: near, whose engine answers in its own words.
+    r = chat(fleet.port, msgs, model="nobody-serves-this")
+    assert r.status == 404, r.body
+    assert r.json()["error"]["message"] == "The model `nobody-serves-this` does not exist.", r.body
+    assert r.route["region"] == "near", r.route

@@ -82,6 +82,12 @@ pub struct Config {
     pub cache_report: bool,
     /// Length of `/v1/embeddings` vectors (before `dimensions` shortens them).
     pub embedding_dim: usize,
+    /// vLLM `--lora-modules`: adapter names listed in `/v1/models` beside
+    /// the served model.
+    pub lora_modules: Vec<String>,
+    /// Refuse a request naming a model that is neither the served one nor
+    /// an adapter, with vLLM's 404.
+    pub check_model: bool,
 }
 
 impl Config {
@@ -106,6 +112,8 @@ impl Config {
             force_include_usage: false,
             cache_report: false,
             embedding_dim: DEFAULT_EMBEDDING_DIM,
+            lora_modules: Vec::new(),
+            check_model: false,
         }
     }
 
@@ -146,6 +154,8 @@ impl Config {
             force_include_usage: cli.force_include_usage,
             cache_report: cli.enable_cache_report,
             embedding_dim: cli.embedding_dim,
+            lora_modules: cli.lora_modules,
+            check_model: cli.check_model,
         })
     }
 
@@ -254,6 +264,23 @@ struct Cli {
     /// `dimensions` can only shorten them)
     #[arg(long, value_name = "N", default_value_t = DEFAULT_EMBEDDING_DIM, value_parser = embedding_dim)]
     embedding_dim: usize,
+    /// A LoRA adapter served beside the model, as vLLM's --lora-modules
+    /// NAME=PATH (the path is ignored); listed in /v1/models (repeatable)
+    #[arg(long, value_name = "NAME[=PATH]", value_parser = lora_name, action = ArgAction::Append)]
+    lora_modules: Vec<String>,
+    /// Refuse a request whose `model` is neither --model nor a
+    /// --lora-modules name with vLLM's 404 NotFoundError (real vLLM always
+    /// does; off by default, since traces and tests name any model)
+    #[arg(long)]
+    check_model: bool,
+}
+
+fn lora_name(v: &str) -> Result<String, String> {
+    let name = v.split_once('=').map_or(v, |(n, _)| n);
+    if name.is_empty() {
+        return Err("an adapter needs a name".to_string());
+    }
+    printable(name)
 }
 
 /// Names end up in header values and label values: no control characters.

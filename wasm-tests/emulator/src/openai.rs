@@ -34,6 +34,8 @@ pub struct InferenceRequest {
     pub max_tokens: usize,
     pub stream: bool,
     pub include_usage: bool,
+    /// The `model` the request names, if a string.
+    pub model: Option<String>,
 }
 
 /// Parses a request body; the error is a message for a 400 response.
@@ -67,7 +69,9 @@ pub fn parse_request(kind: Kind, body: &[u8]) -> Result<InferenceRequest, String
         Some(Value::Object(opts)) => optional_bool(opts, "include_usage")?.unwrap_or(false),
         Some(_) => return Err("'stream_options' must be an object".to_string()),
     };
+    let model = obj.get("model").and_then(Value::as_str).map(str::to_string);
     Ok(InferenceRequest {
+        model,
         kind,
         prompt,
         requested_max_tokens,
@@ -289,13 +293,22 @@ fn sse(v: &Value) -> Vec<u8> {
     out
 }
 
-/// `GET /v1/models` body.
-pub fn model_list(model: &str, owned_by: &str, created: u64, max_model_len: usize) -> Vec<u8> {
-    to_bytes(&json!({
-        "object": "list",
-        "data": [{"id": model, "object": "model", "created": created, "owned_by": owned_by,
-                  "root": model, "parent": null, "max_model_len": max_model_len}],
-    }))
+/// `GET /v1/models` body: the served model, then each LoRA adapter as
+/// vLLM lists them (`parent` the model, no `max_model_len` of its own).
+pub fn model_list(
+    model: &str,
+    loras: &[String],
+    owned_by: &str,
+    created: u64,
+    max_model_len: usize,
+) -> Vec<u8> {
+    let mut data = vec![json!({"id": model, "object": "model", "created": created,
+        "owned_by": owned_by, "root": model, "parent": null, "max_model_len": max_model_len})];
+    data.extend(loras.iter().map(|l| {
+        json!({"id": l, "object": "model", "created": created, "owned_by": owned_by,
+               "root": l, "parent": model, "max_model_len": null})
+    }));
+    to_bytes(&json!({"object": "list", "data": data}))
 }
 
 /// OpenAI error body.
@@ -347,6 +360,7 @@ mod tests {
             max_tokens: 16,
             stream: false,
             include_usage: false,
+            model: None,
         };
         let v = Mode::Vllm;
         assert_eq!(context_error(&r(99, None), 100, v), None);

@@ -604,6 +604,7 @@ async fn dispatch(
             let owner = shared.config.mode.as_str();
             let list = openai::model_list(
                 &shared.config.model,
+                &shared.config.lora_modules,
                 owner,
                 shared.started_unix,
                 shared.config.max_model_len,
@@ -789,6 +790,15 @@ async fn inference(shared: &Arc<Shared>, kind: Kind, body: &[u8], echo: &Echo) -
         Ok(r) => r,
         Err(msg) => return error_reply(400, &msg, INVALID, echo),
     };
+    let cfg = &shared.config;
+    if let Some(m) = req
+        .model
+        .as_deref()
+        .filter(|m| cfg.check_model && *m != cfg.model && !cfg.lora_modules.iter().any(|l| l == m))
+    {
+        let msg = format!("The model `{m}` does not exist.");
+        return error_reply(404, &msg, "NotFoundError", echo);
+    }
     if let Some(msg) = openai::context_error(&req, shared.config.max_model_len, shared.config.mode)
     {
         let body = openai::context_error_body(&msg, shared.config.mode);
