@@ -422,6 +422,17 @@ pub enum ReleaseSource {
     MetricsLabel,
 }
 
+impl ReleaseSource {
+    /// As the configuration spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReleaseSource::HealthHeader => "health_header",
+            ReleaseSource::HealthJson => "health_json",
+            ReleaseSource::MetricsLabel => "metrics_label",
+        }
+    }
+}
+
 /// Release parity: every region must serve the expected release (the digest
 /// of its release manifest). A region that does not gets no new traffic;
 /// a region that becomes routable again is ramped back in, not stampeded.

@@ -104,6 +104,9 @@ pub struct Probe {
     last_upstream: Vec<Option<(u64, u64)>>,
     metrics_warned: Vec<bool>,
     models_warned: Vec<bool>,
+    /// Per region: warned that it reports no release digest while parity
+    /// is configured (again after it reports one and then stops).
+    digest_warned: Vec<bool>,
     dispatch_warned: Vec<bool>,
     capacity_warned: Vec<CapacityWarned>,
     last_assessment: Assessment,
@@ -167,6 +170,7 @@ impl Probe {
             last_upstream: vec![None; n],
             metrics_warned: vec![false; n],
             models_warned: vec![false; n],
+            digest_warned: vec![false; n],
             dispatch_warned: vec![false; n],
             capacity_warned: vec![CapacityWarned::Nothing; n],
             last_assessment: Assessment::Ok,
@@ -393,7 +397,7 @@ impl Probe {
                 let rtt = ok.then(|| now.saturating_sub(sent) as f64);
                 if ok && self.cfg.release.source != ReleaseSource::MetricsLabel {
                     let digest = self.health_release(response);
-                    self.release(region, digest);
+                    self.release(host, region, digest);
                 }
                 if self.health(host, region, rtt) {
                     self.publish(host, now);
@@ -578,7 +582,32 @@ impl Probe {
     /// A release digest read; a region that changed release is redeployed,
     /// perhaps with another context limit: its model list is read again
     /// in the next round.
-    fn release(&mut self, region: usize, digest: Option<String>) {
+    fn release(&mut self, host: &mut dyn ProbeHost, region: usize, digest: Option<String>) {
+        // With parity configured, a region that reports no digest is never
+        // held back (docs/CONFIG.md, `release`): said once, not silently.
+        if let (Some(expected), Some(warned)) = (
+            self.cfg.release.expected.as_deref(),
+            self.digest_warned.get_mut(region),
+        ) {
+            if digest.is_some() {
+                *warned = false;
+            } else if !std::mem::replace(warned, true) {
+                let r = &self.cfg.release;
+                let name = self
+                    .cfg
+                    .regions
+                    .get(region)
+                    .map_or("?", |r| r.name.as_str());
+                host.log(
+                    Level::Warn,
+                    &format!(
+                        "llm-geo-router probe: region {name}: no release digest ({} {:?}); release parity ({expected}) does not apply to it until it reports one",
+                        r.source.as_str(),
+                        r.name
+                    ),
+                );
+            }
+        }
         let old = self.fleet.release(region);
         if old.is_some() && old != digest.as_deref() {
             self.models_due_now(region);
@@ -704,7 +733,7 @@ impl Probe {
                     *w = false;
                 }
                 if self.cfg.release.source == ReleaseSource::MetricsLabel {
-                    self.release(region, sample.release.clone());
+                    self.release(host, region, sample.release.clone());
                 }
                 self.check_capacity(host, region, sample.cache_capacity.as_ref());
                 self.fleet
@@ -1652,6 +1681,44 @@ mod tests {
             .unwrap();
         assert!(line.1.ends_with("probe tick 7)"), "{}", line.1);
         assert_eq!(host.value(Stat::Region(0, RegionStat::Healthy)), 0);
+    }
+
+    #[test]
+    fn a_region_reporting_no_digest_under_parity_is_said_once() {
+        let c = cfg(r#","release":{"expected":"sha256:a","source":"health_json","name":"digest"}"#);
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        // near: no digest, then one, then none again; the others report it.
+        for (i, near) in ["{}", "{}", r#"{"digest":"sha256:a"}"#, "{}", "{}"]
+            .iter()
+            .enumerate()
+        {
+            tick(&mut p, &mut host, T0 + 1000 * (i as u64 + 1));
+            host.now_ms += 5;
+            for (token, cluster, path) in std::mem::take(&mut host.callouts) {
+                let body = match (cluster.as_str(), path.as_str()) {
+                    (_, "/metrics") => VLLM.as_bytes().to_vec(),
+                    ("cn", _) => near.as_bytes().to_vec(),
+                    _ => br#"{"digest":"sha256:a"}"#.to_vec(),
+                };
+                let mut a = Answer {
+                    status: Some(200),
+                    body,
+                    ..Answer::default()
+                };
+                p.on_callout_response(&mut host, token, &mut a);
+            }
+        }
+        let said: Vec<&str> = host
+            .logs
+            .iter()
+            .filter(|(_, m)| m.contains("no release digest"))
+            .map(|(_, m)| m.as_str())
+            .collect();
+        assert_eq!(said.len(), 2, "{said:?}");
+        assert_eq!(said[0], "llm-geo-router probe: region near: no release digest (health_json \"digest\"); release parity (sha256:a) does not apply to it until it reports one");
+        // Routed as docs/CONFIG.md says: no digest is no mismatch.
+        assert!(p.fleet.snapshot(&c, T0 + 6000).regions[0].release_ok);
     }
 
     #[test]
