@@ -650,7 +650,9 @@ impl Probe {
             None => Err("no response".to_string()),
         };
         // The models it serves, whatever its limit says: a list without
-        // limits still says which requests the region would refuse.
+        // limits still says which requests the region would refuse. One
+        // publication for whatever the list changed.
+        let mut changed = false;
         if let Ok(Ok(ids)) = body.as_deref().map(parse_model_ids) {
             let said = match ids.len() {
                 0 => format!("more than {MAX_LISTED_MODELS} models (or an overlong id) in {path}: taken to serve any model"),
@@ -661,7 +663,7 @@ impl Probe {
                     Level::Info,
                     &format!("llm-geo-router probe: region {name}: {said}"),
                 );
-                self.publish(host, now);
+                changed = true;
             }
         }
         let read = body.and_then(|b| parse_model_limit(engine, &b));
@@ -678,7 +680,7 @@ impl Probe {
                             limit_field(engine)
                         ),
                     );
-                    self.publish(host, now);
+                    changed = true;
                 }
             }
             Err(e) => {
@@ -695,6 +697,9 @@ impl Probe {
                     );
                 }
             }
+        }
+        if changed {
+            self.publish(host, now);
         }
     }
 
