@@ -48,7 +48,9 @@ Every other policy (a baseline) runs once per --deployment, labelled
                      own traffic (its own prefix tree, in-flight counts and
                      round-robin counter)
 Outside the oracle, gorgo reads the engines' queues by a scrape every
-probe.tick_ms (the plugin's probe tick, 1000 ms unless --config sets it).
+probe.tick_ms (the plugin's probe tick, 1000 ms unless --config sets it),
+and llm-d their waiting queues and KV usage every 50 ms (its default
+refresh interval).
 
 A region may be several engine replicas behind one entry point (--replicas
 N, or the fleet's regions[].replicas): the entry point sends each request,
@@ -145,7 +147,8 @@ pub struct Args {
     )]
     trace: String,
     /// geo-router, round-robin, least-request, session-affinity, nearest,
-    /// cache-aware, gorgo, or all; repeat or separate with commas for several
+    /// cache-aware, gorgo, llm-d, mesh-default, or all; repeat or separate
+    /// with commas for several
     #[arg(verbatim_doc_comment, long = "policy", value_name = "NAME", value_parser = policies, required = true,
           action = clap::ArgAction::Append, help_heading = "Inputs")]
     policy: Vec<Policies>,
@@ -445,7 +448,7 @@ mod tests {
         ])
         .unwrap();
         let p = policy_list(&a.policy);
-        assert_eq!(p.len(), 7);
+        assert_eq!(p.len(), 9);
         assert_eq!(&p[..2], [PolicyName::Gorgo, PolicyName::Nearest]);
         let e = parse(&["--policy", "fastest"]).unwrap_err();
         assert_eq!(e.exit_code(), 2);

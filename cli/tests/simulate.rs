@@ -13,13 +13,15 @@ use std::process::{Command, Output};
 
 const BIN: &str = env!("CARGO_BIN_EXE_llm-geo-router");
 
-const BASELINES: [&str; 6] = [
+const BASELINES: [&str; 8] = [
     "round-robin",
     "least-request",
     "session-affinity",
     "nearest",
     "cache-aware",
     "gorgo",
+    "llm-d",
+    "mesh-default",
 ];
 
 /// The default deployments for scenario d (most traffic from na: iad).

@@ -14,8 +14,9 @@
 //!   is, each with only its own traffic: its own prefix tree, its own
 //!   in-flight counts, its own round-robin counter.
 //!
-//! Outside the oracle, what a router can only learn from the engines (GORGO's
-//! queued tokens) is a scrape every `probe.tick_ms`, the plugin's probe tick.
+//! Outside the oracle, what a router can only learn from the engines is a
+//! scrape: GORGO's queued tokens every `probe.tick_ms`, the plugin's probe
+//! tick; llm-d's waiting queues and KV usage every 50 ms, its own default.
 
 use crate::fleet::Fleet;
 use crate::policy::PolicyName;

@@ -5,14 +5,17 @@
 //!
 //! `trace` and `fleet` are the input formats; `scenario` generates them;
 //! `workload` prepares a trace once for every policy; `sim` runs one policy
-//! (`geo` for the geo-router, `policy` for the baselines, `deploy` how a
-//! baseline is deployed, `trie` their prefix trees, `events` the clock);
+//! (`geo` for the geo-router, `policy` for the baselines, with `llmd` the
+//! llm-d router and `mesh` the mesh default, `deploy` how a baseline is
+//! deployed, `trie` their prefix trees, `events` the clock);
 //! `report` and `plot` turn runs into numbers and SVG.
 
 pub mod deploy;
 pub mod events;
 pub mod fleet;
 pub mod geo;
+pub mod llmd;
+pub mod mesh;
 pub mod plot;
 pub mod policy;
 pub mod report;
@@ -81,7 +84,7 @@ mod tests {
             Deployment::Global("fra".into()),
         ];
         let jobs = deploy::jobs(&PolicyName::ALL, &deployments);
-        assert_eq!(jobs.len(), 2 + 6 * 3);
+        assert_eq!(jobs.len(), 2 + 8 * 3);
         let all = simulate_all(&s.fleet, &work, &jobs, None, Options::default()).unwrap();
         for (j, r) in jobs.iter().zip(&all) {
             let alone = sim::run(&s.fleet, &work, j.policy, &j.deployment, None).unwrap();

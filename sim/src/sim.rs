@@ -22,6 +22,7 @@ use crate::deploy::{self, Deployment};
 use crate::events::EventQueue;
 use crate::fleet::Fleet;
 use crate::geo::{self, Callout, Envoy, Handled, Source, To};
+use crate::llmd;
 use crate::policy::{Ask, Baseline, PolicyName, View};
 use crate::rng::Rng;
 use crate::trace::{self, mix};
@@ -271,8 +272,10 @@ struct Peers {
     /// `global`: the router's region.
     router_region: Option<usize>,
     instances: Vec<Peer>,
-    /// Outside the oracle, GORGO's queued tokens are a scrape every this
-    /// many ms (the plugin's `probe.tick_ms`).
+    /// Outside the oracle, what the baseline reads from the engines is a
+    /// scrape every this many ms: GORGO's queued tokens at the plugin's
+    /// `probe.tick_ms`, llm-d's waiting queues and KV usage at its own
+    /// refresh interval (`llmd::REFRESH_MS`).
     scrape_ms: Option<f64>,
 }
 
@@ -395,7 +398,7 @@ impl Default for Options {
 /// `choice_count` 2): two hosts drawn at random, with replacement, and the
 /// one with fewer active requests taken (the first drawn on a tie). One
 /// replica: no draw.
-fn least_request(rng: &mut Rng, active: &[usize]) -> usize {
+pub(crate) fn least_request(rng: &mut Rng, active: &[usize]) -> usize {
     if active.len() <= 1 {
         return 0;
     }
@@ -432,6 +435,13 @@ struct Sim<'a> {
     /// Prompt tokens routed to each region that have not started prefill
     /// (in transit or waiting): the oracle's exact view of the queues.
     queued_tokens: Vec<u64>,
+    /// The requests those tokens are.
+    queued_requests: Vec<u64>,
+    /// The last scrape of each region's waiting requests and KV usage.
+    scraped_waiting: Vec<u64>,
+    scraped_kv: Vec<f64>,
+    /// Per region: KV-cache blocks over its replicas.
+    kv_blocks: Vec<u64>,
     /// The last scrape of each engine's `waiting_tokens`.
     scraped: Vec<u64>,
     health: Vec<HealthCheck>,
@@ -454,6 +464,15 @@ struct Sim<'a> {
 
 /// The period of `Run::occupancy`'s samples, ms of simulated time.
 pub const SAMPLE_MS: f64 = 1000.0;
+
+/// A region's KV-cache usage: the mean over its replicas, as a region-wide
+/// figure is read (Prometheus' `kv`).
+fn kv_usage(replicas: &[Station]) -> f64 {
+    if replicas.is_empty() {
+        return 0.0;
+    }
+    replicas.iter().map(|s| s.engine.cache.usage()).sum::<f64>() / replicas.len() as f64
+}
 
 fn core_ms(t: f64) -> u64 {
     EPOCH_MS + t.max(0.0).floor() as u64
@@ -566,34 +585,39 @@ impl<'a> Sim<'a> {
         } else {
             geo::Knowledge::Operator
         };
-        let mode = match Baseline::new(policy, regions) {
+        let mode = match Baseline::new(policy, regions, 0) {
             Some(_) => {
                 let count = match deployment {
                     Deployment::PerClientRegion => fleet.client_regions.len(),
                     Deployment::Oracle | Deployment::Global(_) => 1,
                 };
                 let mut instances = Vec::with_capacity(count);
-                for _ in 0..count {
-                    if let Some(baseline) = Baseline::new(policy, regions) {
+                for k in 0..count {
+                    // Instance k's draws: its own SplitMix64 sequence.
+                    let seed = mix(0x6261_7365 ^ k as u64);
+                    if let Some(baseline) = Baseline::new(policy, regions, seed) {
                         instances.push(Peer {
                             baseline,
                             outstanding: vec![0; regions],
                         });
                     }
                 }
-                let scrape_ms = if policy == PolicyName::Gorgo && deployment != Deployment::Oracle {
-                    let cfg = geo::plugin_config(
-                        fleet,
-                        0,
-                        geo::Knowledge::Operator,
-                        mean_output_tokens(work),
-                        Source::default(),
-                        overrides,
-                    )
-                    .map_err(|e| format!("--config: {e}"))?;
-                    Some(f64::from(cfg.probe.tick_ms).max(1.0))
-                } else {
-                    None
+                let scrape_ms = match policy {
+                    _ if deployment == Deployment::Oracle => None,
+                    PolicyName::Gorgo => {
+                        let cfg = geo::plugin_config(
+                            fleet,
+                            0,
+                            geo::Knowledge::Operator,
+                            mean_output_tokens(work),
+                            Source::default(),
+                            overrides,
+                        )
+                        .map_err(|e| format!("--config: {e}"))?;
+                        Some(f64::from(cfg.probe.tick_ms).max(1.0))
+                    }
+                    PolicyName::LlmD => Some(llmd::REFRESH_MS),
+                    _ => None,
                 };
                 Mode::Base(Peers {
                     router_region: deployment.router_region(fleet)?,
@@ -671,6 +695,17 @@ impl<'a> Sim<'a> {
             }),
             _ => None,
         };
+        let kv_blocks = stations
+            .iter()
+            .map(|r| {
+                r.iter()
+                    .map(|s| {
+                        (s.engine.cache.capacity_tokens() / s.engine.cache.block_tokens().max(1))
+                            as u64
+                    })
+                    .sum()
+            })
+            .collect();
         let n = work.requests.len();
         let mut sim = Sim {
             fleet,
@@ -719,7 +754,11 @@ impl<'a> Sim<'a> {
             ],
             mode,
             queued_tokens: vec![0; regions],
+            queued_requests: vec![0; regions],
             scraped: vec![0; regions],
+            scraped_waiting: vec![0; regions],
+            scraped_kv: vec![0.0; regions],
+            kv_blocks,
             health: vec![
                 HealthCheck {
                     healthy: true,
@@ -1038,10 +1077,16 @@ impl Sim<'_> {
         }
     }
 
-    /// A baseline's health checks.
+    /// A baseline's health checks, then what its instances do with them.
     fn tick(&mut self, now: f64) {
         for (h, up) in self.health.iter_mut().zip(&self.up) {
             h.observe(*up);
+        }
+        if let Mode::Base(peers) = &mut self.mode {
+            let healthy: Vec<bool> = self.health.iter().map(|h| h.healthy).collect();
+            for p in &mut peers.instances {
+                p.baseline.tick(now, &self.up, &healthy);
+            }
         }
         if self.unresolved > 0 {
             self.q.push(now + self.tick_ms, Ev::Tick);
@@ -1131,8 +1176,9 @@ impl Sim<'_> {
         }
     }
 
-    /// Every engine's waiting queue as a scrape reads it; a lost region
-    /// does not answer and keeps its last reading.
+    /// Every engine's waiting queue (its prompt tokens and its requests)
+    /// and KV usage as a scrape reads them; a lost region does not answer
+    /// and keeps its last reading.
     fn scrape(&mut self, now: f64) {
         let Mode::Base(peers) = &self.mode else {
             return;
@@ -1140,9 +1186,18 @@ impl Sim<'_> {
         let Some(every) = peers.scrape_ms else {
             return;
         };
-        for ((seen, r), up) in self.scraped.iter_mut().zip(&self.stations).zip(&self.up) {
-            if *up {
+        for (k, (r, up)) in self.stations.iter().zip(&self.up).enumerate() {
+            if !*up {
+                continue;
+            }
+            if let Some(seen) = self.scraped.get_mut(k) {
                 *seen = r.iter().map(|s| s.waiting_tokens).sum();
+            }
+            if let Some(seen) = self.scraped_waiting.get_mut(k) {
+                *seen = r.iter().map(|s| s.engine.scheduler.waiting() as u64).sum();
+            }
+            if let Some(seen) = self.scraped_kv.get_mut(k) {
+                *seen = kv_usage(r);
             }
         }
         if self.unresolved > 0 {
@@ -1240,18 +1295,28 @@ impl Sim<'_> {
                     .collect();
                 let healthy: Vec<bool> = self.health.iter().map(|h| h.healthy).collect();
                 // Only the oracle knows the queues exactly and at once.
-                let queued = match peers.deployment {
-                    Deployment::Oracle => &self.queued_tokens,
-                    Deployment::Global(_) | Deployment::PerClientRegion => &self.scraped,
+                let exact_kv: Vec<f64>;
+                let (queued, waiting, kv) = match peers.deployment {
+                    Deployment::Oracle => {
+                        exact_kv = self.stations.iter().map(|r| kv_usage(r)).collect();
+                        (&self.queued_tokens, &self.queued_requests, &exact_kv)
+                    }
+                    Deployment::Global(_) | Deployment::PerClientRegion => {
+                        (&self.scraped, &self.scraped_waiting, &self.scraped_kv)
+                    }
                 };
                 router = peers.instance(client);
                 let Some(peer) = peers.instances.get_mut(router) else {
                     return Err(format!("request {i}: no router for its client region"));
                 };
                 let view = View {
+                    now_ms: now,
                     healthy: &healthy,
                     outstanding: &peer.outstanding,
                     queued_tokens: queued,
+                    waiting,
+                    kv_usage: kv,
+                    kv_blocks: &self.kv_blocks,
                     rtt_ms: &rtt,
                     names: &self.names,
                 };
@@ -1296,6 +1361,9 @@ impl Sim<'_> {
         if let Some(q) = self.queued_tokens.get_mut(region) {
             *q += prep.segment_tokens;
         }
+        if let Some(q) = self.queued_requests.get_mut(region) {
+            *q += 1;
+        }
         self.q.push(now + to_engine / 2.0, Ev::EngineArrive(i));
         Ok(())
     }
@@ -1324,6 +1392,9 @@ impl Sim<'_> {
         let tokens = self.work.prepared.get(i).map_or(0, |p| p.segment_tokens);
         if let Some(q) = self.queued_tokens.get_mut(region) {
             *q = q.saturating_sub(tokens);
+        }
+        if let Some(q) = self.queued_requests.get_mut(region) {
+            *q = q.saturating_sub(1);
         }
     }
 
@@ -1446,12 +1517,11 @@ impl Sim<'_> {
             .get(i)
             .map_or((0, 0, 0.0), |l| (l.region, l.router, l.to_router));
         if let Mode::Base(peers) = &mut self.mode {
-            if let Some(o) = peers
-                .instances
-                .get_mut(router)
-                .and_then(|p| p.outstanding.get_mut(region))
-            {
-                *o = o.saturating_sub(1);
+            if let Some(p) = peers.instances.get_mut(router) {
+                if let Some(o) = p.outstanding.get_mut(region) {
+                    *o = o.saturating_sub(1);
+                }
+                p.baseline.observe(region, ok, now);
             }
         }
         if to_router > 0.0 {
@@ -1601,11 +1671,12 @@ mod tests {
             let rec = &r.records[0];
             assert_eq!(rec.status, Status::Completed, "{p:?}");
             assert_eq!(rec.prompt_tokens, n as u64);
-            // Session affinity hashes the session; every other policy
-            // takes the near region for a lone cold request.
+            // Session affinity hashes the session, llm-d breaks its tie at
+            // random (it knows no round trips); every other policy takes
+            // the near region for a lone cold request.
             let rtt = match rec.region {
                 Some(0) => 10.0,
-                Some(1) if p == PolicyName::SessionAffinity => 120.0,
+                Some(1) if matches!(p, PolicyName::SessionAffinity | PolicyName::LlmD) => 120.0,
                 other => panic!("{p:?} chose {other:?}"),
             };
             assert_eq!(rec.ttft_ms, Some(rtt + prefill), "{p:?}");

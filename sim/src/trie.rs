@@ -1,9 +1,9 @@
 //! A multi-tenant prefix tree over segments, for the baselines that keep
 //! their own approximate view of what each region caches (SGLang's
 //! `cache_aware`, GORGO): one tree for all regions, each node remembering
-//! when each region last had a prompt through it. A region that holds a
-//! node holds its whole path (inserts stamp every node on the way), as in
-//! SGLang's approximate radix tree.
+//! when each region last had a prompt through it and which region's insert
+//! created it. A region that holds a node holds its whole path (inserts
+//! stamp every node on the way), as in SGLang's approximate radix tree.
 //!
 //! Segments are the unit: two prompts share a prefix exactly when they share
 //! leading segments, so matching whole segments is matching text.
@@ -15,6 +15,8 @@ struct Node {
     children: HashMap<u32, usize>,
     /// Per region: the insert counter when it last went through, 0 = never.
     stamps: Vec<u64>,
+    /// The region whose insert created the node (`None` for the root).
+    creator: Option<usize>,
 }
 
 #[derive(Debug, Clone)]
@@ -29,9 +31,11 @@ pub struct Trie {
 pub struct Match {
     /// Tokens of the deepest node any region holds.
     pub tokens: u64,
-    /// The region that most recently went through that node (SGLang's
-    /// `last_tenant`), if any node matched.
-    pub region: Option<usize>,
+    /// The region whose insert created that node, if any node matched:
+    /// SGLang's `last_tenant`, which a node gets when an insert creates it
+    /// (a node split off an older one keeps the older one's) and keeps
+    /// while that tenant holds it, whoever goes through it later.
+    pub owner: Option<usize>,
     /// Per region: tokens of the longest prefix it holds.
     pub per_region: Vec<u64>,
 }
@@ -42,6 +46,7 @@ impl Trie {
             nodes: vec![Node {
                 children: HashMap::new(),
                 stamps: vec![0; regions],
+                creator: None,
             }],
             regions,
             clock: 0,
@@ -52,7 +57,7 @@ impl Trie {
     pub fn lookup(&self, segments: &[(u32, u32)]) -> Match {
         let mut m = Match {
             tokens: 0,
-            region: None,
+            owner: None,
             per_region: vec![0; self.regions],
         };
         let mut at = 0usize;
@@ -66,20 +71,18 @@ impl Trie {
             let Some(node) = self.nodes.get(at) else {
                 break;
             };
-            let mut best: Option<(usize, u64)> = None;
+            let mut held = false;
             for (r, &s) in node.stamps.iter().enumerate() {
                 if s > 0 {
+                    held = true;
                     if let Some(t) = m.per_region.get_mut(r) {
                         *t = depth;
                     }
-                    if best.is_none_or(|(_, b)| s > b) {
-                        best = Some((r, s));
-                    }
                 }
             }
-            if let Some((r, _)) = best {
+            if held {
                 m.tokens = depth;
-                m.region = Some(r);
+                m.owner = node.creator;
             }
         }
         m
@@ -99,6 +102,7 @@ impl Trie {
                     self.nodes.push(Node {
                         children: HashMap::new(),
                         stamps: vec![0; self.regions],
+                        creator: Some(region),
                     });
                     if let Some(n) = self.nodes.get_mut(at) {
                         n.children.insert(*id, next);
@@ -123,17 +127,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn longest_match_per_region_and_latest_holder() {
+    fn longest_match_per_region_and_the_creator_of_its_node() {
         let mut t = Trie::new(2);
         t.insert(&[(1, 100), (2, 50)], 0);
         t.insert(&[(1, 100), (3, 10)], 1);
         let m = t.lookup(&[(1, 100), (2, 50), (4, 5)]);
-        assert_eq!((m.tokens, m.region), (150, Some(0)));
+        assert_eq!((m.tokens, m.owner), (150, Some(0)));
         assert_eq!(m.per_region, vec![150, 100]);
-        // Both hold segment 1; the later one is the match's region.
+        // Both hold segment 1; region 0's insert created it, and the later
+        // pass of region 1 does not change that.
         let m = t.lookup(&[(1, 100), (9, 5)]);
-        assert_eq!((m.tokens, m.region), (100, Some(1)));
+        assert_eq!((m.tokens, m.owner), (100, Some(0)));
+        let m = t.lookup(&[(1, 100), (3, 10)]);
+        assert_eq!((m.tokens, m.owner), (110, Some(1)));
         let m = t.lookup(&[(7, 1)]);
-        assert_eq!((m.tokens, m.region, m.per_region), (0, None, vec![0, 0]));
+        assert_eq!((m.tokens, m.owner, m.per_region), (0, None, vec![0, 0]));
     }
 }
