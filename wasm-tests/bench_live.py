@@ -17,9 +17,25 @@ cold caches):
   one cluster with the three engines as endpoints
   (envoy/bench/live-round-robin.yaml, live-least-request.yaml,
   live-ring-hash.yaml; ring_hash hashes `x-session-id`);
-- `sglang_router`: `sglang-router --policy cache_aware` (pip package
-  sglang-router in .venv) with the three engines as `--worker-urls`;
-  skipped with the reason when it is not installed or does not start.
+- `mesh`: the service-mesh default, Istio's locality failover as Envoy
+  runs it (envoy/bench/live-mesh.yaml): near at priority 0, mid at 1, far at
+  2 (by the emulated round trips), LEAST_REQUEST within a priority, active
+  HTTP health checks and outlier detection;
+- `smg`: SGLang's model gateway (`smg launch --policy cache_aware`, PyPI
+  smg, the successor of sglang-router) with the three engines as
+  `--worker-urls`;
+- `vllm_router`: vLLM's router (`vllm-router --policy cache_aware`, PyPI
+  vllm-router) likewise, in front of three vLLM-mode engines (it matches
+  prefixes on the token ids each worker's `/v1/chat/completions/render`
+  gives, which SGLang does not serve);
+  a peer that is not installed or does not start is reported as not run,
+  with the reason. `PEERS` pins both versions; scripts/bench-live installs
+  them.
+
+Seeds: `--scenario S --seeds 3 4 5` generates each seed's trace and fleet
+(`llm-geo-router generate`), runs every router on each, and reports per seed
+and over the seeds the ratio plugin TTFT p95 (and mean) / the best other
+router's, with the geometric mean and the spread.
 
 Trace: JSONL, one request a line sorted by `t_ms`: `{"t_ms", "session",
 "client_region", "tier", "segments": [[id, n_tokens], ...], "output_tokens"}`.
@@ -86,8 +102,9 @@ LIVE_YAML = {
     "round_robin": ROOT / "envoy" / "bench" / "live-round-robin.yaml",
     "least_request": ROOT / "envoy" / "bench" / "live-least-request.yaml",
     "ring_hash": ROOT / "envoy" / "bench" / "live-ring-hash.yaml",
+    "mesh": ROOT / "envoy" / "bench" / "live-mesh.yaml",
 }
-ROUTERS = ["plugin", "round_robin", "least_request", "ring_hash", "sglang_router"]
+ROUTERS = ["plugin", "round_robin", "least_request", "ring_hash", "mesh", "smg", "vllm_router"]
 TIER_KEYS = {"paid": "sk-demo-paid", "critical": "sk-demo-critical"}
 SECTION = "## Live benchmark"
 # A request counts as queued at the engine when it waited this long for a
@@ -423,7 +440,9 @@ def engine_figures(args) -> tuple[dict[str, dict], str]:
         fig["from_fleet"] = fr.get("name")
         out[name] = fig
     if fleet_regions:
-        how = (f"with the figures of `{args.fleet}`'s regions (" + ", ".join(
+        shown = Path(args.fleet).resolve()
+        shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else args.fleet
+        how = (f"with the figures of `{shown}`'s regions (" + ", ".join(
             f"{n} = {f['from_fleet']}" for n, f in out.items() if f["from_fleet"])
             + "; the network delays stay the demo's)")
     else:
@@ -448,11 +467,15 @@ def engine_args(fig: dict, time_scale: float) -> list[str]:
             "--max-model-len", str(MAX_MODEL_LEN)]
 
 
-def start_engines(run_dir: Path, figs: dict[str, dict], time_scale: float) -> dict[str, harness.Engine]:
+def start_engines(run_dir: Path, figs: dict[str, dict], time_scale: float,
+                  mode: str | None = None) -> dict[str, harness.Engine]:
+    """The three regions' emulators, each in the demo's mode (far is
+    SGLang) unless `mode` sets one for all."""
     engines = {}
     try:
-        for name, (_, delay, mode) in harness.DEMO_REGIONS.items():
-            engines[name] = harness.start_engine(name, run_dir, delay, mode, engine_args(figs[name], time_scale))
+        for name, (_, delay, demo_mode) in harness.DEMO_REGIONS.items():
+            engines[name] = harness.start_engine(name, run_dir, delay, mode or demo_mode,
+                                                 engine_args(figs[name], time_scale))
     except Exception:
         for e in engines.values():
             e.kill()
@@ -524,6 +547,20 @@ class PluginRun(RouterRun):
         self.envoy.stop()
 
 
+def lb_endpoints(cluster: dict) -> list[dict]:
+    """A cluster's endpoints in the order its file lists them, across its
+    locality groups (one group for the plain load balancers, one per
+    region, nearest first, for the mesh)."""
+    return [ep for group in cluster["load_assignment"]["endpoints"] for ep in group["lb_endpoints"]]
+
+
+# Envoy's counters of the `regions` cluster worth keeping: how much it
+# retried, and (the mesh) whether health checks or outlier detection ever
+# took a region out, which is what moves its traffic off the nearest one.
+LB_STATS = (r"cluster\.regions\.(upstream_rq_total|upstream_rq_retry|upstream_cx_total|health_check\.failure"
+            r"|outlier_detection\.ejections_enforced_total)$")
+
+
 class EnvoyLbRun(RouterRun):
     def __init__(self, name: str, run_dir: Path, engines: dict):
         self.name = name
@@ -532,8 +569,7 @@ class EnvoyLbRun(RouterRun):
         cfg["admin"]["address"]["socket_address"]["port_value"] = harness.free_port()
         cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = harness.free_port()
         (cluster,) = cfg["static_resources"]["clusters"]
-        eps = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
-        for ep, region in zip(eps, REGIONS, strict=True):
+        for ep, region in zip(lb_endpoints(cluster), REGIONS, strict=True):
             ep["endpoint"]["address"]["socket_address"]["port_value"] = engines[region].port
         self.envoy = harness.start_envoy(run_dir, cfg, name="envoy")
         self.port = self.envoy.port
@@ -542,52 +578,154 @@ class EnvoyLbRun(RouterRun):
         return [self.envoy.proc.pid]
 
     def finish(self) -> dict:
-        s = self.envoy.stats(r"cluster\.regions\.(upstream_rq_total|upstream_rq_retry|upstream_cx_total)$")
-        return {"envoy_stats": s}
+        return {"envoy_stats": self.envoy.stats(LB_STATS)}
 
     def stop(self) -> None:
         self.envoy.stop()
 
 
-def sglang_router_version() -> str | None:
+@dataclass(frozen=True)
+class Peer:
+    """A cache-aware router as its users run it: its PyPI distribution at
+    the version the scripts install, and its command line."""
+
+    key: str
+    dist: str
+    version: str
+    label: str
+    # What it is, for the docs.
+    what: str
+    # Every engine in this mode for this peer (None: the demo's modes).
+    engine_mode: str | None
+    # Why its command line is what it is, for the docs.
+    deployment: str
+
+    def command(self, port: int, workers: list[str], prometheus_port: int) -> list[str]:
+        bin_dir = ROOT / ".venv" / "bin"
+        # Bound to loopback, and its Prometheus listener on a free port
+        # (both default to fixed ports that a second instance, one per
+        # client region, would collide on): plumbing, not policy.
+        where = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port)]
+        if self.key == "smg":
+            # cache_aware is smg's default policy (docs/reference/configuration.md),
+            # named so the record says which; its thresholds and worker overload
+            # protection stay at their defaults. A 1 s drain on SIGTERM (default
+            # 180 s) only shortens the benchmark's teardown.
+            return [str(bin_dir / "smg"), "launch", *where, "--policy", "cache_aware",
+                    "--shutdown-grace-period-secs", "1", "--log-level", "warn"]
+        # vllm-router: cache_aware is its default too (`vllm-router --help`);
+        # it has no prefix-aware policy of another name.
+        return [str(bin_dir / "vllm-router"), *where, "--policy", "cache_aware", "--log-level", "warning"]
+
+
+PEERS = {
+    "smg": Peer(
+        "smg", "smg", "1.13.0", "smg", "SGLang's model gateway, which supersedes sglang-router", None,
+        "`smg launch --policy cache_aware`, its default policy, at its default thresholds: cache threshold 0.3, "
+        "balance thresholds 64 and 1.5, worker overload protection at 8 waiting requests or 0.8 KV-cache usage; "
+        "for HTTP workers it keeps an approximate prefix tree over the request text and polls each engine's "
+        "`/metrics` for load every 10 s"),
+    "vllm_router": Peer(
+        "vllm_router", "vllm-router", "0.1.17", "vllm-router", "vLLM's router", "vllm",
+        "`vllm-router --policy cache_aware`, its default policy, at its default thresholds: cache threshold 0.3, "
+        "balance thresholds 64 and 1.5; before it chooses, it asks every worker for the request's token ids at "
+        "`/v1/chat/completions/render` and matches prefixes on those, so every request waits for the slowest "
+        "worker's answer; its engines all run in vLLM mode, as its users run it: SGLang has no render route"),
+}
+
+
+def installed_version(dist: str) -> str | None:
+    """The version of a distribution installed in .venv, or None."""
     try:
-        out = subprocess.run([str(PYTHON), "-c", "import importlib.metadata as m; print(m.version('sglang-router'))"],
+        out = subprocess.run([str(PYTHON), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
                              capture_output=True, text=True, timeout=60)
     except OSError:
         return None
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-class SglangRun(RouterRun):
-    name = "sglang_router"
+def peer_versions() -> dict[str, str | None]:
+    """Each peer's installed version (None: not installed), keyed by its
+    distribution."""
+    return {p.dist: installed_version(p.dist) for p in PEERS.values()}
 
-    def __init__(self, run_dir: Path, engines: dict):
+
+def notable(lines: list[str]) -> list[str]:
+    """The reading lines that qualify a table: contention warnings, routers
+    that did not run, served only part of the trace, or had errors."""
+    return [l for l in lines if l.startswith("Warning") or " did not run: " in l or " had errors: " in l
+            or " so they do not compare with the others'" in l]
+
+
+def peer_not_installed(key: str, versions: dict[str, str | None]) -> str | None:
+    """Why a peer cannot run, or None. Another version than the pinned one
+    runs (the result records which) after a warning."""
+    peer = PEERS[key]
+    have = versions.get(peer.dist)
+    if have is None:
+        return f"{peer.dist} is not installed in .venv (`.venv/bin/pip install {peer.dist}=={peer.version}`)"
+    if have != peer.version:
+        print(f"bench-live: warning: {peer.dist} {have} is installed, not the pinned {peer.version}",
+              file=sys.stderr)
+    return None
+
+
+def start_peer(key: str, run_dir: Path, label: str, port: int, workers: list[str]
+               ) -> tuple[subprocess.Popen, list[str], Path]:
+    cmd = PEERS[key].command(port, workers, harness.free_port())
+    log = run_dir / f"{PEERS[key].dist}-{label}.log"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"), cwd=ROOT)
+    return proc, cmd, log
+
+
+def wait_peer(key: str, proc: subprocess.Popen, port: int, n_workers: int, log: Path,
+              timeout: float = 90.0) -> None:
+    """Until the peer's /readiness (smg and vllm-router both serve it) counts
+    every worker registered and healthy: smg registers them in the
+    background after it starts listening."""
+    deadline = time.time() + timeout
+    last = ""
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{PEERS[key].dist} exited with {proc.returncode}: {tail(log)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readiness", timeout=2) as r:
+                last = r.read().decode()
+                ready = json.loads(last)
+                if r.status == 200 and ready.get("healthy_workers") == ready.get("total_workers") == n_workers:
+                    return
+        except OSError as e:
+            last = str(e)
+        except ValueError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{PEERS[key].dist} not ready with {n_workers} workers in {timeout:.0f} s "
+                       f"(last: {last}); see {log}")
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+class PeerRun(RouterRun):
+    def __init__(self, key: str, run_dir: Path, engines: dict):
+        self.name = key
         self.extra = {}
         self.port = harness.free_port()
-        self.cmd = [str(PYTHON), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-                    "--worker-urls", *[engines[r].url for r in REGIONS], "--policy", "cache_aware",
-                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(harness.free_port()),
-                    "--shutdown-grace-period-secs", "1", "--log-level", "warn"]
-        self.log_path = run_dir / "sglang-router.log"
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "w"), cwd=ROOT)
-        deadline = time.time() + 60
-        last = ""
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sglang-router exited with {self.proc.returncode}: {tail(self.log_path)}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readiness", timeout=2) as r:
-                    last = r.read().decode()
-                    if r.status == 200 and json.loads(last).get("healthy_workers") == len(REGIONS):
-                        return
-            except OSError as e:
-                last = str(e)
-            except ValueError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"sglang-router not ready with {len(REGIONS)} workers in 60 s (last: {last}); "
-                           f"see {self.log_path}")
+        self.proc, self.cmd, self.log_path = start_peer(key, run_dir, "router", self.port,
+                                                        [engines[r].url for r in REGIONS])
+        try:
+            wait_peer(key, self.proc, self.port, len(REGIONS), self.log_path)
+        except Exception:
+            self.stop()
+            raise
 
     def pids(self) -> list[int]:
         return [self.proc.pid]
@@ -596,13 +734,7 @@ class SglangRun(RouterRun):
         return {"command": shlex.join(self.cmd)}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc)
 
 
 def cpu_times() -> tuple[int, int, int]:
@@ -791,7 +923,9 @@ def engine_stats(engines: dict) -> dict:
             continue
         out[name] = {"chat_requests": s["requests"].get(PATH, 0), "completed": s["completed"],
                      "cache_hit_tokens": s["cache_hit_tokens"], "cache_query_tokens": s["cache_query_tokens"],
-                     "health_probes": s["requests"].get("/health", 0), "metrics_scrapes": s["requests"].get("/metrics", 0)}
+                     "health_probes": s["requests"].get("/health", 0), "metrics_scrapes": s["requests"].get("/metrics", 0),
+                     # vllm-router asks every worker to render every request.
+                     "render_requests": s["requests"].get("/v1/chat/completions/render", 0)}
     return out
 
 
@@ -930,19 +1064,18 @@ def reflow(text: str, width: int = 78) -> str:
     return "\n\n".join(out) + "\n"
 
 
-def doc_section(result: dict, tbl: str, lines: list[str]) -> str:
+def engines_text(result: dict) -> str:
     a = result["config"]
-    t = result["trace"]
-    skipped = result["skipped"]
-    sg = result.get("sglang_router_version")
     flags = a["engine_flags"]
     figs = a["engines_unscaled"]
     if same_for_all(flags):
         f0 = next(iter(figs.values()))
-        engines = (f"each `{' '.join(next(iter(flags.values())))}` (unscaled {f0['prefill_ms_per_token']:g} ms "
-                   f"prefill and {f0['decode_ms_per_token']:g} ms decode per token)")
-    else:
-        engines = "; ".join(f"{n} `{' '.join(f)}`" for n, f in flags.items())
+        return (f"each `{' '.join(next(iter(flags.values())))}` (unscaled {f0['prefill_ms_per_token']:g} ms "
+                f"prefill and {f0['decode_ms_per_token']:g} ms decode per token)")
+    return "; ".join(f"{n} `{' '.join(f)}`" for n, f in flags.items())
+
+
+def plugin_text(result: dict) -> str:
     regions = {r["name"]: {k: r[k] for k in ("max_concurrency", "capacity_rps") if k in r}
                for r in result["plugin_overrides"]["regions"]}
     if same_for_all(regions):
@@ -952,51 +1085,36 @@ def doc_section(result: dict, tbl: str, lines: list[str]) -> str:
     extra = {k: v for k, v in result["plugin_overrides"].items() if k != "regions"}
     if extra:
         plug += f"; and `{json.dumps(extra)}`"
-    sg_text = (f"sglang-router {sg}" if sg else "sglang-router (not installed)")
-    routers_ran = ", ".join(f"`{k}`" for k in result["routers"])
-    return reflow(f"""\
-Each router in front of the same three emulated regions (near 5 ms, mid 40 ms,
-far 120 ms away, the demo's: `wasm-tests/emulator`), replaying one trace
-open loop in real time, time-scaled, with time to first token (TTFT) and
-end-to-end time measured at the client. Every router gets a fresh set of
-emulators (cold prefix caches) and the same requests at the same (scaled)
-times. Routers: `plugin` (Envoy 1.40 with `envoy/envoy.yaml`, the region
-figures set to the emulated engines'; {result.get("plugin_source", "")}), Envoy without the plugin over one
-cluster of the three regions with `round_robin`, `least_request`, and
-`ring_hash` on `x-session-id` (`envoy/bench/live-*.yaml`), and
-`sglang_router` ({sg_text}, `--policy cache_aware` with its default
-thresholds, the three emulators as `--worker-urls`). Ran: {routers_ran}.
+    return plug
 
-Command (`scripts/bench-live` runs it after `scripts/setup` and the release
-builds, then rewrites this section):
 
-    {result["command"]}
+def peer_text(key: str, name: str, versions: dict) -> str:
+    """One sentence on a peer: what it is, its version, how it runs."""
+    peer = PEERS[key]
+    v = versions.get(peer.dist) or "not installed"
+    return f"`{name}` is {peer.what}: {peer.label} {v}, run as {peer.deployment}."
 
-Trace: {t["source"]}: {t["requests"]} requests in {t["sessions"]} sessions
-over {t["span_s"]} s of trace time ({t["rate_rps"]} requests/s), replayed in
-{round(t["span_s"] * a["time_scale"], 1)} s per router (`--time-scale {a["time_scale"]}`); prompts of
-{t["prompt_tokens_mean"]} tokens on average (at most {t["prompt_tokens_max"]}), {t["output_tokens_mean"]} output
-tokens on average; tiers {json.dumps(t["tiers"])}. Engines, {a["engines_source"]}:
-{engines}. Plugin: {plug}
-(`service_ms` = a cold request's slot time for the trace's mean prompt and
-output, `capacity_rps` = slots / `service_ms`); everything else as in
-`envoy/envoy.yaml`. Rounds: {a["rounds"]}. Machine: {result["machine"]}; run
-{result["finished"]}.
 
-{tbl}
+def routers_text(result: dict) -> str:
+    """What each router under test is and how it is deployed."""
+    versions = result.get("peer_versions", {})
+    return f"""\
+Routers: `plugin` (Envoy 1.40 with `envoy/envoy.yaml`, the region figures
+set to what an operator knows of the emulated engines; {result.get("plugin_source", "")}); Envoy without the
+plugin over one cluster of the three regions with `round_robin`,
+`least_request`, and `ring_hash` on `x-session-id`; `mesh`, the service-mesh
+default (Istio's locality failover as Envoy runs it,
+`envoy/bench/live-mesh.yaml`): near at priority 0, mid at 1, far at 2 by
+their round trips, `LEAST_REQUEST` within a priority, Istio's default retry
+policy, active HTTP health checks on `/health` at Kubernetes readiness-probe
+defaults and outlier detection at Envoy's defaults, so every request goes to
+the nearest healthy region; and two cache-aware routers, each with the three
+emulators as `--worker-urls`. {peer_text("smg", "smg", versions)}
+{peer_text("vllm_router", "vllm_router", versions)}"""
 
-Columns: `ok / sent`: requests that streamed to `[DONE]`; TTFT: from
-sending the request to the first SSE `data:` line, in ms, over the requests
-served; `near / mid / far`: requests per region (`x-engine-replica`);
-`cache hit`: sum of the engines' `x-engine-cached-tokens` over sum of
-`x-engine-prompt-tokens`; `engine queue`: the engines' own wait for a slot
-(`x-engine-queue-ms`); `session moves`: follow-up turns served by another
-region than the session's previous turn, of all follow-up turns.
 
-Reading (generated from the numbers above):
-
-{chr(10).join("- " + line for line in lines)}
-
+def caveats(a: dict, many_seeds: bool) -> str:
+    return f"""\
 What this does not show. It is a single vantage point: the replayer runs on
 loopback, so every request sees the same client-to-region delays (5/40/120
 ms) whatever its `client_region`; a real client population spread over
@@ -1004,13 +1122,171 @@ regions would see other distances, and the nearest region would differ per
 client. The engines are emulators (a prefix cache, FIFO admission to a fixed
 number of slots, prefill and decode as timed sleeps), not GPUs. Compute is
 time-scaled and the network delays are not, so distance weighs
-{1 / a["time_scale"]:g}x more against compute than in the unscaled trace. The client, Envoy,{"" if "sglang_router" in skipped else " sglang-router,"}
-and the emulators share one {os.cpu_count()}-core machine. One run per
-router{"" if a["rounds"] == 1 else f" and round ({a['rounds']} rounds)"}; while developing this benchmark, repeated runs moved a
-router's TTFT mean by tens of ms, and by hundreds when other processes kept
-the machine busy (the warnings above say when that happened): read the
-ordering and large gaps, not small differences.
+{1 / a["time_scale"]:g}x more against compute than in the unscaled trace. The
+client, Envoy, the peers and the emulators share one {os.cpu_count()}-core
+machine. One run per router{"" if a["rounds"] == 1 else f" and round ({a['rounds']} rounds)"}{" and seed" if many_seeds else ""}; while
+developing this benchmark, repeated runs moved a router's TTFT mean by tens
+of ms, and by hundreds when other processes kept the machine busy (the
+warnings say when that happened): read the ordering and large gaps, not
+small differences."""
+
+
+COLUMNS = """\
+Columns: `ok / sent`: requests that streamed to `[DONE]`; TTFT: from
+sending the request to the first SSE `data:` line, in ms, over the requests
+served; `near / mid / far`: requests per region (`x-engine-replica`);
+`cache hit`: sum of the engines' `x-engine-cached-tokens` over sum of
+`x-engine-prompt-tokens`; `engine queue`: the engines' own wait for a slot
+(`x-engine-queue-ms`); `session moves`: follow-up turns served by another
+region than the session's previous turn, of all follow-up turns."""
+
+
+def trace_text(result: dict) -> str:
+    a = result["config"]
+    t = result["trace"]
+    return f"""\
+Trace: {t["source"]}: {t["requests"]} requests in {t["sessions"]} sessions
+over {t["span_s"]} s of trace time ({t["rate_rps"]} requests/s), replayed in
+{round(t["span_s"] * a["time_scale"], 1)} s per router (`--time-scale {a["time_scale"]}`); prompts of
+{t["prompt_tokens_mean"]} tokens on average (at most {t["prompt_tokens_max"]}), {t["output_tokens_mean"]} output
+tokens on average; tiers {json.dumps(t["tiers"])}. Engines, {a["engines_source"]}:
+{engines_text(result)}."""
+
+
+def ratio_text(rat: dict) -> str:
+    if not rat:
+        return "No ratio: the plugin or every other router did not serve every request."
+    parts = [f"{q} {r['plugin_ms']:.0f} vs {r['best_peer_ms']:.0f} ms (`{r['best_peer']}`): **{r['ratio']:.2f}**"
+             + ("" if r["plugin_served_all"] else " (the plugin did not serve every request)")
+             for q, r in rat.items()]
+    return "Plugin TTFT / the best other router's: " + "; ".join(parts) + "."
+
+
+def doc_section(result: dict, tbl: str, lines: list[str]) -> str:
+    a = result["config"]
+    routers_ran = ", ".join(f"`{k}`" for k in result["routers"])
+    return reflow(f"""\
+Each router in front of the same three emulated regions (near 5 ms, mid 40 ms,
+far 120 ms away, the demo's: `wasm-tests/emulator`), replaying one trace
+open loop in real time, time-scaled, with time to first token (TTFT) and
+end-to-end time measured at the client. Every router gets a fresh set of
+emulators (cold prefix caches) and the same requests at the same (scaled)
+times. {routers_text(result)} Ran: {routers_ran}.
+
+Command (`scripts/bench-live` runs it after `scripts/setup` and the release
+builds, then rewrites this section):
+
+    {result["command"]}
+
+{trace_text(result)} Plugin: {plugin_text(result)}
+(`capacity_rps` = slots x 1000 / the documented default `service_ms` of
+2000); everything else as in `envoy/envoy.yaml`. Rounds: {a["rounds"]}.
+Machine: {result["machine"]}; run {result["finished"]}.
+
+{tbl}
+
+{ratio_text(result.get("ratios", {}))}
+
+{COLUMNS}
+
+Reading (generated from the numbers above):
+
+{chr(10).join("- " + line for line in lines)}
+
+{caveats(a, False)}
 """)
+
+
+def seeds_doc_section(combined: dict) -> str:
+    """The section for a run over several seeds: each seed's ratio, their
+    geometric mean and spread, then each seed's table."""
+    per_seed = combined["per_seed"]
+    first = per_seed[0]
+    a = first["config"]
+    summ = combined["summary"]
+    rows = ["| seed | requests | plugin TTFT p95 | best other p95 | ratio p95 | plugin TTFT mean | best other mean "
+            "| ratio mean |", "|" + "---|" * 8]
+    for r in per_seed:
+        rat = r.get("ratios", {})
+        cells = []
+        for q in ("p95", "mean"):
+            x = rat.get(q)
+            cells += ([f"{x['plugin_ms']:.0f}", f"{x['best_peer_ms']:.0f} (`{x['best_peer']}`)", f"{x['ratio']:.2f}"]
+                      if x else ["–", "–", "–"])
+        rows.append(f"| {r['seed']} | {r['trace']['requests']} | " + " | ".join(cells) + " |")
+    over = []
+    for q in ("p95", "mean"):
+        sp = summ.get(q)
+        if sp:
+            over.append(f"TTFT {q}: geometric mean **{sp['geomean']:.2f}** (min {sp['min']:.2f}, max {sp['max']:.2f}, "
+                        f"{sp['n']} seeds)")
+    seeds_md = []
+    for r in per_seed:
+        warn = notable(r["reading"])
+        seeds_md.append(f"### Seed {r['seed']}\n\n{trace_text(r)} Run {r['finished']}.\n\n{r['table']}\n\n"
+                        f"{ratio_text(r.get('ratios', {}))}"
+                        + ("\n\n" + "\n".join("- " + l for l in warn) if warn else ""))
+    routers_ran = ", ".join(f"`{k}`" for k in first["routers"])
+    return reflow(f"""\
+Each router in front of the same three emulated regions (near 5 ms, mid 40 ms,
+far 120 ms away, the demo's: `wasm-tests/emulator`), replaying one trace
+open loop in real time, time-scaled, with time to first token (TTFT) and
+end-to-end time measured at the client; once per seed, every router on fresh
+emulators (cold prefix caches) with the same requests at the same (scaled)
+times. {routers_text(first)} Ran: {routers_ran}.
+
+Command (`scripts/bench-live` with `BENCH_LIVE_SEEDS` runs it after
+`scripts/setup` and the release builds, then rewrites this section):
+
+    {combined["command"]}
+
+Seeds {", ".join(str(r["seed"]) for r in per_seed)} of scenario `{combined["scenario"]}` (held out: the plugin's
+defaults were chosen on seeds 1-2), each trace's own fleet file for the
+engines' figures. Plugin: {plugin_text(first)} (`capacity_rps` = slots x 1000
+/ the documented default `service_ms` of 2000); everything else as in
+`envoy/envoy.yaml`. Machine: {combined["machine"]}; finished {combined["finished"]}.
+
+Plugin TTFT / the best other router's on that seed (among the routers that
+served every request; lower is better):
+
+{chr(10).join(rows)}
+
+Over the seeds, plugin / best other router: {"; ".join(over) if over else "no seed had a ratio"}.
+
+{COLUMNS}
+
+{(chr(10) * 2).join(seeds_md)}
+
+{caveats(a, True)}
+""")
+
+
+def ratios(summaries: dict[str, dict]) -> dict:
+    """The plugin's TTFT p95 and mean over the best other router's, among
+    the routers that served every request (each a realistic deployment)."""
+    p = summaries.get("plugin")
+    if not p or p["ttft_ms"]["p95"] is None:
+        return {}
+    peers = {k: s for k, s in summaries.items()
+             if k != "plugin" and s["ok"] == s["requests"] and s["ttft_ms"]["p95"] is not None}
+    out = {}
+    for q in ("p95", "mean"):
+        if not peers:
+            break
+        best = min(peers, key=lambda k: peers[k]["ttft_ms"][q])
+        out[q] = {"plugin_ms": p["ttft_ms"][q], "best_peer": best, "best_peer_ms": peers[best]["ttft_ms"][q],
+                  "ratio": round(p["ttft_ms"][q] / peers[best]["ttft_ms"][q], 3),
+                  "plugin_served_all": p["ok"] == p["requests"]}
+    return out
+
+
+def spread(per_seed: dict[int, float]) -> dict | None:
+    """Ratios per seed, their geometric mean and their range."""
+    if not per_seed:
+        return None
+    vals = list(per_seed.values())
+    return {"per_seed": per_seed, "n": len(vals), "geomean": round(math.exp(sum(map(math.log, vals)) / len(vals)), 3),
+            "min": min(vals), "max": max(vals)}
 
 
 def plugin_source() -> str:
@@ -1072,6 +1348,12 @@ def main() -> int:
     ap.add_argument("--json-out", type=Path, help="write the results as JSON here")
     ap.add_argument("--doc", type=Path, help="rewrite the '## Live benchmark' section of this Markdown file")
     ap.add_argument("--command-label", help="the command the docs show (default: this command line)")
+    ap.add_argument("--scenario",
+                    help="with --seeds: generate each seed's trace and fleet (`llm-geo-router generate --scenario "
+                         "S --seed N`) instead of --trace/--fleet")
+    ap.add_argument("--seeds", type=int, nargs="+",
+                    help="with --scenario: run every router on each of these seeds' traces and report the spread "
+                         "(held-out seeds: 3 and up)")
     args = ap.parse_args()
 
     # Threads waiting for the GIL get it within 1 ms (default 5 ms), so a
@@ -1083,23 +1365,81 @@ def main() -> int:
     bad = [r for r in routers if r not in ROUTERS]
     if bad or args.time_scale <= 0:
         ap.error(f"unknown router(s) {bad}" if bad else "--time-scale must be > 0")
+    if bool(args.scenario) != bool(args.seeds):
+        ap.error("--scenario and --seeds go together")
+    if args.scenario and (args.trace or args.fleet):
+        ap.error("--scenario/--seeds generate the trace and fleet: leave out --trace and --fleet")
 
     runs_root = harness.fresh_run_dir("bench-live")
-    if args.trace:
-        trace = load_trace(args.trace)
-        source = args.trace_label or f"`{args.trace}`"
+    versions = peer_versions()
+    command = args.command_label or shlex.join([".venv/bin/python", "wasm-tests/bench_live.py", *sys.argv[1:]])
+    results = []
+    if args.scenario:
+        if not generator_available():
+            print(f"bench-live: {CLI} has no `generate` subcommand (build it: cargo build --release -p "
+                  "llm-geo-router-cli)", file=sys.stderr)
+            return 2
+        for seed in args.seeds:
+            out = runs_root / f"seed-{seed}"
+            gen = out / "scenario"
+            generate_trace(args.scenario, seed, gen)
+            label = f"`llm-geo-router generate --scenario {args.scenario} --seed {seed}`" + (
+                f", its first {args.window_s:g} s" if args.window_s is not None else "")
+            seed_args = argparse.Namespace(**{**vars(args), "trace": gen / "trace.jsonl",
+                                              "fleet": gen / "fleet.json"})
+            print(f"bench-live: seed {seed} ({args.seeds.index(seed) + 1} of {len(args.seeds)})", file=sys.stderr)
+            result = run_once(seed_args, list(routers), versions, out, load_trace(gen / "trace.jsonl"), label)
+            result["seed"] = seed
+            results.append(result)
     else:
-        trace = builtin_trace(args.seed, args.duration_s, args.sessions_per_s)
-        source = (f"the built-in trace of `wasm-tests/bench_live.py` (`--seed {args.seed} --duration-s "
-                  f"{args.duration_s:g} --sessions-per-s {args.sessions_per_s:g}`)")
+        if args.trace:
+            trace = load_trace(args.trace)
+            source = args.trace_label or f"`{args.trace}`"
+        else:
+            trace = builtin_trace(args.seed, args.duration_s, args.sessions_per_s)
+            source = (f"the built-in trace of `wasm-tests/bench_live.py` (`--seed {args.seed} --duration-s "
+                      f"{args.duration_s:g} --sessions-per-s {args.sessions_per_s:g}`)")
+        results.append(run_once(args, list(routers), versions, runs_root, trace, source))
+
+    finished = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+    for r in results:
+        r["command"] = command
+    if len(results) == 1:
+        out_json = results[0]
+        body = doc_section(results[0], results[0]["table"], results[0]["reading"])
+    else:
+        summary = {q: spread({r["seed"]: r["ratios"][q]["ratio"] for r in results if q in r.get("ratios", {})})
+                   for q in ("p95", "mean")}
+        out_json = {"command": command, "finished": finished, "machine": machine, "scenario": args.scenario,
+                    "seeds": args.seeds, "peer_versions": versions, "summary": summary, "per_seed": results}
+        body = seeds_doc_section(out_json)
+        for q, sp in summary.items():
+            if sp:
+                print(f"bench-live: plugin / best other router, TTFT {q}, per seed "
+                      f"{json.dumps(sp['per_seed'])}: geomean {sp['geomean']:.3f} (min {sp['min']:.3f}, "
+                      f"max {sp['max']:.3f})")
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(out_json, indent=2) + "\n")
+        print(f"bench-live: wrote {args.json_out}", file=sys.stderr)
+    if args.doc:
+        update_doc(args.doc, body)
+        print(f"bench-live: updated the '{SECTION}' section of {args.doc}", file=sys.stderr)
+    return 0
+
+
+def run_once(args, routers: list[str], versions: dict, runs_root: Path, trace: list[dict], source: str) -> dict:
+    """Every router in `routers` on one trace (each on fresh engines, for
+    `--rounds` rounds); the result as written to JSON, with its table and
+    reading."""
     if args.window_s is not None and trace:
         t_end = trace[0]["t_ms"] + args.window_s * 1000
         trace = [r for r in trace if r["t_ms"] < t_end]
     if args.max_requests is not None:
         trace = trace[: args.max_requests]
     if not trace:
-        print("bench-live: the trace is empty", file=sys.stderr)
-        return 2
+        raise SystemExit("bench-live: the trace is empty")
     (runs_root / "trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trace))
     info = trace_info(trace)
     print(f"bench-live: trace: {source}: {json.dumps(info)}", file=sys.stderr)
@@ -1110,10 +1450,11 @@ def main() -> int:
     figs, figs_source = engine_figures(args)
     overrides = harness.deep_merge(plugin_overrides(figs, args.time_scale, info), args.plugin_config)
     skipped: dict[str, str] = {}
-    sg_version = sglang_router_version() if "sglang_router" in routers else None
-    if "sglang_router" in routers and sg_version is None:
-        skipped["sglang_router"] = "sglang-router is not installed in .venv (`.venv/bin/pip install sglang-router`)"
-        routers.remove("sglang_router")
+    for key in PEERS:
+        why = peer_not_installed(key, versions) if key in routers else None
+        if why:
+            skipped[key] = why
+            routers.remove(key)
 
     per_router: dict[str, list[Result]] = {r: [] for r in routers}
     engines_by_router: dict[str, list] = {r: [] for r in routers}
@@ -1125,20 +1466,20 @@ def main() -> int:
                 continue
             run_dir = runs_root / f"{rnd_i}-{name}"
             run_dir.mkdir()
-            engines = start_engines(run_dir, figs, args.time_scale)
+            engines = start_engines(run_dir, figs, args.time_scale, PEERS[name].engine_mode if name in PEERS else None)
             router = None
             try:
                 try:
                     if name == "plugin":
                         router = PluginRun(run_dir, engines, overrides)
-                    elif name == "sglang_router":
-                        router = SglangRun(run_dir, engines)
+                    elif name in PEERS:
+                        router = PeerRun(name, run_dir, engines)
                     else:
                         router = EnvoyLbRun(name, run_dir, engines)
                 except Exception as e:  # noqa: BLE001
-                    if name != "sglang_router":
+                    if name not in PEERS:
                         raise
-                    skipped[name] = f"sglang-router did not start: {e}"
+                    skipped[name] = f"{PEERS[name].dist} did not start: {e}"
                     print(f"bench-live: {skipped[name]}", file=sys.stderr)
                     continue
                 print(f"bench-live: round {rnd_i + 1}/{args.rounds}: {name} on :{router.port} ...", file=sys.stderr)
@@ -1156,6 +1497,7 @@ def main() -> int:
                 extra = router.finish()
                 extra["replay_s"] = round(took, 1)
                 extra["client"] = client
+                extra["engine_modes"] = {n: e.args[e.args.index("--mode") + 1] for n, e in engines.items()}
                 tick = os.sysconf("SC_CLK_TCK")
                 extra["machine_cpu_busy"] = round((busy1 - busy0) / max(1, total1 - total0), 3)
                 # Busy share of the machine taken by processes other than
@@ -1174,8 +1516,12 @@ def main() -> int:
                     router.stop()
                 for e in engines.values():
                     e.kill()
-        if "sglang_router" in skipped and "sglang_router" in per_router and not per_router["sglang_router"]:
-            del per_router["sglang_router"]
+    # A peer that failed to start in a later round keeps the rounds it ran.
+    for name in [n for n in skipped if n in per_router]:
+        if per_router[name]:
+            del skipped[name]
+        else:
+            del per_router[name]
 
     summaries = {}
     for name in ROUTERS:
@@ -1191,12 +1537,12 @@ def main() -> int:
             summaries[name]["runs"] = extras[name]
     tbl = table(summaries, skipped)
     lines = reading(summaries, skipped)
+    rat = ratios(summaries)
     print(tbl)
     print("\n".join("- " + l for l in lines))
+    print(ratio_text(rat))
 
-    command = args.command_label or shlex.join([".venv/bin/python", "wasm-tests/bench_live.py", *sys.argv[1:]])
-    result = {
-        "command": command,
+    return {
         "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
         "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -1204,24 +1550,19 @@ def main() -> int:
                    "engines_source": figs_source,
                    "engine_flags": {n: engine_args(f, args.time_scale) for n, f in figs.items()},
                    "engine_network_delay_ms": {n: d for n, (_, d, _) in harness.DEMO_REGIONS.items()},
-                   "engine_modes": {n: m for n, (_, _, m) in harness.DEMO_REGIONS.items()}},
+                   "engine_modes": {n: m for n, (_, _, m) in harness.DEMO_REGIONS.items()},
+                   "engine_modes_per_peer": {k: p.engine_mode for k, p in PEERS.items() if p.engine_mode}},
         "trace": {"source": source, **info},
         "plugin_overrides": overrides,
         "plugin_source": plugin_source(),
-        "sglang_router_version": sg_version,
+        "peer_versions": versions,
         "skipped": skipped,
         "routers": summaries,
+        "ratios": rat,
+        "table": tbl,
         "reading": lines,
         "runs_dir": str(runs_root),
     }
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"bench-live: wrote {args.json_out}", file=sys.stderr)
-    if args.doc:
-        update_doc(args.doc, doc_section(result, tbl, lines))
-        print(f"bench-live: updated the '{SECTION}' section of {args.doc}", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

@@ -53,12 +53,27 @@ Routers, each on fresh emulators and a fresh WAN Envoy (cold caches):
 - `ring_hash` (on `x-session-id`) and `least_request`: Envoy without the
   plugin (envoy/bench/live-*.yaml), one per client region, the WAN listeners
   of its vantage as the cluster's endpoints;
-- `sglang_per_region`: `sglang-router --policy cache_aware`, one per client
-  region, the WAN listeners of its vantage as `--worker-urls`;
-- `sglang_global`: one `sglang-router --policy cache_aware` in engine region
-  G (`--global-region`, default: the region with the lowest demand-weighted
+- `mesh`: the service-mesh default (envoy/bench/live-mesh.yaml: Istio's
+  locality failover as Envoy runs it), one Envoy per client region, each
+  engine region a locality at a priority by its round trip from that client
+  region (nearest at 0, the next at 1, ...), LEAST_REQUEST within a priority,
+  active HTTP health checks and outlier detection;
+- `smg_per_region` and `vllm_router_per_region`: SGLang's model gateway
+  (`smg launch --policy cache_aware`) and vLLM's router (`vllm-router
+  --policy cache_aware`), one per client region, the WAN listeners of its
+  vantage as `--worker-urls` (bench_live.PEERS: pinned versions, command
+  lines);
+- `smg_global` and `vllm_router_global`: one of each in engine region G
+  (`--global-region`, default: the region with the lowest demand-weighted
   RTT over the replayed requests), workers = the (dc-G, R) listeners, client
   region c entering through the fault-delay listener of RTT(c, G).
+
+A peer that is not installed or does not start is reported as not run, with
+the reason.
+
+Seeds: `--seeds 3 4 5` runs every router on each seed's scenario and
+reports each seed's ratio geo-router p95 / best other router's p95 over all
+clients, their geometric mean and their spread.
 
 Replay: the trace's requests (a `--window-s` of it), open loop, time-scaled
 (engines' prefill and decode scaled as in bench_live.py, RTTs not), each sent
@@ -82,7 +97,6 @@ import shlex
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import yaml
@@ -94,9 +108,12 @@ import harness  # noqa: E402
 ROOT = harness.ROOT
 SECTION = "## Live benchmark, several vantage points"
 CLIENT_REGION_HEADER = "x-client-region"
-ROUTERS = ["geo_router", "ring_hash", "least_request", "sglang_per_region", "sglang_global"]
+ROUTERS = ["geo_router", "ring_hash", "least_request", "mesh", "smg_per_region", "smg_global",
+           "vllm_router_per_region", "vllm_router_global"]
 LABEL = {"geo_router": "geo-router", "ring_hash": "envoy ring_hash", "least_request": "envoy least_request",
-         "sglang_per_region": "sglang per-client-region", "sglang_global": "sglang global"}
+         "mesh": "mesh locality failover",
+         "smg_per_region": "smg per-client-region", "smg_global": "smg global",
+         "vllm_router_per_region": "vllm-router per-client-region", "vllm_router_global": "vllm-router global"}
 DEFAULT_SERVICE_MS = 2000.0  # docs/CONFIG.md, regions[].service_ms default
 
 
@@ -383,6 +400,29 @@ class GeoRouter(Deployment):
         return {"per_vantage": out, "plugin_regions": self.config_regions}
 
 
+def lb_config(name: str, geo: Geo, vantage: str, lanes: dict) -> dict:
+    """envoy/bench/live-<name>.yaml for the Envoy of one client region, its
+    endpoints the WAN listeners of that vantage: one group for the plain load
+    balancers; for the mesh, one locality per engine region at a priority by
+    its round trip from this client region (nearest at 0), as Istio's
+    locality failover orders them."""
+    cfg = yaml.safe_load(bl.LIVE_YAML[name].read_text())
+    cfg["admin"]["address"]["socket_address"]["port_value"] = harness.free_port()
+    cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = harness.free_port()
+    (cluster,) = cfg["static_resources"]["clusters"]
+
+    def ep(r: str) -> dict:
+        return {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": lanes[vantage, r]}}}}
+
+    if name == "mesh":
+        by_rtt = sorted(geo.regions, key=lambda r: geo.rtt(vantage, r))
+        cluster["load_assignment"]["endpoints"] = [
+            {"locality": {"region": r}, "priority": i, "lb_endpoints": [ep(r)]} for i, r in enumerate(by_rtt)]
+    else:
+        cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [ep(r) for r in geo.regions]}]
+    return cfg
+
+
 class EnvoyLb(Deployment):
     def __init__(self, name: str, run_dir: Path, geo: Geo, lanes: dict, concurrency: int):
         super().__init__()
@@ -390,13 +430,7 @@ class EnvoyLb(Deployment):
         self.geo = geo
         try:
             for v in geo.clients:
-                cfg = yaml.safe_load(bl.LIVE_YAML[name].read_text())
-                cfg["admin"]["address"]["socket_address"]["port_value"] = harness.free_port()
-                cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = harness.free_port()
-                (cluster,) = cfg["static_resources"]["clusters"]
-                cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
-                    {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": lanes[v, r]}}}}
-                    for r in geo.regions]
+                cfg = lb_config(name, geo, v, lanes)
                 env = harness.start_envoy(run_dir, cfg, name=f"envoy-{name}-{v}", concurrency=concurrency)
                 self.envoys.append(env)
                 self.entry[v] = env.port
@@ -405,58 +439,35 @@ class EnvoyLb(Deployment):
             raise
 
     def finish(self) -> dict:
-        return {"per_vantage": {v: {"envoy_stats": e.stats(
-            r"cluster\.regions\.(upstream_rq_total|upstream_rq_retry|upstream_cx_total)$")}
-            for v, e in zip(self.geo.clients, self.envoys)}}
+        return {"per_vantage": {v: {"envoy_stats": e.stats(bl.LB_STATS)} for v, e in zip(self.geo.clients, self.envoys)}}
 
 
-def start_sglang(run_dir: Path, label: str, port: int, workers: list[str]) -> tuple[subprocess.Popen, list[str]]:
-    cmd = [str(bl.PYTHON), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-           "--worker-urls", *workers, "--policy", "cache_aware",
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(harness.free_port()),
-           "--shutdown-grace-period-secs", "1", "--log-level", "warn"]
-    log = run_dir / f"sglang-router-{label}.log"
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"), cwd=ROOT)
-    return proc, cmd
+def peer_key(name: str) -> str:
+    """The bench_live.PEERS key of a peer deployment's name."""
+    return name.removesuffix("_per_region").removesuffix("_global")
 
 
-def wait_sglang(proc: subprocess.Popen, port: int, n_workers: int, log: Path, timeout: float = 90.0) -> None:
-    deadline = time.time() + timeout
-    last = ""
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"sglang-router exited with {proc.returncode}: {bl.tail(log)}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readiness", timeout=2) as r:
-                last = r.read().decode()
-                if r.status == 200 and json.loads(last).get("healthy_workers") == n_workers:
-                    return
-        except OSError as e:
-            last = str(e)
-        except ValueError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"sglang-router not ready with {n_workers} workers in {timeout:.0f} s (last: {last}); "
-                       f"see {log}")
+class PeerPerRegion(Deployment):
+    """A peer router per client region, in that region: its workers are the
+    WAN listeners of its vantage."""
 
-
-class SglangPerRegion(Deployment):
-    name = "sglang_per_region"
-
-    def __init__(self, run_dir: Path, geo: Geo, lanes: dict):
+    def __init__(self, name: str, run_dir: Path, geo: Geo, lanes: dict):
         super().__init__()
+        self.name = name
+        self.key = peer_key(name)
         self.cmds = {}
         try:
             started = []
             for v in geo.clients:
                 port = harness.free_port()
-                proc, cmd = start_sglang(run_dir, v, port, [f"http://127.0.0.1:{lanes[v, r]}" for r in geo.regions])
+                proc, cmd, log = bl.start_peer(self.key, run_dir, v, port,
+                                               [f"http://127.0.0.1:{lanes[v, r]}" for r in geo.regions])
                 self.procs.append(proc)
                 self.cmds[v] = shlex.join(cmd)
                 self.entry[v] = port
-                started.append((proc, port, run_dir / f"sglang-router-{v}.log"))
+                started.append((proc, port, log))
             for proc, port, log in started:
-                wait_sglang(proc, port, len(geo.regions), log)
+                bl.wait_peer(self.key, proc, port, len(geo.regions), log)
         except Exception:
             self.stop()
             raise
@@ -465,14 +476,14 @@ class SglangPerRegion(Deployment):
         return {"commands": self.cmds}
 
 
-class SglangGlobal(Deployment):
-    """One sglang-router in region G; its port is chosen before the WAN Envoy
-    starts (the hop listeners point at it), the process after."""
+class PeerGlobal(Deployment):
+    """One peer router in engine region G; its port is chosen before the WAN
+    Envoy starts (the hop listeners point at it), the process after."""
 
-    name = "sglang_global"
-
-    def __init__(self, region: str):
+    def __init__(self, name: str, region: str):
         super().__init__()
+        self.name = name
+        self.key = peer_key(name)
         self.region = region
         self.port = harness.free_port()
         self.cmd = ""
@@ -484,10 +495,11 @@ class SglangGlobal(Deployment):
     def start(self, run_dir: Path, geo: Geo, lanes: dict, hop_ports: dict) -> None:
         v = f"dc-{self.region}"
         try:
-            proc, cmd = start_sglang(run_dir, v, self.port, [f"http://127.0.0.1:{lanes[v, r]}" for r in geo.regions])
+            proc, cmd, log = bl.start_peer(self.key, run_dir, v, self.port,
+                                           [f"http://127.0.0.1:{lanes[v, r]}" for r in geo.regions])
             self.procs.append(proc)
             self.cmd = shlex.join(cmd)
-            wait_sglang(proc, self.port, len(geo.regions), run_dir / f"sglang-router-{v}.log")
+            bl.wait_peer(self.key, proc, self.port, len(geo.regions), log)
         except Exception:
             self.stop()
             raise
@@ -512,7 +524,7 @@ def wan_check(results: list[bl.Result], preps: list[bl.Prepared], geo: Geo, name
         low[k] = min(low.get(k, math.inf), r.ttft_ms)
     out = {}
     for (v, reg), ms in sorted(low.items()):
-        if name == "sglang_global" and global_region:
+        if name.endswith("_global") and global_region:
             floor = geo.rtt(v, global_region) + geo.rr[global_region, reg]
         else:
             floor = geo.rtt(v, reg)
@@ -542,7 +554,7 @@ def fmt(x) -> str:
 
 
 def display_name(name: str, global_region: str | None) -> str:
-    return f"sglang global:{global_region}" if name == "sglang_global" else LABEL[name]
+    return f"{LABEL[name]}:{global_region}" if name.endswith("_global") else LABEL[name]
 
 
 def table(summaries: dict[str, dict], geo: Geo, skipped: dict[str, str], global_region: str | None) -> str:
@@ -749,11 +761,9 @@ def update_doc(path: Path, body: str) -> None:
     path.write_text(head + section + ("\n" + rest if rest else ""))
 
 
-def doc_section(result: dict, tbl: str, lines: list[str], plots: list[str]) -> str:
+def geography_text(result: dict) -> str:
     a = result["config"]
-    t = result["trace"]
     g = result["geography"]
-    sg = result.get("sglang_router_version") or "not installed"
     rtt_rows = ["| engine region | " + " | ".join(g["client_regions"]) + " | "
                 + " | ".join(f"{r} (region)" for r in g["regions"]) + " |",
                 "|" + "---|" * (1 + len(g["client_regions"]) + len(g["regions"]))]
@@ -762,12 +772,64 @@ def doc_section(result: dict, tbl: str, lines: list[str], plots: list[str]) -> s
                         + " | ".join(f"{g['region_rtt_ms'][r][o]:g}" for o in g["regions"]) + " |")
     rr_src = ("estimated as the largest difference of two regions' RTTs from one client region (the fleet has "
               "no `region_rtt_ms`)" if g["region_rtt_estimated"] else "from the fleet's `region_rtt_ms`")
-    rat = result["ratios"].get("all")
-    ratio_line = (f"Geo-router TTFT p95 over all clients / the best other router's: **{rat['ratio']:.2f}** "
-                  f"({rat['geo_router_p95_ms']:.0f} vs {rat['best_peer_p95_ms']:.0f} ms, "
-                  f"`{display_name(rat['best_peer'], result.get('global_region'))}`)." if rat else "No ratio: the geo-router or every other router did not run.")
-    plot_md = "\n\n".join(f"![{Path(p).stem}]({p})" for p in plots)
+    return (f"Clients in {len(g['client_regions'])} regions ({', '.join(g['client_regions'])}), one emulated engine "
+            f"per engine region ({', '.join(g['regions'])}). Geography (round trips, ms; region to region {rr_src}; "
+            f"{a['intra_region_rtt_ms']:g} ms within a region):\n\n" + "\n".join(rtt_rows))
+
+
+def routers_text(result: dict) -> str:
+    """What each router under test is and how it is deployed."""
+    versions = result.get("peer_versions", {})
+    return f"""\
+Routers, each on fresh emulators (cold caches): `geo-router` (one Envoy 1.40
+with the plugin per client region, {result.get('plugin_source', '')}, configured
+with region names, clusters, `max_concurrency` and `capacity_rps` = slots x
+1000 / 2000 only: no RTTs, prefill rates or service times, which the probe and
+online tuning find); Envoy `ring_hash` on `x-session-id` and `least_request`
+(one per client region); `mesh` (one Envoy per client region, the service-mesh
+default: Istio's locality failover as Envoy runs it, `envoy/bench/live-mesh.yaml`,
+each engine region a locality at a priority by its round trip from that client
+region, nearest at 0, `LEAST_REQUEST` within a priority, Istio's default
+retry policy, active HTTP health checks on `/health` at Kubernetes
+readiness-probe defaults and outlier detection at Envoy's defaults, so each
+client region's requests go to its nearest healthy engine region); and two
+cache-aware routers, each per client region and as one global instance, the
+WAN listeners of their vantage as `--worker-urls`.
+{bl.peer_text("smg", "smg", versions)} {bl.peer_text("vllm_router", "vllm-router", versions)}
+Per-client-region routers are in their clients' region (no hop before them)."""
+
+
+WAN_TEXT = """\
+WAN: each engine's emulator delays a response's first byte by the round trip
+from the request's `x-client-region` (`--client-delay-ms` per client region and
+per `dc-<region>` pseudo-client); that header is set, overwriting, by a plain
+Envoy ("WAN Envoy", config generated by the benchmark) with one listener per
+(vantage, engine region), so no router under test sets it: every request a
+router sends an engine (inference, a health check, a metrics scrape,
+vllm-router's render) pays the round trip between them. A router deployed in
+one engine region G (`<router> global:G`) is reached by client region c
+through a WAN Envoy listener whose fault filter delays every request by
+RTT(c, G), and reaches the engines as `dc-G`."""
+
+
+def caveats(a: dict, n_clients: int, many_seeds: bool) -> str:
+    return f"""\
+What this does not show. The engines are emulators (prefix cache, FIFO
+admission to a fixed number of slots, prefill and decode as timed sleeps). A
+round trip is charged once, before the first byte; bandwidth, loss and TCP
+setup are not emulated. Compute is time-scaled and round trips are not, so
+distance weighs {1 / a["time_scale"]:g}x more against compute than in the unscaled
+trace. The geo-router's capacity figures are per Envoy (each of the
+{n_clients} claims every region's whole capacity). Everything shares one
+{os.cpu_count()}-core machine; one run per router{" and seed" if many_seeds else ""}: read large gaps, not small
+differences."""
+
+
+def trace_text(result: dict) -> str:
+    a = result["config"]
+    t = result["trace"]
     compute = {n: " ".join(f[2:8]) for n, f in a["engine_flags"].items()}  # past --max-concurrency N
+
     def slots(flags: list[str]) -> str:
         i = flags.index("--max-concurrency") if "--max-concurrency" in flags else -1
         return flags[i + 1] if 0 <= i < len(flags) - 1 else "?"
@@ -775,52 +837,54 @@ def doc_section(result: dict, tbl: str, lines: list[str], plots: list[str]) -> s
     engines = ", ".join(f"{n} {slots(f)} slots" for n, f in a["engine_flags"].items()) + "; " + (
         f"each `{next(iter(compute.values()))}`" if len(set(compute.values())) == 1
         else "; ".join(f"{n} `{c}`" for n, c in compute.items())) + " (scaled), plus the delays above"
+    return f"""\
+Trace: {t["source"]}: {t["requests"]} requests in {t["sessions"]} sessions over
+{t["span_s"]} s of trace time, replayed in {round(t["span_s"] * a["time_scale"], 1)} s per router
+(`--time-scale {a["time_scale"]}`: compute scaled, round trips not); requests per
+client region {json.dumps(t["per_client"])}; prompts of {t["prompt_tokens_mean"]} tokens on
+average, {t["output_tokens_mean"]} output tokens on average. Engines: {engines}."""
+
+
+def ratio_text(result: dict) -> str:
+    rat = result["ratios"].get("all")
+    if not rat:
+        return "No ratio: the geo-router or every other router did not run."
+    return (f"Geo-router TTFT p95 over all clients / the best other router's: **{rat['ratio']:.2f}** "
+            f"({rat['geo_router_p95_ms']:.0f} vs {rat['best_peer_p95_ms']:.0f} ms, "
+            f"`{display_name(rat['best_peer'], result.get('global_region'))}`)."
+            + ("" if rat["geo_router_served_all"] else " The geo-router did not serve every request."))
+
+
+COLUMNS = """\
+Columns: TTFT in ms over the requests served; per engine region: requests
+served there (`x-engine-replica`); `cache hit`: the engines' cached prompt
+tokens over prompt tokens."""
+
+
+def doc_section(result: dict, tbl: str, lines: list[str], plots: list[str]) -> str:
+    a = result["config"]
+    plot_md = "\n\n".join(f"![{Path(p).stem}]({p})" for p in plots)
     return bl.reflow(f"""\
 The several-vantage-point variant of the live benchmark
-(`wasm-tests/bench_live_geo.py`): clients in {len(g['client_regions'])} regions
-({', '.join(g['client_regions'])}), one emulated engine per engine region
-({', '.join(g['regions'])}), each request entering at the router that serves its
-own client region, with a wide-area network emulated the same way for every
-router; TTFT measured at the client. Geography (round trips, ms; region to
-region {rr_src}; {a['intra_region_rtt_ms']:g} ms within a region):
+(`wasm-tests/bench_live_geo.py`): each request entering at the router that
+serves its own client region, with a wide-area network emulated the same way
+for every router; TTFT measured at the client. {geography_text(result)}
 
-{chr(10).join(rtt_rows)}
+{WAN_TEXT}
 
-WAN: each engine's emulator delays a response's first byte by the round trip
-from the request's `x-client-region` (`--client-delay-ms` per client region and
-per `dc-<region>` pseudo-client); that header is set, overwriting, by a plain
-Envoy ("WAN Envoy", config generated by the benchmark) with one listener per
-(vantage, engine region), so no router under test sets it. A router deployed
-in one engine region G (`sglang global:{result.get('global_region')}`) is reached by
-client region c through a WAN Envoy listener whose fault filter delays every
-request by RTT(c, G), and reaches the engines as `dc-G`. Routers, each on fresh
-emulators (cold caches): `geo-router` (one Envoy 1.40 with the plugin per client
-region, {result.get('plugin_source', '')}, configured with region names,
-clusters, `max_concurrency` and `capacity_rps` = slots x 1000 / 2000 only: no
-RTTs, prefill rates or service times, which the probe and online tuning find),
-Envoy `ring_hash` on `x-session-id` and `least_request` (one per client region),
-sglang-router {sg} `--policy cache_aware` per client region and as one global
-instance. Per-client-region routers are in their clients' region (no hop
-before them).
+{routers_text(result)}
 
 Command:
 
     {result["command"]}
 
-Trace: {t["source"]}: {t["requests"]} requests in {t["sessions"]} sessions over
-{t["span_s"]} s of trace time, replayed in {round(t["span_s"] * a["time_scale"], 1)} s per router
-(`--time-scale {a["time_scale"]}`: compute scaled, round trips not); requests per
-client region {json.dumps(t["per_client"])}; prompts of {t["prompt_tokens_mean"]} tokens on
-average, {t["output_tokens_mean"]} output tokens on average. Engines: {engines}.
-Machine: {result["machine"]}; run {result["finished"]}.
+{trace_text(result)} Machine: {result["machine"]}; run {result["finished"]}.
 
 {tbl}
 
-{ratio_line}
+{ratio_text(result)}
 
-Columns: TTFT in ms over the requests served; `{' / '.join(g['regions'])}`:
-requests served per engine region (`x-engine-replica`); `cache hit`: the
-engines' cached prompt tokens over prompt tokens.
+{COLUMNS}
 
 Reading (generated from the numbers above):
 
@@ -828,15 +892,74 @@ Reading (generated from the numbers above):
 
 {plot_md}
 
-What this does not show. The engines are emulators (prefix cache, FIFO
-admission to a fixed number of slots, prefill and decode as timed sleeps). A
-round trip is charged once, before the first byte; bandwidth, loss and TCP
-setup are not emulated. Compute is time-scaled and round trips are not, so
-distance weighs {1 / a["time_scale"]:g}x more against compute than in the unscaled
-trace. The geo-router's capacity figures are per Envoy (each of the
-{len(g['client_regions'])} claims every region's whole capacity). Everything
-shares one {os.cpu_count()}-core machine; one run per router: read large gaps,
-not small differences.
+{caveats(a, len(result["geography"]["client_regions"]), False)}
+""")
+
+
+def seeds_doc_section(combined: dict, plots: list[str]) -> str:
+    """The section for a run over several seeds: each seed's ratio, their
+    geometric mean and spread, then each seed's geography and table."""
+    per_seed = combined["per_seed"]
+    first = per_seed[0]
+    a = first["config"]
+    rows = ["| seed | requests | geo-router TTFT p95 | best other p95 | ratio |", "|---|---|---|---|---|"]
+    for r in per_seed:
+        rat = r["ratios"].get("all")
+        rows.append(f"| {r['seed']} | {r['trace']['requests']} | " + (
+            f"{rat['geo_router_p95_ms']:.0f} | {rat['best_peer_p95_ms']:.0f} "
+            f"(`{display_name(rat['best_peer'], r.get('global_region'))}`) | {rat['ratio']:.2f} |"
+            if rat else "– | – | – |"))
+    sp = combined["summary"].get("p95")
+    over = (f"geometric mean **{sp['geomean']:.2f}** (min {sp['min']:.2f}, max {sp['max']:.2f}, {sp['n']} seeds)"
+            if sp else "no seed had a ratio")
+    # The scenario's geography, once when every seed has the same.
+    def where(r: dict) -> list:
+        return [r["geography"][k] for k in ("client_regions", "regions", "rtt_ms", "region_rtt_ms")]
+
+    one_geo = all(where(r) == where(first) for r in per_seed)
+    seeds_md = []
+    for r in per_seed:
+        warn = bl.notable(r["reading"])
+        seeds_md.append(f"### Seed {r['seed']}\n\n" + ("" if one_geo else f"{geography_text(r)}\n\n")
+                        + f"{trace_text(r)} Run {r['finished']}.\n\n"
+                        f"{r['table']}\n\n{ratio_text(r)}"
+                        + ("\n\n" + "\n".join("- " + l for l in warn) if warn else ""))
+    plot_md = "\n\n".join(f"![{Path(p).stem}]({p})" for p in plots)
+    return bl.reflow(f"""\
+The several-vantage-point variant of the live benchmark
+(`wasm-tests/bench_live_geo.py`): each request entering at the router that
+serves its own client region, with a wide-area network emulated the same way
+for every router; TTFT measured at the client; once per seed, every router
+on fresh emulators.{(" " + geography_text(first)) if one_geo else ""}
+
+{WAN_TEXT}
+
+{routers_text(first)}
+
+Command:
+
+    {combined["command"]}
+
+Seeds {", ".join(str(r["seed"]) for r in per_seed)} of scenario `{combined["scenario"]}` (held out: the plugin's
+defaults were chosen on seeds 1-2), each seed's own fleet and trace. Machine:
+{combined["machine"]}; finished {combined["finished"]}.
+
+Geo-router TTFT p95 over all clients / the best other router's on that seed
+(among the routers that served every request; lower is better):
+
+{chr(10).join(rows)}
+
+Over the seeds: {over}.
+
+{COLUMNS}
+
+{(chr(10) * 2).join(seeds_md)}
+
+{"TTFT CDFs of seed " + str(first["seed"]) + ":" if plots else ""}
+
+{plot_md}
+
+{caveats(a, len(first["geography"]["client_regions"]), True)}
 """)
 
 
@@ -850,6 +973,9 @@ def main() -> int:
     ap.add_argument("--trace-label", help="how the docs name --trace/--fleet")
     ap.add_argument("--scenario", default="e", help="scenario to generate without --fleet/--trace (default e)")
     ap.add_argument("--seed", type=int, default=1, help="seed of the generated scenario")
+    ap.add_argument("--seeds", type=int, nargs="+",
+                    help="run every router on each of these seeds' scenarios (instead of --seed) and report each "
+                         "seed's ratio, their geometric mean and spread (held-out seeds: 3 and up)")
     ap.add_argument("--window-s", type=float, default=150.0, help="replay the first this many seconds of trace time")
     ap.add_argument("--max-requests", type=int, default=None, help="replay at most this many requests")
     ap.add_argument("--time-scale", type=float, default=0.5,
@@ -857,7 +983,8 @@ def main() -> int:
     ap.add_argument("--intra-region-rtt-ms", type=float, default=1.0,
                     help="round trip between a router and an engine in the same region")
     ap.add_argument("--global-region", default="auto",
-                    help="engine region of sglang_global (auto: the lowest demand-weighted RTT)")
+                    help="engine region of the global peers, smg_global and vllm_router_global (auto: the "
+                         "lowest demand-weighted RTT of each seed's trace)")
     ap.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated subset of {','.join(ROUTERS)}")
     ap.add_argument("--envoy-concurrency", type=int, default=1, help="worker threads of each router Envoy")
     ap.add_argument("--plugin-config", type=json.loads, default={},
@@ -877,8 +1004,66 @@ def main() -> int:
     bad = [r for r in routers if r not in ROUTERS]
     if bad or args.time_scale <= 0:
         ap.error(f"unknown router(s) {bad}" if bad else "--time-scale must be > 0")
+    if args.seeds and (args.fleet or args.trace):
+        ap.error("--seeds generates each seed's scenario: leave out --fleet and --trace")
 
     runs_root = harness.fresh_run_dir("bench-live-geo")
+    versions = bl.peer_versions()
+    command = args.command_label or shlex.join([".venv/bin/python", "wasm-tests/bench_live_geo.py", *sys.argv[1:]])
+    runs = []
+    for seed in args.seeds or [args.seed]:
+        out = runs_root / f"seed-{seed}" if args.seeds else runs_root
+        out.mkdir(exist_ok=True)
+        if args.seeds:
+            print(f"bench-live-geo: seed {seed} ({args.seeds.index(seed) + 1} of {len(args.seeds)})", file=sys.stderr)
+        run = run_once(argparse.Namespace(**{**vars(args), "seed": seed}), list(routers), versions, out)
+        if run is None:
+            return 2
+        run[0]["command"] = command
+        if args.seeds:
+            run[0]["seed"] = seed
+        runs.append(run)
+
+    plots: list[str] = []
+    if args.plots_dir:
+        # The first seed's CDFs: one set of plots whatever the seeds.
+        result, per_router, preps, geo = runs[0]
+        paths = write_plots(args.plots_dir, per_router, preps, geo, result["global_region"])
+        print(f"bench-live-geo: wrote {len(paths)} plots into {args.plots_dir}", file=sys.stderr)
+        if args.doc:
+            plots = [os.path.relpath(p, args.doc.resolve().parent) for p in (q.resolve() for q in paths)]
+
+    results = [r for r, *_ in runs]
+    if not args.seeds:
+        out_json = results[0]
+        body = doc_section(results[0], results[0]["table"], results[0]["reading"], plots)
+    else:
+        summary = {"p95": bl.spread({r["seed"]: r["ratios"]["all"]["ratio"] for r in results
+                                      if "all" in r["ratios"]})}
+        out_json = {"command": command, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                    "machine": results[0]["machine"], "scenario": args.scenario, "seeds": args.seeds,
+                    "peer_versions": versions, "summary": summary, "per_seed": results}
+        body = seeds_doc_section(out_json, plots)
+        sp = summary["p95"]
+        if sp:
+            print(f"bench-live-geo: geo-router / best other router, TTFT p95 over all clients, per seed "
+                  f"{json.dumps(sp['per_seed'])}: geomean {sp['geomean']:.3f} (min {sp['min']:.3f}, "
+                  f"max {sp['max']:.3f})")
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(out_json, indent=2) + "\n")
+        print(f"bench-live-geo: wrote {args.json_out}", file=sys.stderr)
+    if args.doc:
+        update_doc(args.doc, body)
+        print(f"bench-live-geo: updated the '{SECTION}' section of {args.doc}", file=sys.stderr)
+    return 0
+
+
+def run_once(args, routers: list[str], versions: dict, runs_root: Path):
+    """Every router in `routers` on one scenario (`args.seed`, or --fleet
+    and --trace), each on fresh engines and a fresh WAN; (result, the
+    per-request results per router, the prepared requests, the geography),
+    or None when the trace cannot be replayed."""
     fleet_path, trace_path, source = obtain_scenario(args, runs_root / "scenario")
     geo = Geo(json.loads(fleet_path.read_text()), args.intra_region_rtt_ms)
     if geo.region_rtt_estimated:
@@ -894,7 +1079,7 @@ def main() -> int:
     if not trace or unknown:
         print(f"bench-live-geo: {'the trace is empty' if not trace else f'unknown client regions {unknown}'}",
               file=sys.stderr)
-        return 2
+        return None
     (runs_root / "trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trace))
     info = bl.trace_info(trace)
     info["per_client"] = {c: sum(1 for r in trace if r["client_region"] == c) for c in geo.clients}
@@ -906,17 +1091,17 @@ def main() -> int:
     elif args.global_region in geo.regions:
         global_region = args.global_region
     else:
-        ap.error(f"--global-region {args.global_region!r} is not one of {geo.regions}")
+        raise SystemExit(f"bench-live-geo: --global-region {args.global_region!r} is not one of {geo.regions}")
     weighted = {r: round(geo.weighted_rtt(r, info["per_client"]), 1) for r in geo.regions}
-    print(f"bench-live-geo: demand-weighted RTT per region {weighted}; sglang_global in {global_region}",
+    print(f"bench-live-geo: demand-weighted RTT per region {weighted}; global peers in {global_region}",
           file=sys.stderr)
 
     skipped: dict[str, str] = {}
-    sg_version = bl.sglang_router_version() if any(r.startswith("sglang") for r in routers) else None
-    if sg_version is None:
-        for r in [r for r in routers if r.startswith("sglang")]:
-            skipped[r] = "sglang-router is not installed in .venv (`.venv/bin/pip install sglang-router==0.3.2`)"
-            routers.remove(r)
+    for name in [r for r in routers if peer_key(r) in bl.PEERS]:
+        why = bl.peer_not_installed(peer_key(name), versions)
+        if why:
+            skipped[name] = why
+            routers.remove(name)
 
     per_router: dict[str, list[bl.Result]] = {}
     summaries: dict[str, dict] = {}
@@ -931,24 +1116,24 @@ def main() -> int:
         try:
             hops: list[dict] = []
             vantages = list(vantages_base)
-            if name == "sglang_global":
-                dep = SglangGlobal(global_region)
+            if name.endswith("_global"):
+                dep = PeerGlobal(name, global_region)
                 hops = dep.hops(geo)
                 vantages.append(f"dc-{global_region}")
             wan, lanes, hop_ports = start_wan(run_dir, engines, vantages, hops)
             try:
                 if name == "geo_router":
                     dep = GeoRouter(run_dir, geo, lanes, args.envoy_concurrency, args.plugin_config)
-                elif name in ("ring_hash", "least_request"):
+                elif name in ("ring_hash", "least_request", "mesh"):
                     dep = EnvoyLb(name, run_dir, geo, lanes, args.envoy_concurrency)
-                elif name == "sglang_per_region":
-                    dep = SglangPerRegion(run_dir, geo, lanes)
+                elif name.endswith("_per_region"):
+                    dep = PeerPerRegion(name, run_dir, geo, lanes)
                 else:
                     dep.start(run_dir, geo, lanes, hop_ports)
             except Exception as e:  # noqa: BLE001
-                if not name.startswith("sglang"):
+                if peer_key(name) not in bl.PEERS:
                     raise
-                skipped[name] = f"sglang-router did not start: {e}"
+                skipped[name] = f"{bl.PEERS[peer_key(name)].dist} did not start: {e}"
                 print(f"bench-live-geo: {skipped[name]}", file=sys.stderr)
                 continue
             entry = dict(dep.entry)
@@ -979,7 +1164,7 @@ def main() -> int:
                 "".join(json.dumps({**r.__dict__, "client_region": preps[r.idx].client_region}) + "\n" for r in res))
             per_router[name] = res
             summaries[name] = summarize_router(name, res, preps, geo, estats, extra,
-                                               global_region if name == "sglang_global" else None)
+                                               global_region if name.endswith("_global") else None)
             errs = sum(1 for r in res if r.error)
             print(f"bench-live-geo: {name}: {len(res)} requests in {took:.1f} s, {errs} errors", file=sys.stderr)
         finally:
@@ -996,16 +1181,7 @@ def main() -> int:
     print(tbl)
     print("\n".join("- " + l for l in lines))
 
-    plots: list[str] = []
-    if args.plots_dir:
-        paths = write_plots(args.plots_dir, per_router, preps, geo, global_region)
-        print(f"bench-live-geo: wrote {len(paths)} plots into {args.plots_dir}", file=sys.stderr)
-        if args.doc:
-            plots = [os.path.relpath(p, args.doc.resolve().parent) for p in (q.resolve() for q in paths)]
-
-    command = args.command_label or shlex.join([".venv/bin/python", "wasm-tests/bench_live_geo.py", *sys.argv[1:]])
     result = {
-        "command": command,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
         "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -1018,21 +1194,15 @@ def main() -> int:
         "trace": {"source": source, **info},
         "global_region": global_region,
         "plugin_source": bl.plugin_source(),
-        "sglang_router_version": sg_version,
+        "peer_versions": versions,
         "skipped": skipped,
         "routers": summaries,
         "ratios": rat,
+        "table": tbl,
         "reading": lines,
         "runs_dir": str(runs_root),
     }
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"bench-live-geo: wrote {args.json_out}", file=sys.stderr)
-    if args.doc:
-        update_doc(args.doc, doc_section(result, tbl, lines, plots))
-        print(f"bench-live-geo: updated the '{SECTION}' section of {args.doc}", file=sys.stderr)
-    return 0
+    return result, per_router, preps, geo
 
 
 def start_flags(geo: Geo, region: str, time_scale: float) -> list[str]:

@@ -81,6 +81,8 @@ const X_RELEASE_DIGEST: HeaderName = HeaderName::from_static("x-release-digest")
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Route {
     Chat,
+    /// `/v1/chat/completions/render`: the prompt's token ids, no inference.
+    ChatRender,
     Completions,
     Responses,
     /// `/v1/responses/{response_id}`.
@@ -98,10 +100,11 @@ enum Route {
 }
 
 impl Route {
-    const ALL: [Route; 13] = [
+    const ALL: [Route; 14] = [
         Route::Health,
         Route::Metrics,
         Route::Chat,
+        Route::ChatRender,
         Route::Completions,
         Route::Responses,
         Route::ResponseItem,
@@ -141,6 +144,7 @@ impl Route {
     fn path(self) -> &'static str {
         match self {
             Route::Chat => "/v1/chat/completions",
+            Route::ChatRender => "/v1/chat/completions/render",
             Route::Completions => "/v1/completions",
             Route::Responses => "/v1/responses",
             Route::ResponseItem => "/v1/responses/{response_id}",
@@ -159,6 +163,7 @@ impl Route {
     fn methods(self) -> &'static [&'static str] {
         match self {
             Route::Chat
+            | Route::ChatRender
             | Route::Completions
             | Route::Responses
             | Route::ResponseCancel
@@ -594,6 +599,7 @@ async fn dispatch(
     }
     match route {
         Route::Chat => inference(shared, Kind::Chat, body, echo).await,
+        Route::ChatRender => render_chat(shared, method, path, body, echo),
         Route::Completions => inference(shared, Kind::Completion, body, echo).await,
         Route::Responses => create_response(shared, body, echo).await,
         Route::ResponseItem => retrieve_response(shared, Route::response_id(path), echo),
@@ -626,6 +632,35 @@ async fn dispatch(
         }
         Route::NotFound => error_reply(404, "not found", INVALID, echo),
     }
+}
+
+/// vLLM's `POST /v1/chat/completions/render` (its token-in/token-out
+/// API): the chat template applied and tokenized, answered as the
+/// `GenerateRequest` that `/inference/v1/generate` would take, with the
+/// same ids the engine would prefill for that body. Routers that match
+/// prefixes on token ids call it on every worker before they choose one
+/// (vllm-router's `cache_aware`). SGLang has no such route.
+fn render_chat(shared: &Shared, method: &Method, path: &str, body: &[u8], echo: &Echo) -> Reply {
+    let cfg = &shared.config;
+    if cfg.mode == Mode::Sglang {
+        return error_reply(404, &format!("no route for {method} {path}"), INVALID, echo);
+    }
+    let req = match openai::parse_request(Kind::Chat, body) {
+        Ok(r) => r,
+        Err(msg) => return error_reply(400, &msg, INVALID, echo),
+    };
+    if let Some(msg) = openai::context_error(&req, cfg.max_model_len, cfg.mode) {
+        return json_reply(400, openai::context_error_body(&msg, cfg.mode), echo);
+    }
+    let rendered = json!({
+        "request_id": shared.fresh_hex(),
+        "token_ids": req.prompt,
+        "features": null,
+        "sampling_params": {"max_tokens": req.max_tokens},
+        "model": cfg.model,
+        "stream": req.stream,
+    });
+    json_reply(200, rendered.to_string(), echo)
 }
 
 fn health(shared: &Shared, echo: &Echo) -> Reply {

@@ -622,6 +622,62 @@ fn sglang_mode_and_network_delay() {
     assert!(t.elapsed() < Duration::from_millis(150));
 }
 
+#[test]
+fn chat_render_gives_the_ids_the_engine_prefills() {
+    // vLLM's render route, as vllm-router's cache_aware calls it on every
+    // worker before it picks one: the very ids a chat of the same body would
+    // prefill (so prefix matching on them lines up with the engine's cache),
+    // one network delay away, and no inference (nothing cached, no slot).
+    let emu = Emulator::start(&[
+        "--network-delay-ms",
+        "60",
+        "--model",
+        "m1",
+        "--max-model-len",
+        "64",
+    ]);
+    let mut c = emu.connect();
+    let body = json!({"model": "m1", "max_tokens": 7, "stream": true,
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]});
+    let t = Instant::now();
+    let r = c.post_json("/v1/chat/completions/render", &body);
+    assert!(t.elapsed() >= Duration::from_millis(60));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let ids: Vec<u32> = serde_json::from_value(v["token_ids"].clone()).unwrap();
+    assert_eq!(ids, chat_ids(body["messages"].clone()));
+    assert_eq!(v["model"], "m1");
+    assert_eq!(v["sampling_params"]["max_tokens"], 7);
+    assert_eq!(v["stream"], true);
+    let id = v["request_id"].as_str().unwrap();
+    assert!(
+        id.len() == 32 && id.chars().all(|c| c.is_ascii_hexdigit()),
+        "{id}"
+    );
+    let stats = c.request("GET", "/admin/stats", &[], b"").json();
+    assert_eq!(stats["requests"]["/v1/chat/completions/render"], 1);
+    assert_eq!(stats["requests"]["/v1/chat/completions"], 0);
+    assert_eq!(stats["cache_query_tokens"], 0);
+    // Past the context limit: vLLM's 400, as the chat itself would get.
+    let long = "many different words here ".repeat(20);
+    let r = c.post_json("/v1/chat/completions/render", &chat(&long, json!({})));
+    assert_eq!(r.status, 400);
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("maximum context length is 64"));
+    assert_eq!(
+        c.request("GET", "/v1/chat/completions/render", &[], b"")
+            .status,
+        405
+    );
+
+    // SGLang has no render route: a router asking it gets a 404.
+    let sg = Emulator::start(&["--mode", "sglang"]);
+    let r = sg.connect().post_json("/v1/chat/completions/render", &body);
+    assert_eq!(r.status, 404);
+}
+
 /// Reads an SSE body's `data:` events (JSON ones only).
 fn sse_events(text: &str) -> Vec<Value> {
     text.lines()
