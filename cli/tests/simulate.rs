@@ -618,3 +618,54 @@ fn replicas_and_load_sources() {
         "{help}"
     );
 }
+
+/// The simulator's geo-router learns from the answers as the plugin in
+/// Envoy does: on long multi-turn conversations (scenario a), later turns
+/// go where their prefix is (`cache`) and most prompt tokens are cached.
+/// A host that stops telling the router the answer came from an engine
+/// (Envoy's `response.code_details`) leaves the directory empty: seen
+/// failing then (no `cache` decision in 400 requests).
+#[test]
+fn the_geo_router_learns_where_conversations_are() {
+    let dir = scratch("learns");
+    ok(&[
+        "generate",
+        "--scenario",
+        "a",
+        "--seed",
+        "1",
+        "--out",
+        s(&dir),
+    ]);
+    let trace = dir.join("trace.jsonl");
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let head: Vec<&str> = text.lines().take(400).collect();
+    let short = dir.join("short.jsonl");
+    std::fs::write(&short, head.join("\n") + "\n").unwrap();
+    let out: Value = serde_json::from_str(&ok(&[
+        "simulate",
+        "--fleet",
+        s(&dir.join("fleet.json")),
+        "--trace",
+        s(&short),
+        "--policy",
+        "geo-router",
+        "--deployment",
+        "per-client-region",
+        "--json",
+    ]))
+    .unwrap();
+    let geo = &out["policies"]["geo-router"];
+    let cache = geo["reasons"]["cache"].as_u64().unwrap_or(0);
+    let requests = geo["requests"].as_u64().unwrap();
+    assert!(
+        cache * 2 > requests,
+        "{cache} of {requests}: {}",
+        geo["reasons"]
+    );
+    assert!(
+        geo["cache_hit_token_ratio"].as_f64().unwrap() > 0.5,
+        "{}",
+        geo["cache_hit_token_ratio"]
+    );
+}

@@ -16,7 +16,7 @@ use llm_geo_router::effects::{Answer, Recorder};
 use llm_geo_router::guard::{Guard, GuardStream};
 use llm_geo_router::outcome;
 use llm_geo_router::probe::Probe;
-use llm_geo_router::protocol::RESPONSE_FLAGS_PROPERTY;
+use llm_geo_router::protocol::{CODE_DETAILS_PROPERTY, RESPONSE_FLAGS_PROPERTY};
 use llm_geo_router::router::{RouterShared, RouterStream};
 use llm_geo_router::stream::Flow;
 use llm_geo_router::view::View;
@@ -380,8 +380,13 @@ impl Envoy {
         let host = &mut self.host;
         host.now_ms = now_ms;
         if let Some(s) = self.streams.get_mut(&id) {
-            // Its response headers came first, with 200.
+            // Its response headers came first, with 200, from the engine
+            // (as Envoy says of an upstream's answer).
             host.status = Some(200);
+            host.properties.insert(
+                CODE_DETAILS_PROPERTY.join("."),
+                outcome::VIA_UPSTREAM.as_bytes().to_vec(),
+            );
             s.on_response_headers(&self.router, host);
             s.on_first_byte(&self.router, host);
         }
