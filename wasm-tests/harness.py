@@ -239,7 +239,13 @@ def start_llama(name: str, run_dir: Path, ctx: int = 16384, parallel: int = 4, p
     port = port or free_port()
     log_path = run_dir / f"llama-{name}.log"
     args = [str(binary), "-m", str(model), "--alias", LLAMA_MODEL, "--host", "127.0.0.1", "--port", str(port),
-            "--metrics", "-c", str(ctx), "--parallel", str(parallel), "--threads", "1"]
+            "--metrics", "-c", str(ctx), "--parallel", str(parallel), "--threads", "1",
+            # HTTP threads to spare beyond the slots (its default is
+            # max(parallel + 2, cores - 1)): with more requests held open
+            # than that, /health and /metrics wait in its accept queue, and
+            # a probe or a test reading a saturated engine times out
+            # (CI: a test's /metrics read with 8 requests held, 6 threads).
+            "--threads-http", str(parallel + 16)]
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=open(log_path, "w"), cwd=run_dir)
     try:
