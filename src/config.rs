@@ -47,6 +47,10 @@ impl fmt::Display for ConfigError {
 pub struct Config {
     /// The complete replicas this proxy routes to, in any order.
     pub regions: Vec<Region>,
+    /// One line per removed field the configuration still sets (see
+    /// [`REMOVED_FIELDS`]): accepted, ignored, and logged once per Envoy.
+    #[serde(skip)]
+    pub warnings: Vec<String>,
     /// Region for requests the router does not understand (other paths,
     /// methods, non-JSON bodies). Default: the region with the lowest
     /// configured `rtt_ms`.
@@ -347,8 +351,6 @@ impl Default for DirectoryConfig {
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct CostConfig {
-    /// Weight of the network round trip.
-    pub w_rtt: f64,
     /// Weight of the expected queueing wait.
     pub w_queue: f64,
     /// Regions whose costs are within this many milliseconds of the best are
@@ -394,7 +396,6 @@ const SPREAD_SHARE: f64 = 0.25;
 impl Default for CostConfig {
     fn default() -> Self {
         CostConfig {
-            w_rtt: 1.0,
             w_queue: 1.0,
             tie_ms: 2.0,
             bounded_load_epsilon: 0.5,
@@ -902,7 +903,89 @@ impl Default for TierConfig {
     }
 }
 
+/// Fields an earlier release took and this one does not: `(section, field,
+/// what replaced it)`. A configuration that still sets one is accepted, the
+/// field ignored, with one warning naming the replacement (for one release;
+/// then they are unknown fields, refused).
+pub const REMOVED_FIELDS: &[(&str, &str, &str)] = &[
+    (
+        "cost",
+        "w_rtt",
+        "nothing: the round trip enters the cost as the probe measures it, in ms \
+         (docs/ROUTING.md, \"What each rule is worth\")",
+    ),
+    (
+        "tuning",
+        "w_rtt_min",
+        "nothing: the round trip is not weighted, so there is no weight to bound",
+    ),
+    (
+        "tuning",
+        "w_rtt_max",
+        "nothing: the round trip is not weighted, so there is no weight to bound",
+    ),
+    (
+        "probe",
+        "rtt_alpha",
+        "probe.rtt_window: a region's round trip is the least of its last rtt_window \
+         health round trips, not an average",
+    ),
+];
+
+/// The configuration without the removed fields it sets, and a warning for
+/// each; `None` when it sets none (or is not a JSON object: the parse then
+/// says what is wrong).
+fn strip_removed(bytes: &[u8]) -> Option<(serde_json::Value, Vec<String>)> {
+    // Cheap test first: most configurations name no removed field.
+    let text = std::str::from_utf8(bytes).ok()?;
+    if !REMOVED_FIELDS.iter().any(|(_, f, _)| text.contains(f)) {
+        return None;
+    }
+    let mut value: serde_json::Value = serde_json::from_slice(bytes).ok()?;
+    let mut warnings = Vec::new();
+    for (section, field, instead) in REMOVED_FIELDS {
+        let removed = value
+            .get_mut(*section)
+            .and_then(serde_json::Value::as_object_mut)
+            .and_then(|o| o.remove(*field));
+        if removed.is_some() {
+            warnings.push(format!(
+                "{section}.{field} is no longer a setting and is ignored; replaced by {instead}. \
+                 Remove it: the next release refuses it"
+            ));
+        }
+    }
+    (!warnings.is_empty()).then_some((value, warnings))
+}
+
+/// The shared-data key that records `warning` as logged.
+fn warned_key(warning: &str) -> String {
+    format!(
+        "llm_geo_router.config_warned.{:016x}",
+        xxhash_rust::xxh3::xxh3_64(warning.as_bytes())
+    )
+}
+
 impl Config {
+    /// The warnings of [`Config::warnings`] not yet logged by this Envoy
+    /// (any of its plugins and workers), marked logged in `store`.
+    pub fn unlogged_warnings(&self, store: &mut dyn crate::store::SharedStore) -> Vec<&str> {
+        self.warnings
+            .iter()
+            .filter(|w| {
+                let key = warned_key(w);
+                match store.get(&key) {
+                    Ok(Some(_)) => false,
+                    _ => {
+                        let _ = store.set(&key, b"1", None);
+                        true
+                    }
+                }
+            })
+            .map(String::as_str)
+            .collect()
+    }
+
     /// Parse and validate; the error names the field and the reason.
     pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         if bytes.iter().all(|b| b.is_ascii_whitespace()) {
@@ -911,12 +994,17 @@ impl Config {
                 "is empty; a JSON object with at least `regions` is required",
             ));
         }
-        let config: Config = serde_json::from_slice(bytes).map_err(|e| {
+        let invalid = |e: serde_json::Error| {
             ConfigError::new(
                 "configuration",
                 format!("is not valid for this plugin: {e}"),
             )
-        })?;
+        };
+        let (mut config, warnings): (Config, _) = match strip_removed(bytes) {
+            Some((value, warnings)) => (serde_json::from_value(value).map_err(invalid)?, warnings),
+            None => (serde_json::from_slice(bytes).map_err(invalid)?, Vec::new()),
+        };
+        config.warnings = warnings;
         config.validate()?;
         Ok(config)
     }
@@ -1076,7 +1164,6 @@ impl Config {
         if self.directory.ttl_s == 0 {
             return Err(ConfigError::new("directory.ttl_s", "must be at least 1"));
         }
-        non_negative("cost.w_rtt", self.cost.w_rtt)?;
         positive("cost.w_queue", self.cost.w_queue)?;
         non_negative("cost.tie_ms", self.cost.tie_ms)?;
         non_negative("cost.bounded_load_epsilon", self.cost.bounded_load_epsilon)?;
@@ -1690,6 +1777,49 @@ fn fraction(field: &str, v: f64) -> Result<(), ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_removed_field_is_ignored_with_one_warning_per_envoy() {
+        let json = |cost: &str| {
+            format!(
+                r#"{{"regions":[{{"name":"a","cluster":"a","capacity_rps":1}}],"cost":{cost}}}"#
+            )
+        };
+        let c = Config::parse(json(r#"{"w_rtt":1.5,"tie_ms":3}"#).as_bytes()).unwrap();
+        assert_eq!(c.cost.tie_ms, 3.0);
+        assert_eq!(c.warnings.len(), 1);
+        assert!(c.warnings[0].starts_with("cost.w_rtt is no longer a setting"));
+        let mut store = crate::store::MemoryStore::default();
+        assert_eq!(c.unlogged_warnings(&mut store).len(), 1);
+        assert!(c.unlogged_warnings(&mut store).is_empty(), "logged once");
+        // Each section's removed fields, each said.
+        let c = Config::parse(
+            br#"{"regions":[{"name":"a","cluster":"a","capacity_rps":1}],
+                "tuning":{"w_rtt_min":0.5,"w_rtt_max":2,"w_queue_max":3},"probe":{"rtt_alpha":0.3}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.tuning.w_queue_max, 3.0);
+        assert_eq!(c.warnings.len(), 3, "{:?}", c.warnings);
+        assert!(
+            c.warnings[2].contains("probe.rtt_window"),
+            "{:?}",
+            c.warnings
+        );
+        // None set: no warning; a wrong field next to a removed one is
+        // still refused.
+        assert!(Config::parse(json(r#"{"tie_ms":3}"#).as_bytes())
+            .unwrap()
+            .warnings
+            .is_empty());
+        let e = Config::parse(json(r#"{"w_rtt":0.5,"tie_msx":3}"#).as_bytes()).unwrap_err();
+        assert!(e.to_string().contains("tie_msx"), "{e}");
+        // The name in another section is not the removed field.
+        let e = Config::parse(
+            br#"{"regions":[{"name":"a","cluster":"a","capacity_rps":1}],"probe":{"w_rtt":1}}"#,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("w_rtt"), "{e}");
+    }
 
     const MINIMAL: &str = r#"{"regions":[{"name":"near","cluster":"c_near","capacity_rps":10,"rtt_ms":5},
         {"name":"far","cluster":"c_far","capacity_rps":10,"rtt_ms":120}]}"#;

@@ -1,7 +1,7 @@
 //! The routing decision: one expected time-to-first-token per region, in
 //! milliseconds, and the region that minimises it.
 //!
-//! `ttft(r) = w_rtt·rtt(r) + prefill_ms_per_token(r)·uncached_tokens(r) + w_queue·queue_ms(r)`
+//! `ttft(r) = rtt(r) + prefill_ms_per_token(r)·uncached_tokens(r) + w_queue·queue_ms(r)`
 //!
 //! * `rtt(r)`: the least of the probe's recent health round trips, else the
 //!   configured `rtt_ms`.
@@ -102,7 +102,14 @@ impl Reason {
 pub struct Cost {
     pub rtt_ms: f64,
     pub prefill_ms: f64,
+    /// The queue term: the request's own expected wait for a slot, weighted
+    /// (`w_queue × wait_ms`), plus `load_ms`.
     pub queue_ms: f64,
+    /// Of `queue_ms`, the congestion price: the delay this request adds to
+    /// the ones behind it at the region's utilisation ρ (`w_queue × wait_ms
+    /// × ρ / (1 − ρ)`, ρ capped at `cost.congestion_cap`); 0 where a region
+    /// holds the prompt.
+    pub load_ms: f64,
     /// The expected wait itself (unweighted, without congestion pricing):
     /// what the tuner compares with observed TTFT.
     pub wait_ms: f64,
@@ -199,16 +206,23 @@ pub struct Inputs<'a> {
 /// The tunable weights of the cost.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Weights {
-    pub w_rtt: f64,
     pub w_queue: f64,
 }
 
 impl Weights {
     pub fn configured(cfg: &Config) -> Self {
         Weights {
-            w_rtt: cfg.cost.w_rtt,
             w_queue: cfg.cost.w_queue,
         }
+    }
+
+    /// The weights the snapshot carries (tuned by the probe), else the
+    /// configured ones.
+    pub fn in_force(cfg: &Config, snapshot: Option<&Snapshot>) -> Self {
+        snapshot.and_then(|s| s.weights).map_or_else(
+            || Weights::configured(cfg),
+            |w| Weights { w_queue: w.w_queue },
+        )
     }
 }
 
@@ -302,6 +316,7 @@ pub fn decide(inp: &Inputs) -> Decision {
         // does not see: the prompt's own expected wait decides.
         for c in costs.iter_mut() {
             c.queue_ms = inp.weights.w_queue * c.wait_ms;
+            c.load_ms = 0.0;
             c.total_ms = c.rtt_ms + c.prefill_ms + c.queue_ms;
         }
     }
@@ -464,7 +479,7 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
             let cached_tokens =
                 ((f64::from(cached_blocks) * block_bytes * tpb).floor() as u64).min(prompt_tokens);
             let uncached = prompt_tokens - cached_tokens;
-            let rtt_ms = w.w_rtt * rtt;
+            let rtt_ms = rtt;
             let prefill_ms = prefill_rate * uncached as f64;
             let wait = queue_ms(occupancy, slots, region.service_ms);
             // Congestion pricing: a request added to a busy region also delays
@@ -476,6 +491,7 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
                 rtt_ms,
                 prefill_ms,
                 queue_ms: queue,
+                load_ms: queue - w.w_queue * wait,
                 wait_ms: wait,
                 total_ms: rtt_ms + prefill_ms + queue,
                 prompt_tokens,
@@ -900,6 +916,33 @@ mod tests {
     }
 
     #[test]
+    fn the_terms_add_up_and_the_congestion_price_is_its_own() {
+        let c = cfg();
+        let mut s = snap(&c);
+        s.regions[1].waiting = 10.0;
+        s.regions[1].running = 4.0;
+        let sum = |k: &Cost| k.rtt_ms + k.prefill_ms + (k.queue_ms - k.load_ms) + k.load_ms;
+        // A prompt no region holds: the queued region's queue term is its
+        // weighted wait priced by 1 / (1 − ρ), ρ capped; the price is load_ms.
+        let d = run(&c, Some(&s), [0, 0, 0], [0.0; 3], 1000);
+        let k = d.costs[1];
+        let rho = (k.occupancy / 4.0).min(c.cost.congestion_cap);
+        assert!(k.load_ms > 0.0, "{k:?}");
+        assert!(
+            (k.load_ms - k.wait_ms * rho / (1.0 - rho)).abs() < 1e-9,
+            "{k:?}"
+        );
+        assert!((k.queue_ms - k.load_ms - k.wait_ms).abs() < 1e-9, "{k:?}");
+        for k in &d.costs {
+            assert!((sum(k) - k.total_ms).abs() < 1e-9, "{k:?}");
+        }
+        // A prompt a region holds: the own wait decides, no price.
+        let d = run(&c, Some(&s), [0, 62, 0], [0.0; 3], 1000);
+        assert!(d.costs.iter().all(|k| k.load_ms == 0.0), "{:?}", d.costs);
+        assert!(d.costs.iter().all(|k| (sum(k) - k.total_ms).abs() < 1e-9));
+    }
+
+    #[test]
     fn own_inflight_since_scrape_counts() {
         // The accounting, not the placement bound, is under test here.
         let mut c = cfg();
@@ -1091,7 +1134,7 @@ mod tests {
         let c = cfg();
         let held = [0, 62, 0];
 
-        // RTT: mid's round trip term is the measured RTT (w_rtt 1); it
+        // RTT: mid's round trip term is the measured RTT; it
         // loses its 461 ms lead between 400 and 470 ms more.
         let extras = [0.0, 10.0, 100.0, 400.0, 470.0, 1000.0];
         let points: Vec<_> = extras

@@ -517,10 +517,7 @@ impl Fleet {
         };
         if cfg.tuning.enabled {
             let configured: Vec<f64> = cfg.regions.iter().map(|r| r.prefill_ms_per_token).collect();
-            if let Some(fit) =
-                self.tuner
-                    .fit(&cfg.tuning, (cfg.cost.w_rtt, cfg.cost.w_queue), &configured)
-            {
+            if let Some(fit) = self.tuner.fit(&cfg.tuning, cfg.cost.w_queue, &configured) {
                 self.fit = Some(fit);
             }
         }
@@ -671,10 +668,7 @@ impl Fleet {
             capacity_rps: capacity,
             level_changed_ms: self.ladder.changed_ms,
             assessment: self.assessment,
-            weights: fit.map(|f| TunedWeights {
-                w_rtt: f.w_rtt,
-                w_queue: f.w_queue,
-            }),
+            weights: fit.map(|f| TunedWeights { w_queue: f.w_queue }),
             regions,
         }
     }

@@ -1202,16 +1202,11 @@ impl Probe {
             Global::LadderCapacityRps,
             snap.capacity_rps.round() as u64,
         );
-        let w = snap
-            .weights
-            .map_or((self.cfg.cost.w_rtt, self.cfg.cost.w_queue), |w| {
-                (w.w_rtt, w.w_queue)
-            });
-        g(host, Global::TuningWRttMilli, (w.0 * 1000.0).round() as u64);
+        let w_queue = snap.weights.map_or(self.cfg.cost.w_queue, |w| w.w_queue);
         g(
             host,
             Global::TuningWQueueMilli,
-            (w.1 * 1000.0).round() as u64,
+            (w_queue * 1000.0).round() as u64,
         );
         // The snapshot lists the configured regions in order.
         for (ci, r) in snap.regions.iter().enumerate() {

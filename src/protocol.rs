@@ -86,7 +86,6 @@ pub enum Global {
     ProbeSnapshotVersion,
     ProbeTickMs,
     TuningObservations,
-    TuningWRttMilli,
     TuningWQueueMilli,
     UsageReports,
     RouterUsageMissing,
@@ -106,7 +105,7 @@ pub enum Global {
 }
 
 impl Global {
-    pub const ALL: [Global; 39] = [
+    pub const ALL: [Global; 38] = [
         Global::Arrivals,
         Global::GuardLevel,
         Global::GuardInvalidRequest,
@@ -129,7 +128,6 @@ impl Global {
         Global::ProbeSnapshotVersion,
         Global::ProbeTickMs,
         Global::TuningObservations,
-        Global::TuningWRttMilli,
         Global::TuningWQueueMilli,
         Global::UsageReports,
         Global::RouterUsageMissing,
@@ -173,7 +171,6 @@ impl Global {
             Global::ProbeSnapshotVersion => ("probe.snapshot_version", Gauge),
             Global::ProbeTickMs => ("probe.tick_ms", Gauge),
             Global::TuningObservations => ("tuning.observations", Counter),
-            Global::TuningWRttMilli => ("tuning.w_rtt_milli", Gauge),
             Global::TuningWQueueMilli => ("tuning.w_queue_milli", Gauge),
             Global::UsageReports => ("usage.reports", Counter),
             Global::RouterUsageMissing => ("router.usage_missing", Counter),

@@ -273,13 +273,7 @@ impl Router {
         inp: &UnreadInputs,
     ) -> Result<Placed, Refusal> {
         let allowed = residency(cfg, inp.residency)?;
-        let weights = inp.snapshot.and_then(|s| s.weights).map_or_else(
-            || Weights::configured(cfg),
-            |w| Weights {
-                w_rtt: w.w_rtt,
-                w_queue: w.w_queue,
-            },
-        );
+        let weights = Weights::in_force(cfg, inp.snapshot);
         let d = cost::decide(&cost::Inputs {
             config: cfg,
             snapshot: inp.snapshot,
@@ -490,13 +484,7 @@ impl Router {
         // Short prompts have no full block: the session key keeps a
         // conversation's first turns together.
         let first_block = req.prompt.first_block.or(session.map(|s| s.hash));
-        let weights = inp.snapshot.and_then(|s| s.weights).map_or_else(
-            || Weights::configured(cfg),
-            |w| Weights {
-                w_rtt: w.w_rtt,
-                w_queue: w.w_queue,
-            },
-        );
+        let weights = Weights::in_force(cfg, inp.snapshot);
         let fleet_tpb = fleet_tokens_per_byte(cfg, inp, model);
         let prompt_tokens = cost::tokens_of(req.prompt.bytes, fleet_tpb);
         let mut decision = cost::decide(&cost::Inputs {
@@ -872,7 +860,8 @@ impl Routed {
                 ("; ttft_ms=", c.total_ms),
                 ("; rtt_ms=", c.rtt_ms),
                 ("; prefill_ms=", c.prefill_ms),
-                ("; queue_ms=", c.queue_ms),
+                ("; wait_ms=", c.queue_ms - c.load_ms),
+                ("; load_ms=", c.load_ms),
             ] {
                 s.push_str(label);
                 push_one_decimal(&mut s, v);
@@ -908,11 +897,9 @@ impl Routed {
     pub fn observation(&self) -> Option<Observation> {
         let d = &self.decision;
         let c = d.costs.get(d.region)?;
-        let w = self.weights;
-        let unweight = |v: f64, weight: f64| if weight > 0.0 { v / weight } else { 0.0 };
         Some(Observation {
             region: u16::try_from(d.region).ok()?,
-            rtt_ms: unweight(c.rtt_ms, w.w_rtt) as f32,
+            rtt_ms: c.rtt_ms as f32,
             queue_ms: c.wait_ms as f32,
             uncached_tokens: u32::try_from(c.prompt_tokens.saturating_sub(c.cached_tokens))
                 .unwrap_or(u32::MAX),
@@ -998,6 +985,18 @@ mod tests {
         let text = second.describe(&c, 0);
         assert!(
             text.starts_with("region=mid; reason=cache; ttft_ms="),
+            "{text}"
+        );
+        // Each term in ms, and they add up to the expected TTFT.
+        let term = |name: &str| -> f64 {
+            text.split("; ")
+                .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no {name} in {text}"))
+        };
+        let terms = ["rtt_ms", "prefill_ms", "wait_ms", "load_ms"].map(term);
+        assert!(
+            (terms.iter().sum::<f64>() - term("ttft_ms")).abs() <= 0.2,
             "{text}"
         );
         inp.residency = Some("mars");

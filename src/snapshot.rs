@@ -33,7 +33,6 @@ pub struct Snapshot {
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct TunedWeights {
-    pub w_rtt: f64,
     pub w_queue: f64,
 }
 

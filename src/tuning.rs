@@ -7,11 +7,14 @@
 //! * per region, the prefill rate (ms per uncached token), by least squares
 //!   on `observed − rtt − queue ≈ rate · uncached_tokens`, shrunk towards the
 //!   configured rate and kept within [¼×, 4×] of it;
-//! * the weights `w_rtt` and `w_queue`, by ridge regression of
-//!   `observed − prefill ≈ w_rtt · rtt + w_queue · queue` towards the
-//!   configured weights, within configured bounds.
+//! * the queue weight `w_queue`, by ridge regression of
+//!   `observed − rtt − prefill ≈ w_queue · queue` towards the configured
+//!   weight, within configured bounds. The round trip is not weighted: it is
+//!   measured in the unit the TTFT is observed in (one round trip is one
+//!   round trip), and A/B in the simulator showed the fitted weight gained
+//!   nothing (docs/ROUTING.md, "What each rule is worth").
 //!
-//! Why a calibration rather than GORGO's (1+1)-ES on p95: the weights are
+//! Why a calibration rather than GORGO's (1+1)-ES on p95: the terms are
 //! physical (a round trip is one round trip), so a model that predicts TTFT
 //! correctly also ranks regions correctly; a regression uses every
 //! observation instead of judging one noisy candidate per window, and it
@@ -88,10 +91,8 @@ pub struct TuningConfig {
     pub window: u32,
     /// Observations needed before anything is fitted.
     pub min_samples: u32,
-    /// Bounds on the tuned weights. `w_queue_min` > 0 is what prevents the
-    /// queue weight from collapsing.
-    pub w_rtt_min: f64,
-    pub w_rtt_max: f64,
+    /// Bounds on the tuned queue weight. `w_queue_min` > 0 is what prevents
+    /// it from collapsing.
     pub w_queue_min: f64,
     pub w_queue_max: f64,
 }
@@ -102,8 +103,6 @@ impl Default for TuningConfig {
             enabled: true,
             window: 512,
             min_samples: 32,
-            w_rtt_min: 0.5,
-            w_rtt_max: 2.0,
             w_queue_min: 0.5,
             w_queue_max: 4.0,
         }
@@ -125,16 +124,12 @@ impl TuningConfig {
                 format!("{} must be within 1..=tuning.window", self.min_samples),
             );
         }
-        for (f, lo, hi) in [
-            ("w_rtt_min", self.w_rtt_min, self.w_rtt_max),
-            ("w_queue_min", self.w_queue_min, self.w_queue_max),
-        ] {
-            if !(lo.is_finite() && hi.is_finite() && lo > 0.0 && hi >= lo) {
-                return e(
-                    f,
-                    format!("[{lo}, {hi}] must be finite with 0 < min <= max"),
-                );
-            }
+        let (lo, hi) = (self.w_queue_min, self.w_queue_max);
+        if !(lo.is_finite() && hi.is_finite() && lo > 0.0 && hi >= lo) {
+            return e(
+                "w_queue_min",
+                format!("[{lo}, {hi}] must be finite with 0 < min <= max"),
+            );
         }
         Ok(())
     }
@@ -151,7 +146,6 @@ pub struct Tuner {
 /// What a fit produced.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Fit {
-    pub w_rtt: f64,
     pub w_queue: f64,
     /// Per region; `None` where there was too little evidence.
     pub prefill_ms_per_token: Vec<Option<f64>>,
@@ -190,15 +184,15 @@ impl Tuner {
         self.window.is_empty()
     }
 
-    /// Fit weights and per-region prefill rates. `configured` gives, per
-    /// region, the configured prefill rate; `prior` the configured weights.
-    /// The two fits depend on each other, so they alternate a few rounds
-    /// (coordinate descent), starting from the prior.
-    pub fn fit(&self, cfg: &TuningConfig, prior: (f64, f64), configured: &[f64]) -> Option<Fit> {
+    /// Fit the queue weight and per-region prefill rates. `configured`
+    /// gives, per region, the configured prefill rate; `prior` the
+    /// configured queue weight. The two fits depend on each other, so they
+    /// alternate a few rounds (coordinate descent), starting from the prior.
+    pub fn fit(&self, cfg: &TuningConfig, prior: f64, configured: &[f64]) -> Option<Fit> {
         if self.window.len() < cfg.min_samples as usize {
             return None;
         }
-        let mut weights = prior;
+        let mut w_queue = prior;
         let mut prefill: Vec<Option<f64>> = vec![None; configured.len()];
         for _ in 0..4 {
             prefill = configured
@@ -210,30 +204,30 @@ impl Tuner {
                     // model), shrunk towards its configured rate: better
                     // than the configured guess alone, which a region seldom
                     // chosen would otherwise keep.
-                    self.fit_prefill(Some(r), rate0, weights)
-                        .or_else(|| self.fit_prefill(None, rate0, weights))
+                    self.fit_prefill(Some(r), rate0, w_queue)
+                        .or_else(|| self.fit_prefill(None, rate0, w_queue))
                 })
                 .collect();
-            weights = self.fit_weights(cfg, prior, configured, &prefill)?;
+            w_queue = self.fit_queue_weight(cfg, prior, configured, &prefill)?;
         }
         Some(Fit {
-            w_rtt: weights.0,
-            w_queue: weights.1,
+            w_queue,
             prefill_ms_per_token: prefill,
             samples: self.window.len(),
         })
     }
 
-    /// Ridge regression of `observed − prefill` on (rtt, queue), with the
-    /// prior weights as the ridge centre; the ridge counts as one virtual
-    /// observation per 16 real ones at the typical scale.
-    fn fit_weights(
+    /// Ridge regression of `observed − rtt − prefill` on the predicted
+    /// wait, with the prior weight as the ridge centre; the ridge weighs
+    /// as one virtual observation per 256 real ones (at least 1/16 of one)
+    /// at the typical scale.
+    fn fit_queue_weight(
         &self,
         cfg: &TuningConfig,
-        prior: (f64, f64),
+        prior: f64,
         configured: &[f64],
         prefill: &[Option<f64>],
-    ) -> Option<(f64, f64)> {
+    ) -> Option<f64> {
         let rate = |r: u16| {
             prefill
                 .get(usize::from(r))
@@ -242,47 +236,26 @@ impl Tuner {
                 .or_else(|| configured.get(usize::from(r)).copied())
                 .unwrap_or(0.0)
         };
-        let (mut sxx, mut sxz, mut szz, mut sxy, mut szy) = (0.0, 0.0, 0.0, 0.0, 0.0);
+        let (mut szz, mut szy) = (0.0, 0.0);
         for o in &self.window {
-            let x = f64::from(o.rtt_ms);
             let z = f64::from(o.queue_ms);
-            let y = f64::from(o.observed_ms) - rate(o.region) * f64::from(o.uncached_tokens);
-            sxx += x * x;
-            sxz += x * z;
+            let y = f64::from(o.observed_ms)
+                - f64::from(o.rtt_ms)
+                - rate(o.region) * f64::from(o.uncached_tokens);
             szz += z * z;
-            sxy += x * y;
             szy += z * y;
         }
         let n = self.window.len() as f64;
-        let scale = ((sxx + szz) / n).max(1.0);
+        let scale = (szz / n).max(1.0);
         let lambda = scale * (n / 16.0).max(1.0) / 16.0;
-        let (a0, b0) = prior;
-        // Solve [[sxx+λ, sxz], [sxz, szz+λ]] · [a, b] = [sxy+λa0, szy+λb0].
-        let (m11, m12, m22) = (sxx + lambda, sxz, szz + lambda);
-        let (r1, r2) = (sxy + lambda * a0, szy + lambda * b0);
-        let det = m11 * m22 - m12 * m12;
-        if !det.is_finite() || det.abs() < 1e-12 {
-            return None;
-        }
-        let a = (r1 * m22 - m12 * r2) / det;
-        let b = (m11 * r2 - m12 * r1) / det;
-        if !(a.is_finite() && b.is_finite()) {
-            return None;
-        }
-        Some((
-            a.clamp(cfg.w_rtt_min, cfg.w_rtt_max),
-            b.clamp(cfg.w_queue_min, cfg.w_queue_max),
-        ))
+        let b = (szy + lambda * prior) / (szz + lambda);
+        b.is_finite()
+            .then(|| b.clamp(cfg.w_queue_min, cfg.w_queue_max))
     }
 
     /// The prefill rate `region`'s observations show (every region's with
     /// `None`), shrunk towards `rate0`; `None` below `MIN_REGION_SAMPLES`.
-    fn fit_prefill(
-        &self,
-        region: Option<usize>,
-        rate0: f64,
-        (w_rtt, w_queue): (f64, f64),
-    ) -> Option<f64> {
+    fn fit_prefill(&self, region: Option<usize>, rate0: f64, w_queue: f64) -> Option<f64> {
         let (mut suy, mut suu, mut n) = (0.0, 0.0, 0usize);
         for o in self
             .window
@@ -293,10 +266,9 @@ impl Tuner {
                 continue;
             }
             let u = f64::from(o.uncached_tokens);
-            let y = (f64::from(o.observed_ms)
-                - w_rtt * f64::from(o.rtt_ms)
-                - w_queue * f64::from(o.queue_ms))
-            .max(0.0);
+            let y =
+                (f64::from(o.observed_ms) - f64::from(o.rtt_ms) - w_queue * f64::from(o.queue_ms))
+                    .max(0.0);
             suy += u * y;
             suu += u * u;
             n += 1;
@@ -364,13 +336,12 @@ mod tests {
             let rate = if region == 0 { 0.3 } else { 0.1 };
             t.push(obs(region, rtt, queue, uncached, rate, 2.0));
         }
-        let fit = t.fit(&cfg, (1.0, 1.0), &[0.1, 0.1]).unwrap();
+        let fit = t.fit(&cfg, 1.0, &[0.1, 0.1]).unwrap();
         let r0 = fit.prefill_ms_per_token[0].unwrap();
         let r1 = fit.prefill_ms_per_token[1].unwrap();
         assert!((r0 - 0.3).abs() < 0.05, "{r0}");
         assert!((r1 - 0.1).abs() < 0.02, "{r1}");
         assert!(fit.w_queue > 1.5, "{}", fit.w_queue);
-        assert!((fit.w_rtt - 1.0).abs() < 0.5, "{}", fit.w_rtt);
     }
 
     #[test]
@@ -386,7 +357,7 @@ mod tests {
         for i in 0..3u32 {
             t.push(obs(1, 40.0, 0.0, 2000 + 300 * i, 0.05, 1.0));
         }
-        let fit = t.fit(&cfg, (1.0, 1.0), &[0.1, 0.1, 0.1]).unwrap();
+        let fit = t.fit(&cfg, 1.0, &[0.1, 0.1, 0.1]).unwrap();
         let rate = |r: usize| fit.prefill_ms_per_token[r].unwrap();
         for r in [0, 1, 2] {
             assert!((rate(r) - 0.05).abs() < 0.012, "region {r}: {}", rate(r));
@@ -401,7 +372,7 @@ mod tests {
         for i in 0..200u32 {
             t.push(obs(0, 5.0, 0.0, 500 + i, 0.1, 0.0));
         }
-        let fit = t.fit(&cfg, (1.0, 1.0), &[0.1]).unwrap();
+        let fit = t.fit(&cfg, 1.0, &[0.1]).unwrap();
         assert!(
             (fit.w_queue - 1.0).abs() < 1e-9,
             "no evidence: prior kept, got {}",
@@ -419,9 +390,9 @@ mod tests {
             w_queue_min: 0.0,
             ..cfg.clone()
         };
-        let free = t.fit(&unbounded, (1.0, 1.0), &[0.1]).unwrap().w_queue;
+        let free = t.fit(&unbounded, 1.0, &[0.1]).unwrap().w_queue;
         assert!(free < 0.25, "queueing never hurt: {free}");
-        let fit = t.fit(&cfg, (1.0, 1.0), &[0.1]).unwrap();
+        let fit = t.fit(&cfg, 1.0, &[0.1]).unwrap();
         assert_eq!(fit.w_queue, cfg.w_queue_min);
         // Queueing that costs 0.75 of its estimate, between floor and
         // prior: the fit finds it (measured 0.786), so the floor above is
@@ -433,7 +404,7 @@ mod tests {
             let queue = ((x >> 4) % 300) as f32;
             t.push(obs(0, 5.0, queue, 300 + (x >> 8) % 2000, 0.1, 0.75));
         }
-        let fit = t.fit(&cfg, (1.0, 1.0), &[0.1]).unwrap();
+        let fit = t.fit(&cfg, 1.0, &[0.1]).unwrap();
         assert!((fit.w_queue - 0.75).abs() < 0.1, "{}", fit.w_queue);
     }
 
@@ -448,7 +419,7 @@ mod tests {
         for _ in 0..9 {
             t.push(obs(0, 5.0, 0.0, 500, 0.1, 1.0));
         }
-        assert!(t.fit(&cfg, (1.0, 1.0), &[0.1]).is_none());
+        assert!(t.fit(&cfg, 1.0, &[0.1]).is_none());
         for _ in 0..100 {
             t.push(obs(0, 5.0, 0.0, 500, 0.1, 1.0));
         }

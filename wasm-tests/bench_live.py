@@ -880,7 +880,7 @@ def summarize(results: list[Result], engines: dict[str, dict], slots: dict[str, 
                 "n": len(rs),
                 "ttft_p50_ms": rnd(pct([r.ttft_ms for r in rs if r.ttft_ms is not None], 50)),
                 "cache_hit_token_ratio": round(sum(r.cached for r in rs) / max(1, sum(r.prompt for r in rs)), 3),
-                "predicted_queue_ms_gt0": sum(float(d.get("queue_ms", 0) or 0) > 0
+                "predicted_queue_ms_gt0": sum(float(d.get("wait_ms", 0) or 0) + float(d.get("load_ms", 0) or 0) > 0
                                               for r, d in routed if d.get("reason") == reason),
                 "engine_queued": sum(r.queue_ms >= QUEUED_MS for r in rs),
             } for reason, rs in sorted(by_reason.items())}

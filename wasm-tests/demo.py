@@ -86,7 +86,7 @@ def show(label: str, r: Response) -> Response:
     if "reason" in route:
         terms = (f"reason={route['reason']:<8} ttft {route.get('ttft_ms', '?'):>6} ms = "
                  f"rtt {route.get('rtt_ms', '?')} + prefill {route.get('prefill_ms', '?')} "
-                 f"+ queue {route.get('queue_ms', '?')}")
+                 f"+ wait {route.get('wait_ms', '?')} + load {route.get('load_ms', '?')}")
         if "runner_up" in route:
             terms += f"  (runner-up {route['runner_up']} {route.get('runner_up_ttft_ms', '?')} ms)"
     else:

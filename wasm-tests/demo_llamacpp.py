@@ -36,7 +36,7 @@ def show(label: str, r: Response) -> Response:
     if r.status < 400 and route.get("region"):
         served[route["region"]] = served.get(route["region"], 0) + 1
     terms = (f"reason={route.get('reason', '-'):<8} ttft {route.get('ttft_ms', '?'):>6} ms = rtt {route.get('rtt_ms', '?')} "
-             f"+ prefill {route.get('prefill_ms', '?')} + queue {route.get('queue_ms', '?')}") if route else "no routing decision"
+             f"+ prefill {route.get('prefill_ms', '?')} + wait {route.get('wait_ms', '?')} + load {route.get('load_ms', '?')}") if route else "no routing decision"
     print(f"  {label + f' [envoy {demo.lb.last + 1}]':<44} {r.status}  {route.get('region', '-'):<5} "
           f"cached={cached!s:<5} {terms}", flush=True)
     return r

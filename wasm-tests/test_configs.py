@@ -73,6 +73,32 @@ def test_invalid_plugin_config_is_refused_with_the_field(override, expected, run
     assert "configuration refused" in lines[0]
 
 
+def test_a_removed_field_is_accepted_with_one_warning_naming_its_replacement(run_dir):
+    cfg = harness.render_config(None, harness.free_port(), harness.free_port())
+    plugin = harness.plugin_config(cfg)
+    plugin.setdefault("cost", {}).update({"w_rtt": 1.5, "tie_ms": 3})
+    plugin.setdefault("tuning", {}).update({"w_rtt_min": 0.5})
+    plugin.setdefault("probe", {}).update({"rtt_alpha": 0.3})
+    for p in harness.wasm_plugins(cfg):
+        p["configuration"]["value"] = json.dumps(plugin)
+    path = run_dir / "removed.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    r = harness.validate(path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    # Guard and router both configure (validate mode starts no probe), on
+    # the main thread and each worker: one line per removed field all the
+    # same.
+    for field, instead in [("cost.w_rtt", "the round trip enters the cost as the probe measures it"),
+                           ("tuning.w_rtt_min", "the round trip is not weighted"),
+                           ("probe.rtt_alpha", "probe.rtt_window")]:
+        lines = [l for l in out.splitlines() if f"{field} is no longer a setting" in l]
+        assert len(lines) == 1, (field, lines or out[-3000:])
+        assert instead in lines[0] and "next release refuses it" in lines[0], lines[0]
+    # A field still in force is not warned about.
+    assert "tie_ms is no longer" not in out
+
+
 def test_non_json_configuration_is_refused(run_dir):
     cfg = harness.render_config(None, harness.free_port(), harness.free_port())
     for p in harness.wasm_plugins(cfg):

@@ -551,7 +551,8 @@ impl Report<'_> {
                     "occupancy": c.occupancy,
                     "rtt_ms": c.rtt_ms,
                     "prefill_ms": c.prefill_ms,
-                    "queue_ms": c.queue_ms,
+                    "wait_ms": c.queue_ms - c.load_ms,
+                    "load_ms": c.load_ms,
                     "total_ms": c.total_ms,
                 })
             })
@@ -576,7 +577,6 @@ impl Report<'_> {
             "prompt_tokens": self.routed.prompt_tokens,
             "stream": self.routed.stream,
             "weights": {
-                "w_rtt": self.routed.weights.w_rtt,
                 "w_queue": self.routed.weights.w_queue,
                 "source": self.weights_source(),
             },
@@ -606,14 +606,13 @@ impl Report<'_> {
         let w = self.routed.weights;
         let mut out = format!(
             "request    POST {}: {} prompt tokens (estimated), stream={}\n\
-             snapshot   version {}, level {}, weights w_rtt={} w_queue={} ({})\n\
+             snapshot   version {}, level {}, weights w_queue={} ({})\n\
              directory  {} earlier request(s) replayed; now_ms={}\n",
             self.req_path,
             self.routed.prompt_tokens,
             self.routed.stream,
             self.snapshot.version,
             self.snapshot.level,
-            w.w_rtt,
             w.w_queue,
             self.weights_source(),
             self.replayed,
@@ -647,11 +646,12 @@ impl Report<'_> {
             "occupancy",
             "rtt_ms",
             "prefill_ms",
-            "queue_ms",
+            "wait_ms",
+            "load_ms",
             "total_ms",
         ];
         let yes = |b: bool| if b { "yes" } else { "no" }.to_string();
-        let mut rows: Vec<[String; 10]> = vec![header.map(str::to_string)];
+        let mut rows: Vec<[String; 11]> = vec![header.map(str::to_string)];
         for (i, r) in self.cfg.regions.iter().enumerate() {
             let marker = if i == d.region { "*" } else { " " };
             let name = format!("{marker}{}", r.name);
@@ -665,13 +665,14 @@ impl Report<'_> {
                     format!("{:.1}", c.occupancy),
                     format!("{:.1}", c.rtt_ms),
                     format!("{:.1}", c.prefill_ms),
-                    format!("{:.1}", c.queue_ms),
+                    format!("{:.1}", c.queue_ms - c.load_ms),
+                    format!("{:.1}", c.load_ms),
                     format!("{:.1}", c.total_ms),
                 ],
                 None => std::array::from_fn(|k| if k == 0 { name.clone() } else { "-".into() }),
             });
         }
-        let mut widths = [0usize; 10];
+        let mut widths = [0usize; 11];
         for row in &rows {
             for (w, cell) in widths.iter_mut().zip(row) {
                 *w = (*w).max(cell.len());

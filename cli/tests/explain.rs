@@ -113,7 +113,7 @@ fn the_table_shows_every_region_and_the_decision() {
     };
     assert_eq!(
         row("mid"),
-        ["*mid", "yes", "yes", "no", "432", "1.0", "40.0", "10.6", "0.0", "50.6"]
+        ["*mid", "yes", "yes", "no", "432", "1.0", "40.0", "10.6", "0.0", "0.0", "50.6"]
     );
     assert_eq!(row("near")[4], "0");
     assert!(

@@ -162,6 +162,13 @@ impl RootContext for Root {
                 return false;
             }
         };
+        // A removed field: accepted and ignored, said once per Envoy.
+        for w in config.unlogged_warnings(&mut calls::HostStore) {
+            log(
+                LogLevel::Warn,
+                &format!("llm-geo-router {}: {w}", role_name(role)),
+            );
+        }
         let stats = define_stats(&config);
         let vm_id = calls::property(&["plugin_vm_id"])
             .map(|b| String::from_utf8_lossy(&b).into_owned())
