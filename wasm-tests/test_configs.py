@@ -55,18 +55,24 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("override,expected", BAD, ids=[e for _, e in BAD])
-def test_invalid_plugin_config_is_refused_with_the_field(override, expected, run_dir):
+def validate_plugin(run_dir, name, edit):
+    """`envoy --mode validate` of the demo configuration with every plugin's
+    configuration changed by `edit(plugin)`: its return code and output."""
     cfg = harness.render_config(None, harness.free_port(), harness.free_port())
     plugin = harness.plugin_config(cfg)
-    plugin.update(override)
+    edit(plugin)
     for p in harness.wasm_plugins(cfg):
         p["configuration"]["value"] = json.dumps(plugin)
-    path = run_dir / "bad.yaml"
+    path = run_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     r = harness.validate(path)
-    out = r.stdout + r.stderr
-    assert r.returncode != 0, "Envoy accepted an invalid plugin configuration"
+    return r.returncode, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("override,expected", BAD, ids=[e for _, e in BAD])
+def test_invalid_plugin_config_is_refused_with_the_field(override, expected, run_dir):
+    rc, out = validate_plugin(run_dir, "bad", lambda plugin: plugin.update(override))
+    assert rc != 0, "Envoy accepted an invalid plugin configuration"
     lines = [l for l in out.splitlines() if "invalid configuration" in l]
     assert lines, out[-3000:]
     assert expected in lines[0], lines[0]
@@ -74,18 +80,13 @@ def test_invalid_plugin_config_is_refused_with_the_field(override, expected, run
 
 
 def test_a_removed_field_is_accepted_with_one_warning_naming_its_replacement(run_dir):
-    cfg = harness.render_config(None, harness.free_port(), harness.free_port())
-    plugin = harness.plugin_config(cfg)
-    plugin.setdefault("cost", {}).update({"w_rtt": 1.5, "tie_ms": 3})
-    plugin.setdefault("tuning", {}).update({"w_rtt_min": 0.5})
-    plugin.setdefault("probe", {}).update({"rtt_alpha": 0.3})
-    for p in harness.wasm_plugins(cfg):
-        p["configuration"]["value"] = json.dumps(plugin)
-    path = run_dir / "removed.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    r = harness.validate(path)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
+    def removed_fields(plugin):
+        plugin.setdefault("cost", {}).update({"w_rtt": 1.5, "tie_ms": 3})
+        plugin.setdefault("tuning", {}).update({"w_rtt_min": 0.5})
+        plugin.setdefault("probe", {}).update({"rtt_alpha": 0.3})
+
+    rc, out = validate_plugin(run_dir, "removed", removed_fields)
+    assert rc == 0, out[-3000:]
     # Guard and router both configure (validate mode starts no probe), on
     # the main thread and each worker: one line per removed field all the
     # same.
