@@ -935,7 +935,7 @@ pub const REMOVED_FIELDS: &[(&str, &str, &str)] = &[
 /// The configuration without the removed fields it sets, and a warning for
 /// each; `None` when it sets none (or is not a JSON object: the parse then
 /// says what is wrong).
-fn strip_removed(bytes: &[u8]) -> Option<(serde_json::Value, Vec<String>)> {
+fn strip_removed(bytes: &[u8]) -> Option<(Vec<u8>, Vec<String>)> {
     // Cheap test first: most configurations name no removed field.
     let text = std::str::from_utf8(bytes).ok()?;
     if !REMOVED_FIELDS.iter().any(|(_, f, _)| text.contains(f)) {
@@ -955,7 +955,11 @@ fn strip_removed(bytes: &[u8]) -> Option<(serde_json::Value, Vec<String>)> {
             ));
         }
     }
-    (!warnings.is_empty()).then_some((value, warnings))
+    // Written back as text and parsed as any configuration is: parsing a
+    // `Value` into the types would build their deserializers a second time
+    // (about 140 KB of module).
+    let stripped = serde_json::to_vec(&value).ok()?;
+    (!warnings.is_empty()).then_some((stripped, warnings))
 }
 
 /// The shared-data key that records `warning` as logged.
@@ -1001,7 +1005,7 @@ impl Config {
             )
         };
         let (mut config, warnings): (Config, _) = match strip_removed(bytes) {
-            Some((value, warnings)) => (serde_json::from_value(value).map_err(invalid)?, warnings),
+            Some((text, warnings)) => (serde_json::from_slice(&text).map_err(invalid)?, warnings),
             None => (serde_json::from_slice(bytes).map_err(invalid)?, Vec::new()),
         };
         config.warnings = warnings;
