@@ -384,7 +384,7 @@ mod tests {
         }
         // There observed TTFT is 55 ms whatever the queue (50-250 ms): the
         // data says w_queue = 0. Unbounded, the ridge (centred on the prior,
-        // 1) leaves it near that: measured 0.135. The floor holds it at
+        // 1) leaves it near that: measured 0.137. The floor holds it at
         // exactly w_queue_min, neither at the prior nor where the data is.
         let unbounded = TuningConfig {
             w_queue_min: 0.0,
@@ -395,7 +395,7 @@ mod tests {
         let fit = t.fit(&cfg, 1.0, &[0.1]).unwrap();
         assert_eq!(fit.w_queue, cfg.w_queue_min);
         // Queueing that costs 0.75 of its estimate, between floor and
-        // prior: the fit finds it (measured 0.786), so the floor above is
+        // prior: the fit finds it (measured 0.787), so the floor above is
         // the floor binding, not a fit stuck at a bound.
         let mut t = Tuner::new(&cfg);
         let mut x = 1u32;
