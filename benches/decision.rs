@@ -411,8 +411,6 @@ impl Env<'_> {
             inflight: &self.inflight,
             now_ms,
             fallback: false,
-            // Varies per request, as Envoy's request ids do: the draw runs.
-            draw: now_ms.wrapping_mul(0x9e37_79b9_7f4a_7c15),
         };
         let mut routed = self
             .router

@@ -373,25 +373,10 @@ pub struct CostConfig {
     /// turn's output in its cache, which the directory does not know; it is
     /// kept when its cost is within this many milliseconds of the best.
     pub session_slack_ms: f64,
-    /// No herding: among the candidates within this many milliseconds of the
-    /// best, a new prompt is drawn at random (per request) instead of always
-    /// going to the cheapest, so that proxies sharing a stale view do not
-    /// all pick the same region. 0 turns the draw off.
-    pub spread_margin_ms: f64,
-    /// The share of new prompts the draw sends away from the region the
-    /// rule prefers (the cheapest, or the rendezvous winner of a tie) when
-    /// the others cost the same; a region `d` ms dearer takes its part
-    /// scaled by `1 − d / spread_margin_ms`. 0 turns the draw off.
-    pub spread_share: f64,
     /// Cap on the utilisation ρ in the queue term's congestion factor
     /// 1/(1 − ρ); 0 turns congestion pricing off.
     pub congestion_cap: f64,
 }
-
-/// Defaults of the near-tie draw, chosen on simulator seeds 1-2 (see
-/// docs/BENCHMARKS.md, "No herding").
-const SPREAD_MARGIN_MS: f64 = 50.0;
-const SPREAD_SHARE: f64 = 0.25;
 
 impl Default for CostConfig {
     fn default() -> Self {
@@ -403,8 +388,6 @@ impl Default for CostConfig {
             placement_epsilon: 0.1,
             placement_floor: 0.25,
             session_slack_ms: 25.0,
-            spread_margin_ms: SPREAD_MARGIN_MS,
-            spread_share: SPREAD_SHARE,
             congestion_cap: 0.8,
         }
     }
@@ -925,6 +908,18 @@ pub const REMOVED_FIELDS: &[(&str, &str, &str)] = &[
         "nothing: the round trip is not weighted, so there is no weight to bound",
     ),
     (
+        "cost",
+        "spread_margin_ms",
+        "nothing: the near-tie draw is gone, a prompt goes to the least expected \
+         TTFT (docs/ROUTING.md, \"What each rule is worth\")",
+    ),
+    (
+        "cost",
+        "spread_share",
+        "nothing: the near-tie draw is gone, a prompt goes to the least expected \
+         TTFT (docs/ROUTING.md, \"What each rule is worth\")",
+    ),
+    (
         "probe",
         "rtt_alpha",
         "probe.rtt_window: a region's round trip is the least of its last rtt_window \
@@ -1184,14 +1179,6 @@ impl Config {
             }
         }
         non_negative("cost.session_slack_ms", self.cost.session_slack_ms)?;
-        non_negative("cost.spread_margin_ms", self.cost.spread_margin_ms)?;
-        let share = self.cost.spread_share;
-        if !(share.is_finite() && (0.0..1.0).contains(&share)) {
-            return Err(ConfigError::new(
-                "cost.spread_share",
-                format!("{share} must be within 0..1 (below 1: the preferred region keeps some)"),
-            ));
-        }
         let cap = self.cost.congestion_cap;
         if !(cap.is_finite() && (0.0..=0.95).contains(&cap)) {
             return Err(ConfigError::new(
@@ -1980,16 +1967,17 @@ mod tests {
         let c = Config::parse(MINIMAL.as_bytes()).unwrap();
         assert_eq!((c.context.margin, c.context.refresh_ticks), (0.1, 60));
         assert_eq!(c.regions[0].models_path, "/v1/models");
-        for (cost, field) in [
-            (r#"{"spread_margin_ms":-1}"#, "cost.spread_margin_ms"),
-            (r#"{"spread_share":1.0}"#, "cost.spread_share"),
-            (r#"{"spread_share":-0.1}"#, "cost.spread_share"),
-        ] {
-            let e = err(&format!(
-                r#"{{"regions":[{{"name":"a","cluster":"c","capacity_rps":1}}],"cost":{cost}}}"#
-            ));
-            assert_eq!(e.field, field);
-        }
+        // The near-tie draw's settings, once refused out of range, are
+        // removed fields now: accepted, ignored, each with its warning.
+        let c = Config::parse(
+            br#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}],"cost":{"spread_margin_ms":-1,"spread_share":1.0}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.warnings.len(), 2, "{:?}", c.warnings);
+        assert!(c
+            .warnings
+            .iter()
+            .all(|w| w.contains("near-tie draw is gone")));
     }
 
     #[test]

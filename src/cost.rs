@@ -16,10 +16,7 @@
 //! Unhealthy regions are not candidates, nor are regions whose context
 //! limit the request exceeds (`context`). Regions within `tie_ms` of the best
 //! are a tie, broken by rendezvous hashing of the prompt's first block so
-//! that independent proxies agree on where a new conversation goes. A prompt
-//! no region holds may then be drawn, with the request's random input, to
-//! another candidate within `spread_margin_ms` of the best, so that proxies
-//! sharing a stale view of the queues do not all herd to the same region.
+//! that independent proxies agree on where a new conversation goes.
 
 use crate::config::Config;
 use crate::snapshot::{RegionState, Snapshot};
@@ -43,10 +40,6 @@ pub enum Reason {
     /// prompt it does not hold (a new conversation) or that a region with
     /// room holds as much of.
     Spread,
-    /// The near-tie draw (no herding) sent a prompt no region holds to a
-    /// candidate within `spread_margin_ms` of the best other than the one
-    /// the rule prefers.
-    Draw,
     /// Where the request may go excluded the cheapest region: the
     /// residency pin, or the model (a region whose engine does not list it
     /// while another does).
@@ -69,7 +62,6 @@ impl Reason {
             Reason::Rtt => "rtt",
             Reason::LoadOverride => "load-override",
             Reason::Spread => "spread",
-            Reason::Draw => "draw",
             Reason::Pin => "pin",
             Reason::Context => "context",
             Reason::Fallback => "fallback",
@@ -83,13 +75,12 @@ impl Reason {
             other => other.as_str(),
         }
     }
-    pub const ALL: [Reason; 10] = [
+    pub const ALL: [Reason; 9] = [
         Reason::Cache,
         Reason::Load,
         Reason::Rtt,
         Reason::LoadOverride,
         Reason::Spread,
-        Reason::Draw,
         Reason::Pin,
         Reason::Context,
         Reason::Fallback,
@@ -157,8 +148,7 @@ pub struct Decision {
     pub reason: Reason,
     /// Per configured region (same order as `Config::regions`).
     pub costs: Vec<Cost>,
-    /// With `Load`, `LoadOverride`, `Spread` and `Draw`: the region passed
-    /// over (for `Draw`, the one the rule preferred).
+    /// With `Load`, `LoadOverride` and `Spread`: the region passed over.
     pub passed_over: Option<PassedOver>,
 }
 
@@ -194,10 +184,6 @@ pub struct Inputs<'a> {
     pub session_region: Option<usize>,
     /// Cost weights in force (configured, or tuned by the probe).
     pub weights: Weights,
-    /// This request's random input for the near-tie draw (the host's: a
-    /// hash of the request id; the simulator's: a seeded sequence). The
-    /// same input gives the same decision.
-    pub draw: u64,
     /// Now (ms since the Unix epoch): how long the engines have drained
     /// since their scrape.
     pub now_ms: u64,
@@ -322,10 +308,9 @@ pub fn decide(inp: &Inputs) -> Decision {
     }
     apply_load_guard(inp, &mut costs, held);
     let eligible = |c: &Cost| c.candidate && !c.over_bound;
-    let Some(preferred) = pick(inp, &costs, eligible) else {
+    let Some(region) = pick(inp, &costs, eligible) else {
         return fallback(inp, costs);
     };
-    let region = draw(inp, &costs, preferred, held, eligible);
     let runner_up = costs
         .iter()
         .enumerate()
@@ -354,11 +339,7 @@ pub fn decide(inp: &Inputs) -> Decision {
             .is_some_and(|(c, u)| u.total_ms < c.total_ms)
     };
     let unbounded = pick(inp, &costs, |c| c.candidate);
-    // The reason for the preferred region; the draw, if it moved the
-    // request, is said instead.
-    let reason = if region != preferred {
-        Reason::Draw
-    } else if unpinned.is_some_and(|u| !allowed(u) && u != region) && cheaper(unpinned) {
+    let reason = if unpinned.is_some_and(|u| !allowed(u) && u != region) && cheaper(unpinned) {
         Reason::Pin
     } else if unlimited.is_some_and(|u| u != region && costs.get(u).is_some_and(|c| c.over_context))
         && cheaper(unlimited)
@@ -376,7 +357,6 @@ pub fn decide(inp: &Inputs) -> Decision {
     let passed_over = match reason {
         Reason::LoadOverride | Reason::Spread => unbounded,
         Reason::Load => holder(&costs, |c| c.candidate),
-        Reason::Draw => Some(preferred),
         _ => None,
     }
     .and_then(|p| passed_over(&costs, p, region));
@@ -657,71 +637,6 @@ fn pick(inp: &Inputs, costs: &[Cost], eligible: impl Fn(&Cost) -> bool) -> Optio
     chosen
 }
 
-/// No herding: a prompt no region holds, for which the rule preferred
-/// `preferred` (the cheapest eligible region, or the rendezvous winner of a
-/// tie) and which is above the placement floor there, goes instead, with probability `spread_share × closeness / n`, to
-/// each of the `n` other eligible regions within `spread_margin_ms` of the
-/// best, where `closeness = 1 − (cost − best) / spread_margin_ms`. With
-/// equal costs the preferred region keeps `1 − spread_share` of them, so
-/// proxies still mostly agree on where a new conversation starts; a region
-/// at the margin's edge gets none. Not drawn: a prompt some region holds
-/// (the cache hit is worth more than the spread) and the session's region.
-/// Pure: `inp.draw` is the only randomness, and no allocation.
-fn draw(
-    inp: &Inputs,
-    costs: &[Cost],
-    preferred: usize,
-    held: bool,
-    eligible: impl Fn(&Cost) -> bool,
-) -> usize {
-    let cfg = &inp.config.cost;
-    let margin = cfg.spread_margin_ms;
-    if held || margin <= 0.0 || cfg.spread_share <= 0.0 || inp.session_region == Some(preferred) {
-        return preferred;
-    }
-    // Herding fills a region; below the floor the load guard uses for new
-    // prompts, spreading would only add network distance.
-    let floor = cfg.bounded_load_floor.min(cfg.placement_floor);
-    let slots = f64::from(region_slots(inp, preferred));
-    if costs
-        .get(preferred)
-        .is_none_or(|c| c.occupancy + 1.0 <= floor * slots)
-    {
-        return preferred;
-    }
-    let best = costs
-        .iter()
-        .filter(|c| eligible(c))
-        .map(|c| c.total_ms)
-        .fold(f64::INFINITY, f64::min);
-    let closeness = |i: usize, c: &Cost| {
-        if i == preferred || !eligible(c) || !c.total_ms.is_finite() {
-            0.0
-        } else {
-            (1.0 - (c.total_ms - best) / margin).max(0.0)
-        }
-    };
-    let others = costs
-        .iter()
-        .enumerate()
-        .filter(|&(i, c)| closeness(i, c) > 0.0)
-        .count();
-    if others == 0 {
-        return preferred;
-    }
-    let per = cfg.spread_share / others as f64;
-    // The top 53 bits as a uniform number in [0, 1).
-    let u = (inp.draw >> 11) as f64 / (1u64 << 53) as f64;
-    let mut mass = 0.0;
-    for (i, c) in costs.iter().enumerate() {
-        mass += per * closeness(i, c);
-        if closeness(i, c) > 0.0 && u < mass {
-            return i;
-        }
-    }
-    preferred
-}
-
 /// Among cost-driven choices: did the cache win, did a queue push the request
 /// away from the region holding more of it, or did distance decide?
 fn cost_reason(costs: &[Cost], region: usize, eligible: impl Fn(&Cost) -> bool) -> Reason {
@@ -809,9 +724,6 @@ pub fn rendezvous(key: u64, region: &str) -> u64 {
 mod tests {
     use super::*;
 
-    /// A random input above all the draw's mass: the preferred region.
-    const KEEP: u64 = u64::MAX;
-
     fn cfg() -> Config {
         Config::parse(
             br#"{"regions":[
@@ -848,7 +760,6 @@ mod tests {
             fits: u64::MAX,
             session_region: None,
             weights: Weights::configured(c),
-            draw: KEEP,
             now_ms: 0,
         })
     }
@@ -1089,7 +1000,6 @@ mod tests {
                 fits: u64::MAX,
                 session_region: None,
                 weights: Weights::configured(&c),
-                draw: KEEP,
                 now_ms: 0,
             };
             let a = decide(&inp(&c, &[Some(0), Some(1), Some(2)]));
@@ -1218,7 +1128,6 @@ mod tests {
             fits: u64::MAX,
             session_region: session,
             weights: Weights::configured(c),
-            draw: KEEP,
             now_ms: 0,
         }
     }
@@ -1472,181 +1381,5 @@ mod tests {
             near += usize::from(decide(&inp).region == 0);
         }
         assert!((500..=700).contains(&near), "{near}");
-    }
-
-    /// `n` independent random inputs, as the host's draws are.
-    fn draws(n: u64) -> impl Iterator<Item = u64> {
-        (0..n).map(|i| xxh3_64_with_seed(&i.to_le_bytes(), 0x5eed))
-    }
-
-    /// Regions chosen over `n` draws, and the decisions' reasons.
-    fn tally(inp: &mut Inputs, n: u64) -> ([u32; 3], Vec<Reason>) {
-        let mut count = [0u32; 3];
-        let mut reasons = Vec::new();
-        for r in draws(n) {
-            inp.draw = r;
-            let d = decide(inp);
-            if let Some(c) = count.get_mut(d.region) {
-                *c += 1;
-            }
-            reasons.push(d.reason);
-        }
-        (count, reasons)
-    }
-
-    /// Every region running 2 of its 8 slots: above the placement floor
-    /// (2 slots), under every share bound, no wait.
-    fn busy(c: &Config) -> Snapshot {
-        let mut s = snap(c);
-        for r in &mut s.regions {
-            r.running = 2.0;
-        }
-        s
-    }
-
-    fn drawing(margin_ms: f64, share: f64) -> Config {
-        let mut c = eight_slots();
-        c.cost.spread_margin_ms = margin_ms;
-        c.cost.spread_share = share;
-        c
-    }
-
-    #[test]
-    fn near_ties_are_drawn_apart_and_the_preferred_region_keeps_the_most() {
-        let mut c = drawing(50.0, 0.5);
-        for r in &mut c.regions {
-            r.rtt_ms = 10.0;
-        }
-        // Idle (below the placement floor): no draw.
-        let idle = snap(&c);
-        let mut inp = inputs(&c, &idle, &[0, 0, 0], None, None);
-        let preferred = decide(&inp).region;
-        assert_eq!(tally(&mut inp, 500).0[preferred], 500);
-        let s = busy(&c);
-        let mut inp = inputs(&c, &s, &[0, 0, 0], None, None);
-        assert_eq!(decide(&inp).region, preferred);
-        let (count, reasons) = tally(&mut inp, 4000);
-        // Equal costs: the preferred region (the rendezvous winner) keeps
-        // 1 - 0.5 of new prompts, the two others a quarter each.
-        for (i, n) in count.iter().enumerate() {
-            let expected = if i == preferred { 2000.0 } else { 1000.0 };
-            assert!((f64::from(*n) - expected).abs() < 150.0, "{count:?}");
-        }
-        let drawn = reasons.iter().filter(|r| **r == Reason::Draw).count();
-        assert_eq!(drawn as u32, 4000 - count[preferred]);
-        inp.draw = draws(4000)
-            .find(|&r| {
-                inp.draw = r;
-                decide(&inp).region != preferred
-            })
-            .unwrap();
-        let d = decide(&inp);
-        assert_eq!(d.reason, Reason::Draw);
-        assert_eq!(d.passed_over.map(|p| p.region), Some(preferred));
-        // The session's region is kept whatever the draw.
-        let mut inp = inputs(&c, &s, &[0, 0, 0], None, Some(preferred));
-        assert_eq!(tally(&mut inp, 500).0[preferred], 500);
-        // Off: share 0, or margin 0.
-        for c in [drawing(50.0, 0.0), drawing(0.0, 0.5)] {
-            let mut c = c;
-            for r in &mut c.regions {
-                r.rtt_ms = 10.0;
-            }
-            let mut inp = inputs(&c, &s, &[0, 0, 0], None, None);
-            assert_eq!(tally(&mut inp, 500).0[preferred], 500);
-        }
-    }
-
-    #[test]
-    fn a_region_outside_the_margin_is_never_drawn() {
-        // A cold 1000-token prompt: near 505 ms, mid 540 ms, far 620 ms.
-        let c = drawing(50.0, 0.5);
-        let s = busy(&c);
-        let mut inp = inputs(&c, &s, &[0, 0, 0], None, None);
-        let (count, _) = tally(&mut inp, 4000);
-        // mid is 35 ms dearer: 0.5 x (1 - 35/50) = 15 % of the draws; far,
-        // 115 ms dearer, none.
-        assert_eq!(count[2], 0, "{count:?}");
-        assert!((f64::from(count[1]) - 600.0).abs() < 90.0, "{count:?}");
-        // With a 30 ms margin mid is outside too.
-        let c = drawing(30.0, 0.5);
-        let mut inp = inputs(&c, &s, &[0, 0, 0], None, None);
-        assert_eq!(tally(&mut inp, 4000).0, [4000, 0, 0]);
-        // Nor is a region the load guard set aside, however close: all
-        // three at 5 ms, mid over its placement share (6 of 10 in flight);
-        // near and far draw between them.
-        let c = drawing(50.0, 0.5);
-        let mut s = busy(&c);
-        s.regions[1].running = 5.0;
-        for r in &mut s.regions {
-            r.rtt_ms = Some(5.0);
-        }
-        let mut inp = inputs(&c, &s, &[0, 0, 0], None, None);
-        assert!(decide(&inp).costs[1].over_bound);
-        let count = tally(&mut inp, 4000).0;
-        assert_eq!(count[1], 0, "{count:?}");
-        assert!(count[0].min(count[2]) > 1700, "{count:?}");
-    }
-
-    #[test]
-    fn a_held_prompt_stays_with_its_holder_whatever_the_draw() {
-        // mid holds 992 of the 1000 tokens; at 0.05 ms a token every region
-        // is within a 100 ms margin of it (near and far: 60 ms, mid 10.4).
-        let mut c = drawing(100.0, 0.5);
-        for r in &mut c.regions {
-            r.rtt_ms = 10.0;
-            r.prefill_ms_per_token = 0.05;
-        }
-        let s = busy(&c);
-        let mut inp = inputs(&c, &s, &[0, 62, 0], None, None);
-        let (count, reasons) = tally(&mut inp, 4000);
-        assert_eq!(count, [0, 4000, 0]);
-        assert!(reasons.iter().all(|r| *r == Reason::Cache));
-    }
-
-    /// The random input whose top 53 bits read as `u` in [0, 1).
-    fn at(u: f64) -> u64 {
-        ((u * (1u64 << 53) as f64) as u64) << 11
-    }
-
-    #[test]
-    fn the_draw_gives_each_region_exactly_its_share_of_the_random_inputs() {
-        // Equal costs, share 0.5: the inputs below 0.25 go to the first
-        // other region (in configured order), those in [0.25, 0.5) to the
-        // second, the rest stay with the rendezvous winner.
-        let mut c = drawing(50.0, 0.5);
-        for r in &mut c.regions {
-            r.rtt_ms = 10.0;
-        }
-        let s = busy(&c);
-        let mut inp = inputs(&c, &s, &[0, 0, 0], None, None);
-        let preferred = decide(&inp).region;
-        let others: Vec<usize> = (0..3).filter(|&i| i != preferred).collect();
-        let mut region = |u: f64| {
-            inp.draw = at(u);
-            decide(&inp).region
-        };
-        for (u, want) in [
-            (0.0, others[0]),
-            (0.2499, others[0]),
-            (0.2501, others[1]),
-            (0.4999, others[1]),
-            (0.5001, preferred),
-            (0.9999, preferred),
-        ] {
-            assert_eq!(region(u), want, "u = {u}");
-        }
-        // Unequal: near 505 ms, mid 540 (closeness 1 - 35/50 = 0.3), far
-        // outside the margin: mid takes the inputs below 0.5 x 0.3.
-        let c = drawing(50.0, 0.5);
-        let s = busy(&c);
-        let mut inp = inputs(&c, &s, &[0, 0, 0], None, None);
-        let mut region = |u: f64| {
-            inp.draw = at(u);
-            decide(&inp).region
-        };
-        for (u, want) in [(0.0, 1), (0.1499, 1), (0.1501, 0), (0.9999, 0)] {
-            assert_eq!(region(u), want, "u = {u}");
-        }
     }
 }

@@ -52,9 +52,6 @@ pub trait StreamHost: Effects {
     fn response_status(&mut self) -> Option<u32>;
     /// `len` bytes of the response body chunk being passed, from `start`.
     fn response_body(&mut self, start: usize, len: usize) -> Option<Vec<u8>>;
-    /// A random input for this request's routing (the near-tie draw): any
-    /// u64, independent across requests and across proxies.
-    fn draw(&mut self) -> u64;
 }
 
 /// A callout's answer, read lazily (each read is a host call).
@@ -117,9 +114,6 @@ pub struct Recorder {
     /// Clusters whose callouts the host refuses (as Envoy does for an
     /// unknown cluster).
     pub refuse_clusters: Vec<String>,
-    /// The state of the draws (`StreamHost::draw`): a SplitMix64 sequence,
-    /// so that a seeded recorder (the simulator's) draws reproducibly.
-    pub draw_state: u64,
 }
 
 impl Recorder {
@@ -246,13 +240,6 @@ impl StreamHost for Recorder {
         self.response_chunk
             .get(start..start.checked_add(len)?)
             .map(<[u8]>::to_vec)
-    }
-    fn draw(&mut self) -> u64 {
-        self.draw_state = self.draw_state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.draw_state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
     }
 }
 

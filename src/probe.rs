@@ -1846,7 +1846,6 @@ vllm:num_requests_running{model_name=\"m\"} 8.0\nvllm:num_requests_waiting{model
                 fits: u64::MAX,
                 session_region: None,
                 weights: crate::cost::Weights::configured(&c),
-                draw: u64::MAX,
                 now_ms: T0 + 3000,
             })
         };

@@ -47,8 +47,6 @@ pub struct RouteInputs<'a> {
     /// The guard sent the request to the fallback pool: another engine, so
     /// neither the prefix directory nor the session record learn from it.
     pub fallback: bool,
-    /// This request's random input for the near-tie draw (`cost::Inputs::draw`).
-    pub draw: u64,
 }
 
 /// A routed request.
@@ -242,7 +240,6 @@ pub struct UnreadInputs<'a> {
     pub snapshot_index: &'a [Option<usize>],
     pub inflight: &'a [f64],
     pub now_ms: u64,
-    pub draw: u64,
     /// The stored response the path names (`/v1/responses/{id}...`).
     pub response_id: Option<&'a str>,
 }
@@ -289,7 +286,6 @@ impl Router {
             fits: context::Check::ALL_FIT.fits,
             session_region: None,
             weights,
-            draw: inp.draw,
             now_ms: inp.now_ms,
         });
         let mut unknown_response = false;
@@ -502,7 +498,6 @@ impl Router {
             fits: limits.fits,
             session_region: session.and_then(|s| s.last).map(|(r, _)| r),
             weights,
-            draw: inp.draw,
             now_ms: inp.now_ms,
         });
         let mut unknown_response = false;
@@ -510,7 +505,7 @@ impl Router {
             Some((_, None)) => unknown_response = true,
             Some((id, Some(h))) => match holder_unavailable(&decision, h, allowed.as_deref()) {
                 None => {
-                    // Neither the load guard, the ramp nor the draw moves a
+                    // Neither the load guard nor the ramp moves a
                     // conversation away from its stored state.
                     // The region the cost chose, if not the holder, is the
                     // cheapest other: the runner-up.
@@ -727,8 +722,7 @@ pub struct Written {
 /// Why region `h`, which holds a stored response, cannot take the request
 /// that continues it; `None` when it can. Only what makes the region unable
 /// to serve counts (health, passive ejection, release parity, the
-/// residency pin, its context limit); load, the failback ramp and the draw
-/// do not.
+/// residency pin, its context limit); load and the failback ramp do not.
 fn holder_unavailable(d: &Decision, h: usize, allowed: Option<&[bool]>) -> Option<&'static str> {
     if allowed.is_some_and(|a| !a.get(h).copied().unwrap_or(false)) {
         return Some("outside the request's data residency, or not serving its model");
@@ -955,7 +949,6 @@ mod tests {
             inflight: &[0.0, 0.0],
             now_ms: 1000,
             fallback: false,
-            draw: u64::MAX,
         };
         let mut first = router.route(&c, &mut store, &inp).unwrap();
         assert_eq!(
@@ -1030,7 +1023,6 @@ mod tests {
             inflight: &[0.0, 0.0],
             now_ms: 1000,
             fallback: false,
-            draw: 0,
         };
         let cached = |store: &mut MemoryStore, at: u64| {
             let b = body(&system, 9);
@@ -1099,7 +1091,6 @@ mod tests {
             inflight: &[0.0, 0.0],
             now_ms: 1000,
             fallback: false,
-            draw: 0,
         };
         match router.route(&c, &mut store, &inp) {
             Err(Refusal::ContextLength {

@@ -201,7 +201,6 @@ impl RouterStream {
             inflight: &inflight,
             now_ms: now,
             fallback: self.fallback,
-            draw: host.draw(),
         };
         let result = shared.router.route(cfg, host, &inputs);
         // Released before anything below may place the request again.
@@ -339,7 +338,6 @@ impl RouterStream {
             snapshot_index: fresh.as_ref().map_or(&[][..], |f| f.index.as_slice()),
             inflight: &inflight,
             now_ms: now,
-            draw: host.draw(),
             response_id,
         };
         let placed = match shared.router.place(cfg, host, &inputs) {

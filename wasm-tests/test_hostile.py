@@ -656,7 +656,7 @@ def check_passthrough(c: Case, r: Resp) -> str | None:
     """Not read by the router: sent, untouched, to the routable region the
     unread rule chose (every region is healthy here), and answered there."""
     m = UNREAD_ROUTE.match(r.headers.get("x-llm-route", ""))
-    if not m or m.group(2) not in ("rtt", "load", "spread", "draw", "pin"):
+    if not m or m.group(2) not in ("rtt", "load", "spread", "pin"):
         return f"decision {r.headers.get('x-llm-route')!r}"
     # The engine names itself on its 200s (its error answers do not); the
     # cluster header is removed before the upstream, so the echo is "-".

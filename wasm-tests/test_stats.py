@@ -23,7 +23,7 @@ PAID = {"authorization": "Bearer sk-demo-paid"}
 OPERATOR = {"authorization": "Bearer demo-operator-token"}
 REGIONS = {"near", "mid", "far"}
 TIERS = {"free", "paid", "critical"}
-REASONS = {"cache", "load", "rtt", "load_override", "spread", "draw", "pin", "context", "fallback", "response"}
+REASONS = {"cache", "load", "rtt", "load_override", "spread", "pin", "context", "fallback", "response"}
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
 LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')

@@ -280,18 +280,15 @@ pub struct Envoy {
 }
 
 impl Envoy {
-    /// `draw_seed`: the start of this Envoy's random inputs to the router
-    /// (`StreamHost::draw`), distinct per Envoy so that Envoys draw
-    /// independently, fixed so that a run is reproducible.
-    pub fn new(cfg: Config, now_ms: u64, draw_seed: u64) -> Envoy {
+    /// `id`: distinct per Envoy, it names the Envoy in the exchange.
+    pub fn new(cfg: Config, now_ms: u64, id: u64) -> Envoy {
         let cfg = Rc::new(cfg);
         let mut host = Recorder {
             now_ms,
-            draw_state: draw_seed,
             ..Recorder::default()
         };
         // The owner names the Envoy in the exchange: one per Envoy.
-        let mut probe = Probe::new(cfg.clone(), format!("sim-{draw_seed}"), now_ms);
+        let mut probe = Probe::new(cfg.clone(), format!("sim-{id}"), now_ms);
         probe.start(&mut host);
         Envoy {
             guard: Guard::new(cfg.clone(), now_ms),

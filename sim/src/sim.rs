@@ -638,7 +638,7 @@ impl<'a> Sim<'a> {
                         if exchange {
                             cfg.exchange.cluster = Some(geo::PEERS_CLUSTER.into());
                         }
-                        // Envoy (c, p)'s draws: its own SplitMix64 sequence.
+                        // Envoy (c, p)'s name in the exchange.
                         let seed =
                             ((c * proxies + p + 1) as u64).wrapping_mul(0xd1b5_4a32_d192_ed03);
                         let mut envoy = Envoy::new(cfg, core_ms(0.0), seed);

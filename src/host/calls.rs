@@ -44,13 +44,6 @@ fn header_value(map: MapType, name: &str) -> Option<String> {
         })
 }
 
-/// A request header's raw bytes (no UTF-8 conversion: for hashing).
-pub fn request_header_bytes(name: &str) -> Option<Vec<u8>> {
-    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
-        .ok()
-        .flatten()
-}
-
 /// The host's clock in nanoseconds since the Unix epoch (0 if unavailable).
 pub fn now_ns() -> u64 {
     hostcalls::get_current_time()

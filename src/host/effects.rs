@@ -132,26 +132,6 @@ impl StreamHost for Host<'_> {
     fn response_body(&mut self, start: usize, len: usize) -> Option<Vec<u8>> {
         calls::response_body(start, len)
     }
-    /// Envoy gives every request an `x-request-id` (a random UUID, unless
-    /// `generate_request_id` is off): its hash is independent across
-    /// requests and proxies. Seeded with a per-worker count and the clock in
-    /// ns, so that a request without one, or a client's reused one, still
-    /// draws afresh. Two host calls, no allocation beyond the header's bytes.
-    fn draw(&mut self) -> u64 {
-        let n = DRAWS.with(|c| {
-            let n = c.get().wrapping_add(1);
-            c.set(n);
-            n
-        });
-        let seed = n.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ calls::now_ns();
-        let id = calls::request_header_bytes("x-request-id").unwrap_or_default();
-        xxhash_rust::xxh3::xxh3_64_with_seed(&id, seed)
-    }
-}
-
-thread_local! {
-    /// Draws made by this worker's routers (`StreamHost::draw`).
-    static DRAWS: Cell<u64> = const { Cell::new(0) };
 }
 
 impl ProbeHost for Host<'_> {
