@@ -387,7 +387,6 @@ pub fn config(data: &[u8]) {
         inflight: &inflight,
         now_ms: 1_000_000,
         fallback: false,
-        draw: 0,
     };
     if let Ok(routed) = router.route(&cfg, &mut store, &inputs) {
         assert!(routed.decision.region < n);
@@ -725,7 +724,6 @@ fn chat_inputs<'a>(
         inflight,
         now_ms,
         fallback: false,
-        draw: 0,
     }
 }
 
