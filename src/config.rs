@@ -353,9 +353,6 @@ impl Default for DirectoryConfig {
 pub struct CostConfig {
     /// Weight of the expected queueing wait.
     pub w_queue: f64,
-    /// Regions whose costs are within this many milliseconds of the best are
-    /// a tie, broken by rendezvous hashing of the prompt's first block.
-    pub tie_ms: f64,
     /// Bounded load: no region takes more than `(1 + epsilon)` times its fair
     /// share (by `max_concurrency`) of the in-flight work while another
     /// candidate region has room, whatever its cache says.
@@ -382,7 +379,6 @@ impl Default for CostConfig {
     fn default() -> Self {
         CostConfig {
             w_queue: 1.0,
-            tie_ms: 2.0,
             bounded_load_epsilon: 0.5,
             bounded_load_floor: 0.5,
             placement_epsilon: 0.1,
@@ -920,6 +916,13 @@ pub const REMOVED_FIELDS: &[(&str, &str, &str)] = &[
          TTFT (docs/ROUTING.md, \"What each rule is worth\")",
     ),
     (
+        "cost",
+        "tie_ms",
+        "nothing: only regions of exactly the least expected TTFT tie (rendezvous \
+         breaks them); a difference within a band is a difference (docs/ROUTING.md, \
+         \"What each rule is worth\")",
+    ),
+    (
         "probe",
         "rtt_alpha",
         "probe.rtt_window: a region's round trip is the least of its last rtt_window \
@@ -1164,7 +1167,6 @@ impl Config {
             return Err(ConfigError::new("directory.ttl_s", "must be at least 1"));
         }
         positive("cost.w_queue", self.cost.w_queue)?;
-        non_negative("cost.tie_ms", self.cost.tie_ms)?;
         non_negative("cost.bounded_load_epsilon", self.cost.bounded_load_epsilon)?;
         non_negative("cost.placement_epsilon", self.cost.placement_epsilon)?;
         for (path, floor) in [
@@ -1776,8 +1778,8 @@ mod tests {
                 r#"{{"regions":[{{"name":"a","cluster":"a","capacity_rps":1}}],"cost":{cost}}}"#
             )
         };
-        let c = Config::parse(json(r#"{"w_rtt":1.5,"tie_ms":3}"#).as_bytes()).unwrap();
-        assert_eq!(c.cost.tie_ms, 3.0);
+        let c = Config::parse(json(r#"{"w_rtt":1.5,"w_queue":3}"#).as_bytes()).unwrap();
+        assert_eq!(c.cost.w_queue, 3.0);
         assert_eq!(c.warnings.len(), 1);
         assert!(c.warnings[0].starts_with("cost.w_rtt is no longer a setting"));
         let mut store = crate::store::MemoryStore::default();
@@ -1798,12 +1800,12 @@ mod tests {
         );
         // None set: no warning; a wrong field next to a removed one is
         // still refused.
-        assert!(Config::parse(json(r#"{"tie_ms":3}"#).as_bytes())
+        assert!(Config::parse(json(r#"{"w_queue":3}"#).as_bytes())
             .unwrap()
             .warnings
             .is_empty());
-        let e = Config::parse(json(r#"{"w_rtt":0.5,"tie_msx":3}"#).as_bytes()).unwrap_err();
-        assert!(e.to_string().contains("tie_msx"), "{e}");
+        let e = Config::parse(json(r#"{"w_rtt":0.5,"w_queuex":3}"#).as_bytes()).unwrap_err();
+        assert!(e.to_string().contains("w_queuex"), "{e}");
         // The name in another section is not the removed field.
         let e = Config::parse(
             br#"{"regions":[{"name":"a","cluster":"a","capacity_rps":1}],"probe":{"w_rtt":1}}"#,
@@ -1978,6 +1980,14 @@ mod tests {
             .warnings
             .iter()
             .all(|w| w.contains("near-tie draw is gone")));
+        // So is the tie band, once refused when negative.
+        let c = Config::parse(
+            br#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}],"cost":{"tie_ms":-1}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
+        assert!(c.warnings[0].starts_with("cost.tie_ms is no longer a setting"));
+        assert!(c.warnings[0].contains("exactly the least expected TTFT"));
     }
 
     #[test]

@@ -14,7 +14,7 @@
 //!   scrape. A burst between two probe ticks therefore sees its own load.
 //!
 //! Unhealthy regions are not candidates, nor are regions whose context
-//! limit the request exceeds (`context`). Regions within `tie_ms` of the best
+//! limit the request exceeds (`context`). Regions of exactly the least cost
 //! are a tie, broken by rendezvous hashing of the prompt's first block so
 //! that independent proxies agree on where a new conversation goes.
 
@@ -601,8 +601,9 @@ fn apply_load_guard(inp: &Inputs, costs: &mut [Cost], held: bool) {
     }
 }
 
-/// The cheapest region among those `eligible`; regions within `tie_ms` of it
-/// are a tie: the session's region if among them, else rendezvous.
+/// The cheapest region among those `eligible`: the session's region if
+/// within `session_slack_ms` of it; among regions of exactly the least cost,
+/// the rendezvous winner.
 fn pick(inp: &Inputs, costs: &[Cost], eligible: impl Fn(&Cost) -> bool) -> Option<usize> {
     let cfg = inp.config;
     let best = costs
@@ -625,7 +626,7 @@ fn pick(inp: &Inputs, costs: &[Cost], eligible: impl Fn(&Cost) -> bool) -> Optio
     let mut chosen = None;
     let mut top = 0u64;
     for (i, c) in costs.iter().enumerate() {
-        if !eligible(c) || c.total_ms > best + cfg.cost.tie_ms {
+        if !eligible(c) || c.total_ms > best {
             continue;
         }
         let score = rendezvous(key, cfg.regions.get(i).map_or("", |r| r.name.as_str()));
@@ -1010,6 +1011,30 @@ mod tests {
             seen.insert(name);
         }
         assert_eq!(seen.len(), 3, "rendezvous spreads new conversations");
+        // Only exact ties: a region a hundredth of a millisecond cheaper
+        // takes every prompt, whatever its rendezvous score.
+        c.regions[1].rtt_ms = 9.99;
+        let s = snap(&c);
+        for key in 0..64u64 {
+            let d = decide(&Inputs {
+                config: &c,
+                snapshot: Some(&s),
+                snapshot_index: &[Some(0), Some(1), Some(2)],
+                cached_blocks: &[0, 0, 0],
+                inflight: &[0.0; 3],
+                prompt_tokens: 10,
+                prompt_bytes: 40,
+                tokens_per_byte: 0.25,
+                model: None,
+                first_block: Some(key),
+                allowed: None,
+                fits: u64::MAX,
+                session_region: None,
+                weights: Weights::configured(&c),
+                now_ms: 0,
+            });
+            assert_eq!((d.region, d.reason), (1, Reason::Rtt), "key {key}");
+        }
     }
 
     /// Region 1's terms and the decision, with mid's terms the only thing

@@ -81,7 +81,7 @@ def test_invalid_plugin_config_is_refused_with_the_field(override, expected, run
 
 def test_a_removed_field_is_accepted_with_one_warning_naming_its_replacement(run_dir):
     def removed_fields(plugin):
-        plugin.setdefault("cost", {}).update({"w_rtt": 1.5, "tie_ms": 3})
+        plugin.setdefault("cost", {}).update({"w_rtt": 1.5, "tie_ms": 3, "w_queue": 2})
         plugin.setdefault("tuning", {}).update({"w_rtt_min": 0.5})
         plugin.setdefault("probe", {}).update({"rtt_alpha": 0.3})
 
@@ -91,13 +91,14 @@ def test_a_removed_field_is_accepted_with_one_warning_naming_its_replacement(run
     # the main thread and each worker: one line per removed field all the
     # same.
     for field, instead in [("cost.w_rtt", "the round trip enters the cost as the probe measures it"),
+                           ("cost.tie_ms", "exactly the least expected TTFT"),
                            ("tuning.w_rtt_min", "the round trip is not weighted"),
                            ("probe.rtt_alpha", "probe.rtt_window")]:
         lines = [l for l in out.splitlines() if f"{field} is no longer a setting" in l]
         assert len(lines) == 1, (field, lines or out[-3000:])
         assert instead in lines[0] and "next release refuses it" in lines[0], lines[0]
     # A field still in force is not warned about.
-    assert "tie_ms is no longer" not in out
+    assert "w_queue is no longer" not in out
 
 
 def test_non_json_configuration_is_refused(run_dir):
