@@ -972,6 +972,28 @@ mod tests {
         assert_eq!((d.region, d.reason), (0, Reason::Fallback));
     }
 
+    /// A cold prompt of 10 tokens (nothing cached, nothing in flight)
+    /// whose first block is `key`, decided with `c`'s configured weights.
+    fn decide_cold(c: &Config, s: &Snapshot, index: &[Option<usize>], key: u64) -> Decision {
+        decide(&Inputs {
+            config: c,
+            snapshot: Some(s),
+            snapshot_index: index,
+            cached_blocks: &[0, 0, 0],
+            inflight: &[0.0; 3],
+            prompt_tokens: 10,
+            prompt_bytes: 40,
+            tokens_per_byte: 0.25,
+            model: None,
+            first_block: Some(key),
+            allowed: None,
+            fits: u64::MAX,
+            session_region: None,
+            weights: Weights::configured(c),
+            now_ms: 0,
+        })
+    }
+
     #[test]
     fn ties_are_broken_by_rendezvous_consistently() {
         // Two proxies with the same view: the second lists the regions in
@@ -986,25 +1008,8 @@ mod tests {
         let s = snap(&c);
         let mut seen = std::collections::HashSet::new();
         for key in 0..64u64 {
-            let inp = |config, snapshot_index| Inputs {
-                config,
-                snapshot: Some(&s),
-                snapshot_index,
-                cached_blocks: &[0, 0, 0],
-                inflight: &[0.0; 3],
-                prompt_tokens: 10,
-                prompt_bytes: 40,
-                tokens_per_byte: 0.25,
-                model: None,
-                first_block: Some(key),
-                allowed: None,
-                fits: u64::MAX,
-                session_region: None,
-                weights: Weights::configured(&c),
-                now_ms: 0,
-            };
-            let a = decide(&inp(&c, &[Some(0), Some(1), Some(2)]));
-            let b = decide(&inp(&c2, &[Some(2), Some(1), Some(0)]));
+            let a = decide_cold(&c, &s, &[Some(0), Some(1), Some(2)], key);
+            let b = decide_cold(&c2, &s, &[Some(2), Some(1), Some(0)], key);
             assert_eq!(a.reason, Reason::Rtt);
             let name = c.regions[a.region].name.as_str();
             assert_eq!(name, c2.regions[b.region].name, "key {key}");
@@ -1016,23 +1021,7 @@ mod tests {
         c.regions[1].rtt_ms = 9.99;
         let s = snap(&c);
         for key in 0..64u64 {
-            let d = decide(&Inputs {
-                config: &c,
-                snapshot: Some(&s),
-                snapshot_index: &[Some(0), Some(1), Some(2)],
-                cached_blocks: &[0, 0, 0],
-                inflight: &[0.0; 3],
-                prompt_tokens: 10,
-                prompt_bytes: 40,
-                tokens_per_byte: 0.25,
-                model: None,
-                first_block: Some(key),
-                allowed: None,
-                fits: u64::MAX,
-                session_region: None,
-                weights: Weights::configured(&c),
-                now_ms: 0,
-            });
+            let d = decide_cold(&c, &s, &[Some(0), Some(1), Some(2)], key);
             assert_eq!((d.region, d.reason), (1, Reason::Rtt), "key {key}");
         }
     }
