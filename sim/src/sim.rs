@@ -1472,11 +1472,15 @@ impl Sim<'_> {
         if self.stage(i) != Stage::Running {
             return;
         }
+        let work = self.work;
         let next = match self.station_mut(i) {
             Some(s) => {
                 s.held.remove(&i);
                 s.engine.record_success();
-                s.engine.finish(i as u64, now)
+                match work.prepared.get(i).and_then(|p| p.sequence.as_ref()) {
+                    Some(seq) => s.engine.finish_generated(i as u64, now, seq),
+                    None => s.engine.finish(i as u64, now),
+                }
             }
             None => None,
         };
@@ -1713,6 +1717,39 @@ mod tests {
         assert_eq!(ttft[2], free_at + warm + 5.0);
         assert_eq!(r.records[2].cached_tokens, hit as u64);
         assert_eq!(r.starts.len(), 3);
+    }
+
+    #[test]
+    fn the_next_turn_finds_the_answer_where_it_was_generated() {
+        let f = fleet("");
+        let first = [("s-u0", 300u32)];
+        let next = [("s-u0", 300u32), ("s-a0", 80), ("s-u1", 40)];
+        // The second turn comes long after the first ended, to the same
+        // (nearest) engine: prompt and answer are cached, all but the
+        // trailing partial block of the answer's text.
+        let held = engine_tokens(&[("s-u0", 300), ("s-a0", 80)]) - 5; // less the end of turn and generation prompt
+        let trace = vec![
+            req(0.0, "s", "na", &first, 80),
+            req(60_000.0, "s", "na", &next, 10),
+        ];
+        let w = Workload::new(&f, trace.clone()).unwrap();
+        assert!(w.prepared[0].sequence.is_some());
+        assert!(
+            w.prepared[1].sequence.is_none(),
+            "no later turn shows its answer"
+        );
+        let r = run(&f, &w, PolicyName::Nearest, &Deployment::Oracle, None).unwrap();
+        assert_eq!(r.records[1].cached_tokens, (held / 16 * 16) as u64);
+        // A next turn that does not repeat the answer as generated (another
+        // length): only the prompt stays.
+        let mut other = trace;
+        other[1].segments[1].1 = 81;
+        let w = Workload::new(&f, other).unwrap();
+        assert!(w.prepared[0].sequence.is_none());
+        let r = run(&f, &w, PolicyName::Nearest, &Deployment::Oracle, None).unwrap();
+        let prompt_only = engine_tokens(&first) - 5;
+        assert_eq!(r.records[1].cached_tokens, (prompt_only / 16 * 16) as u64);
+        assert!(prompt_only / 16 < held / 16);
     }
 
     #[test]

@@ -472,6 +472,25 @@ impl Engine {
         self.scheduler.finish(id)
     }
 
+    /// Request `id` ends having generated its answer; `sequence` is its
+    /// prompt and answer as one token sequence. The sequence's full blocks
+    /// stay cached, as real engines keep them: vLLM v1 caches a request's
+    /// blocks as they fill, generated tokens included, and SGLang's radix
+    /// cache inserts prompt and output when a request finishes. So a
+    /// conversation's next turn, whose prompt repeats the answer, finds it
+    /// where it was generated. Returns the request that took the slot.
+    pub fn finish_generated(
+        &mut self,
+        id: RequestId,
+        now_ms: f64,
+        sequence: &Prompt,
+    ) -> Option<RequestId> {
+        self.cache.acquire(&sequence.blocks);
+        let next = self.finish(id, now_ms);
+        self.cache.release(&sequence.blocks, now_ms);
+        next
+    }
+
     /// Counts a request whose response was completely delivered.
     pub fn record_success(&mut self) {
         self.completed = self.completed.saturating_add(1);
@@ -537,6 +556,43 @@ mod tests {
         // Same block content at another position hashes differently.
         let hr = block_hashes(&[9; 32], 16);
         assert_ne!(hr[0], hr[1]);
+    }
+
+    #[test]
+    fn an_answer_stays_cached_after_its_request() {
+        let config = EngineConfig {
+            cache_tokens: 4096,
+            block_tokens: 16,
+            max_concurrency: 2,
+            timing: Timing {
+                prefill_ms_per_token: 1.0,
+                decode_ms_per_token: 1.0,
+            },
+        };
+        let mut e = Engine::new(config);
+        let prompt = ids(100, 1);
+        let mut sequence = prompt.clone();
+        sequence.extend(ids(60, 9)); // the answer
+        let mut next_turn = sequence.clone();
+        next_turn.extend(ids(40, 5));
+        e.scheduler.arrive(1);
+        e.admit(1, &Prompt::from_tokens(&prompt, 16));
+        e.finish_generated(1, 10.0, &Prompt::from_tokens(&sequence, 16));
+        // The next turn hits prompt and answer: 160 tokens, 10 full blocks.
+        e.scheduler.arrive(2);
+        let plan = e.admit(2, &Prompt::from_tokens(&next_turn, 16));
+        assert_eq!(plan.cached_tokens, 160);
+        // Finished without its answer, only the prompt's blocks stay.
+        let mut e = Engine::new(config);
+        e.scheduler.arrive(1);
+        e.admit(1, &Prompt::from_tokens(&prompt, 16));
+        e.finish(1, 10.0);
+        e.scheduler.arrive(2);
+        assert_eq!(
+            e.admit(2, &Prompt::from_tokens(&next_turn, 16))
+                .cached_tokens,
+            96
+        );
     }
 
     #[test]
