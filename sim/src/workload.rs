@@ -86,20 +86,22 @@ impl Workload {
 /// shows it (extends this prompt by a segment of `output_tokens`, then
 /// goes on).
 fn answers(requests: &[TraceRequest]) -> Vec<Option<&(String, u32)>> {
-    let mut next_of: HashMap<&str, usize> = HashMap::new();
-    let mut out = vec![None; requests.len()];
-    for (i, r) in requests.iter().enumerate().rev() {
-        if let Some(next) = next_of
-            .get(r.session.as_str())
-            .and_then(|&j| requests.get(j))
-        {
+    let mut next_of: HashMap<&str, &TraceRequest> = HashMap::new();
+    let mut out: Vec<Option<&(String, u32)>> = requests
+        .iter()
+        .rev()
+        .map(|r| {
             let n = r.segments.len();
-            out[i] = next.segments.get(n).filter(|a| {
-                next.segments.get(..n) == Some(&r.segments[..]) && a.1 == r.output_tokens
+            let answer = next_of.get(r.session.as_str()).and_then(|next| {
+                next.segments.get(n).filter(|a| {
+                    next.segments.get(..n) == Some(r.segments.as_slice()) && a.1 == r.output_tokens
+                })
             });
-        }
-        next_of.insert(r.session.as_str(), i);
-    }
+            next_of.insert(r.session.as_str(), r);
+            answer
+        })
+        .collect();
+    out.reverse();
     out
 }
 
