@@ -1201,6 +1201,17 @@ Reading (generated from the numbers above):
 """)
 
 
+def plugin_row(seed_result: dict) -> dict:
+    """The plugin's summary in one seed's result ({} if it did not run)."""
+    return seed_result.get("routers", {}).get("plugin", {})
+
+
+def served_all(seed_result: dict) -> bool:
+    """Whether the plugin served every request of that seed (shed none)."""
+    p = plugin_row(seed_result)
+    return p.get("ok") == p.get("requests")
+
+
 def seeds_doc_section(combined: dict) -> str:
     """The section for a run over several seeds: each seed's ratio, their
     geometric mean and spread, then each seed's table."""
@@ -1217,8 +1228,8 @@ def seeds_doc_section(combined: dict) -> str:
             x = rat.get(q)
             cells += ([f"{x['plugin_ms']:.0f}", f"{x['best_peer_ms']:.0f} (`{x['best_peer']}`)", f"{x['ratio']:.2f}"]
                       if x else ["–", "–", "–"])
-        p = r.get("routers", {}).get("plugin", {})
-        served = f"{p.get('ok', '–')}" + ("" if p.get("ok") == p.get("requests") else " **(shed: not like-for-like)**")
+        p = plugin_row(r)
+        served = f"{p.get('ok', '–')}" + ("" if served_all(r) else " **(shed: not like-for-like)**")
         rows.append(f"| {r['seed']} | {r['trace']['requests']} | {served} | " + " | ".join(cells) + " |")
     over = []
     for q in ("p95", "mean"):
@@ -1226,8 +1237,7 @@ def seeds_doc_section(combined: dict) -> str:
         if sp:
             over.append(f"TTFT {q}: geometric mean **{sp['geomean']:.2f}** (min {sp['min']:.2f}, max {sp['max']:.2f}, "
                         f"{sp['n']} seeds)")
-    shed = [r["seed"] for r in per_seed
-            if r.get("routers", {}).get("plugin", {}).get("ok") != r.get("routers", {}).get("plugin", {}).get("requests")]
+    shed = [r["seed"] for r in per_seed if not served_all(r)]
     if shed:
         over.append(f"not like-for-like: the plugin shed requests on seed(s) {', '.join(map(str, shed))}, so its "
                     "figures there are over an easier set")

@@ -106,13 +106,14 @@ fn answers(requests: &[TraceRequest]) -> Vec<Option<&(String, u32)>> {
 }
 
 /// The engine's token sequence of `r`'s prompt followed by `answer`: the
-/// user message's tokens up to the end of its text.
+/// prompt of `r` with the answer's segment added, parsed as the engine
+/// parses every request, up to the end of its text.
 fn sequence(r: &TraceRequest, answer: &(String, u32)) -> Option<Prompt> {
-    let mut segments = r.segments.clone();
-    segments.push(answer.clone());
-    let text = trace::prompt_text(&segments);
-    let mut tokens =
-        tokenizer::chat(&serde_json::json!([{"role": "user", "content": text}])).ok()?;
+    let mut answered = r.clone();
+    answered.segments.push(answer.clone());
+    let mut tokens = openai::parse_request(Kind::Chat, &trace::request_body(&answered))
+        .ok()?
+        .prompt;
     let end = tokens.iter().rposition(|&t| t == tokenizer::EOT)?;
     tokens.truncate(end);
     Some(Prompt::from_tokens(&tokens, DEFAULT_BLOCK_TOKENS))
