@@ -30,9 +30,7 @@
 //! - kind 2, stored response: `region u16 ‖ recorded ms u64 ‖ id hash u64`;
 //! - kind 3, usage report: the router's report as the probe's queue carries it;
 //! - kind 4, session record: `region u16 ‖ recorded ms u64 ‖ session hash u64
-//!   ‖ prompt blocks u32 ‖ last block hash u64 ‖ answer tokens u32` (version
-//!   2; version 1 had no answer tokens, and Envoys of the two versions refuse
-//!   each other's messages as of another layout).
+//!   ‖ prompt blocks u32 ‖ last block hash u64`.
 //!
 //! A message is refused whole, never merged in part, when any of it is
 //! malformed, beyond the size limit, or of another layout (region list,
@@ -51,7 +49,7 @@ use crate::usage::UsageReport;
 /// First bytes of every exchange message.
 pub const MAGIC: &[u8; 4] = b"LGRX";
 /// Protocol version, mixed into the layout id.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 1;
 /// Tag of a router's note to its probe on the observations queue.
 pub const NOTE_TAG: u8 = b'N';
 /// Tag of a peer's message the exchange filter queued for the probe.
@@ -111,15 +109,13 @@ pub enum Body {
     /// An engine's answer's usage, as the router reported it.
     Usage(Vec<u8>),
     /// `region` served the session whose key hashes to `hash` at `at_ms`,
-    /// its prompt ending at `blocks` with a last block hashing to `last`,
-    /// and its answer `answer_tokens` long (0: not known).
+    /// its prompt ending at `blocks` with a last block hashing to `last`.
     Session {
         region: u16,
         at_ms: u64,
         hash: u64,
         blocks: u32,
         last: u64,
-        answer_tokens: u32,
     },
 }
 
@@ -210,14 +206,12 @@ impl Body {
                 hash,
                 blocks,
                 last,
-                answer_tokens,
             } => {
                 out.extend_from_slice(&region.to_le_bytes());
                 out.extend_from_slice(&at_ms.to_le_bytes());
                 out.extend_from_slice(&hash.to_le_bytes());
                 out.extend_from_slice(&blocks.to_le_bytes());
                 out.extend_from_slice(&last.to_le_bytes());
-                out.extend_from_slice(&answer_tokens.to_le_bytes());
             }
         }
     }
@@ -227,7 +221,7 @@ impl Body {
             Body::Placement { hashes, .. } => 2 + 8 + 4 + 4 + 1 + 8 * hashes.len().min(MAX_HASHES),
             Body::Response { .. } => 2 + 8 + 8,
             Body::Usage(b) => b.len(),
-            Body::Session { .. } => 2 + 8 + 8 + 4 + 8 + 4,
+            Body::Session { .. } => 2 + 8 + 8 + 4 + 8,
         }
     }
 
@@ -292,7 +286,6 @@ impl Body {
                 let hash = r.u64()?;
                 let blocks = r.u32()?;
                 let last = r.u64()?;
-                let answer_tokens = r.u32()?;
                 if !region_ok(region) {
                     return Err(Refusal::Malformed("region out of range"));
                 }
@@ -302,7 +295,6 @@ impl Body {
                     hash,
                     blocks,
                     last,
-                    answer_tokens,
                 }
             }
             _ => return Err(Refusal::Malformed("unknown item kind")),
@@ -973,15 +965,9 @@ impl SharedMaps {
                 hash,
                 blocks,
                 last,
-                answer_tokens,
             } => {
-                let turn = crate::session::Turn {
-                    blocks: *blocks,
-                    last: *last,
-                    answer_tokens: *answer_tokens,
-                };
                 self.sessions
-                    .merge(store, *hash, usize::from(*region), *at_ms, turn);
+                    .merge(store, *hash, usize::from(*region), *at_ms, (*blocks, *last));
             }
             Body::Usage(_) => {}
         }
@@ -1245,7 +1231,6 @@ mod tests {
             hash: 77,
             blocks: 12,
             last: 5,
-            answer_tokens: 300,
         };
         assert_eq!(decode_note(&encode_note(&s), 2), Some(s.clone()));
         assert_eq!(decode_note(&encode_note(&s), 1), None, "region 1 of 1");

@@ -16,7 +16,7 @@ use crate::migration::{self, KvAction};
 use crate::prefix::{Checkpoint, PromptHasher};
 use crate::request::{self, Endpoint, RequestError};
 use crate::responses::ResponseMap;
-use crate::session::{SessionEntry, Sessions, Turn};
+use crate::session::{SessionEntry, Sessions};
 use crate::snapshot::Snapshot;
 use crate::store::SharedStore;
 use crate::tuning::Observation;
@@ -121,33 +121,11 @@ pub struct Learning {
     finished: bool,
     /// When `finish` restamped the chain.
     finished_ms: u64,
-    /// The answer's tokens, as its engine's `usage` counted them; 0: not
-    /// known.
-    answer_tokens: u32,
-    /// `answered` wrote the session record, and when.
+    /// `learn` wrote the session record.
     session_written: bool,
-    session_ms: u64,
 }
 
 impl Learning {
-    /// The answer's length from its engine's `usage` (`completion_tokens`),
-    /// for the session record.
-    pub fn note_answer(&mut self, usage: Option<crate::usage::Usage>) {
-        if let Some(t) = usage.and_then(|u| u.completion_tokens) {
-            self.answer_tokens = u32::try_from(t).unwrap_or(u32::MAX);
-        }
-    }
-
-    /// What this request leaves in its region's cache, as the session
-    /// record names it.
-    fn turn(&self) -> Turn {
-        Turn {
-            blocks: self.prefix.0,
-            last: self.prefix.1,
-            answer_tokens: self.answer_tokens,
-        }
-    }
-
     /// What the decision believed `region` held.
     pub fn belief(&self, region: usize) -> Belief {
         let held_ms = match self.session_credit {
@@ -195,18 +173,6 @@ impl Routed {
 /// Engine tokens per byte for the fleet-wide prompt estimate: the mean of
 /// the regions' measured figures (for the model, where measured), else the
 /// configured `prefix.bytes_per_token`.
-/// Whole blocks of an answer of `tokens` engine tokens, in the router's
-/// unit (canonical bytes at the fleet's tokens per byte).
-fn answer_blocks(tokens: u32, tpb: f64, cfg: &Config) -> u32 {
-    let bytes = f64::from(tokens) / tpb.max(f64::MIN_POSITIVE);
-    let blocks = (bytes / f64::from(cfg.prefix.block_bytes.max(1))).floor();
-    if blocks.is_finite() {
-        blocks.clamp(0.0, f64::from(u32::MAX)) as u32
-    } else {
-        0
-    }
-}
-
 fn fleet_tokens_per_byte(cfg: &Config, inp: &RouteInputs, model: Option<&str>) -> f64 {
     let Some(snap) = inp.snapshot else {
         return 1.0 / cfg.prefix.bytes_per_token;
@@ -318,6 +284,7 @@ impl Router {
             first_block: None,
             allowed: allowed.as_deref(),
             fits: context::Check::ALL_FIT.fits,
+            session_region: None,
             weights,
             now_ms: inp.now_ms,
         });
@@ -488,33 +455,24 @@ impl Router {
             calls += 1;
             self.sessions.lookup(store, k, now)
         });
-        // The region that served the session's previous request holds its
-        // prompt and the answer generated after it: when this prompt extends
-        // that prompt, it is credited exactly (not only to the directory's
-        // last checkpoint), and with the answer's blocks, which this prompt
-        // repeats next (capped at this prompt). Within the region's cache
-        // horizon, as the directory's entries.
-        let fleet_tpb = fleet_tokens_per_byte(cfg, inp, model);
+        // The region that served the session's previous prompt holds all of
+        // it (and its output): credit it exactly when this prompt extends it,
+        // not only to the directory's last checkpoint.
+        // Within the region's cache horizon, as the directory's entries.
         let mut session_credit: Option<(usize, u64)> = None;
         if let Some(s) = session {
-            if let (Some((region, at_ms)), Some(turn)) = (s.last, s.turn) {
-                let extends = match turn.blocks.checked_sub(1) {
-                    None => true,
-                    Some(i) => req.prompt.block_hash(i as usize) == Some(turn.last),
-                };
-                let credited = turn
-                    .blocks
-                    .saturating_add(answer_blocks(turn.answer_tokens, fleet_tpb, cfg))
-                    .min(req.prompt.blocks);
-                let within = keep
-                    .get(region)
-                    .is_none_or(|k| k.holds(at_ms, credited, now));
+            if let (Some((region, at_ms)), Some((blocks, hash))) = (s.last, s.prefix) {
+                let extends = blocks
+                    .checked_sub(1)
+                    .and_then(|i| req.prompt.block_hash(i as usize))
+                    .is_some_and(|h| h == hash);
+                let within = keep.get(region).is_none_or(|k| k.holds(at_ms, blocks, now));
                 if let Some(b) = lookup
                     .cached_blocks
                     .get_mut(region)
-                    .filter(|b| extends && within && **b < credited)
+                    .filter(|b| extends && within && **b < blocks)
                 {
-                    *b = credited;
+                    *b = blocks;
                     session_credit = Some((region, at_ms));
                 }
             }
@@ -523,6 +481,7 @@ impl Router {
         // conversation's first turns together.
         let first_block = req.prompt.first_block.or(session.map(|s| s.hash));
         let weights = Weights::in_force(cfg, inp.snapshot);
+        let fleet_tpb = fleet_tokens_per_byte(cfg, inp, model);
         let prompt_tokens = cost::tokens_of(req.prompt.bytes, fleet_tpb);
         let mut decision = cost::decide(&cost::Inputs {
             config: cfg,
@@ -537,6 +496,7 @@ impl Router {
             first_block,
             allowed: allowed.as_deref(),
             fits: limits.fits,
+            session_region: session.and_then(|s| s.last).map(|(r, _)| r),
             weights,
             now_ms: inp.now_ms,
         });
@@ -588,9 +548,7 @@ impl Router {
             intake_noted: false,
             finished: false,
             finished_ms: 0,
-            answer_tokens: 0,
             session_written: false,
-            session_ms: 0,
         });
         Ok(Routed {
             decision,
@@ -608,8 +566,8 @@ impl Router {
 
     /// The answer to a routed request has started, from `served`'s engine
     /// (the region whose host served the last try): it now holds the
-    /// prompt. Records the prefix there, once; returns the shared-data
-    /// calls made.
+    /// prompt. Records the prefix and the session there, once; returns the
+    /// shared-data calls made.
     pub fn learn(
         &self,
         store: &mut dyn SharedStore,
@@ -621,39 +579,22 @@ impl Router {
             return 0;
         }
         learning.served_ms = now_ms;
-        self.dir.record(
+        let mut calls = self.dir.record(
             store,
             &mut learning.lookup,
             &learning.checkpoints,
             served,
             now_ms,
             learning.prefix,
-        )
-    }
-
-    /// The answer at `served` ended: the session record names that region
-    /// with the prompt and the answer's length (`Learning::note_answer`),
-    /// once, after the answer had started. The next turn cannot come
-    /// before (it repeats the answer). Returns the calls made.
-    pub fn answered(
-        &self,
-        store: &mut dyn SharedStore,
-        learning: &mut Learning,
-        served: usize,
-        now_ms: u64,
-    ) -> u32 {
-        let Some(s) = learning.session else {
-            return 0;
-        };
-        if !learning.recorded || learning.session_ms != 0 {
-            return 0;
+        );
+        if let Some(s) = learning.session {
+            let n = self
+                .sessions
+                .record(store, s, served, now_ms, learning.prefix);
+            learning.session_written = n > 0;
+            calls += n;
         }
-        learning.session_ms = now_ms.max(learning.served_ms);
-        let n = self
-            .sessions
-            .record(store, s, served, learning.session_ms, learning.turn());
-        learning.session_written = n > 0;
-        n
+        calls
     }
 
     /// The answer at `served` ended: where its cache is modelled, the
@@ -689,14 +630,14 @@ impl Router {
         )
     }
 
-    /// The session record `answered` wrote, as news for the other Envoys:
-    /// (session hash, stamp, what the turn left). Once.
-    pub fn session_written(&self, learning: &mut Learning) -> Option<(u64, u64, Turn)> {
+    /// The session record `learn` wrote, as news for the other Envoys:
+    /// (session hash, stamp, prompt end). Once.
+    pub fn session_written(&self, learning: &mut Learning) -> Option<(u64, u64, (u32, u64))> {
         if !std::mem::replace(&mut learning.session_written, false) {
             return None;
         }
         let s = learning.session?;
-        Some((s.hash, learning.session_ms, learning.turn()))
+        Some((s.hash, learning.served_ms, learning.prefix))
     }
 
     /// What the last `learn` or `finish` wrote at `served`, as news for
@@ -747,7 +688,6 @@ impl Router {
             Some(crate::usage::Usage {
                 prompt_tokens,
                 cached_tokens: Some(c),
-                ..
             }) => prompt_tokens.saturating_sub(c) as f64,
             _ => {
                 let b = learning.belief(served);
@@ -1122,7 +1062,6 @@ mod tests {
         let usage = crate::usage::Usage {
             prompt_tokens: 3000,
             cached_tokens: Some(0),
-            completion_tokens: None,
         };
         let report = second.usage_report(usage, 1).unwrap();
         assert_eq!((report.region, report.believed_bytes), (1, 0));
@@ -1131,89 +1070,6 @@ mod tests {
         let pooled = router.route(&c, &mut store, &inp).unwrap();
         assert!(pooled.learning.is_none());
         assert!(pooled.usage_report(usage, 1).is_none());
-    }
-
-    #[test]
-    fn the_next_turn_is_credited_with_the_answer_where_it_was_generated() {
-        let c = cfg();
-        let s = snap(&c);
-        let router = Router::new(&c);
-        let mut store = MemoryStore::default();
-        let doc = "a document the user asks about, sentence after sentence. ".repeat(40);
-        let answer = "an answer the engine generated, token after token. ".repeat(50);
-        let chat = |msgs: &[(&str, &str)]| {
-            let m: Vec<_> = msgs
-                .iter()
-                .map(|(role, content)| serde_json::json!({"role": role, "content": content}))
-                .collect();
-            serde_json::to_vec(&serde_json::json!({"messages": m})).unwrap()
-        };
-        let first = chat(&[("user", &doc)]);
-        let inp = RouteInputs {
-            endpoint: Endpoint::ChatCompletions,
-            body: &first,
-            session_header: None,
-            residency: None,
-            snapshot: Some(&s),
-            snapshot_index: &[Some(0), Some(1)],
-            inflight: &[0.0, 0.0],
-            now_ms: 1000,
-            fallback: false,
-        };
-        // Two sessions' first turns, both answered by mid (a retry); only
-        // "told"'s engine reported the answer's length (600 tokens: about
-        // the answer's 2550 bytes at 4 bytes a token).
-        for (session, reported) in [("told", Some(600)), ("untold", None)] {
-            let inp = RouteInputs {
-                session_header: Some(session),
-                ..inp
-            };
-            let mut r = router.route(&c, &mut store, &inp).unwrap();
-            let learning = r.learning.as_mut().unwrap();
-            router.learn(&mut store, learning, 1, 1500);
-            assert_eq!(router.answered(&mut store, learning, 1, 1400), 1);
-            assert_eq!(router.answered(&mut store, learning, 1, 9000), 0, "once");
-            learning.note_answer(reported.map(|t| crate::usage::Usage {
-                prompt_tokens: 600,
-                cached_tokens: Some(0),
-                completion_tokens: Some(t),
-            }));
-            // Rewritten with the answer: a second learner, as `on_log` runs
-            // after the usage is read.
-            learning.session_ms = 0;
-            router.answered(&mut store, learning, 1, 4000);
-            assert!(learning.session_ms >= learning.served_ms);
-        }
-        let mut mid_cached = |session: &str, body: &[u8]| {
-            let inp = RouteInputs {
-                body,
-                session_header: Some(session),
-                now_ms: 5000,
-                ..inp
-            };
-            let r = router.route(&c, &mut store, &inp).unwrap();
-            (r.decision.costs[1].cached_tokens, r.prompt_tokens)
-        };
-        let next = chat(&[
-            ("user", &doc),
-            ("assistant", &answer),
-            ("user", "and then?"),
-        ]);
-        let (told, prompt) = mid_cached("told", &next);
-        let (untold, _) = mid_cached("untold", &next);
-        // The first prompt's whole blocks (its 2280 bytes of text: 35),
-        // and the answer's 37 more (600 tokens: 2400 bytes, whole blocks)
-        // where its length was reported.
-        let tokens = |blocks: u64| blocks * 64 / 4;
-        assert_eq!(untold, tokens(35), "{untold} of {prompt}");
-        assert_eq!(told, tokens(35 + 37), "{told} of {prompt}");
-        // Never beyond this prompt: the same prompt again (a regenerated
-        // answer) is credited with the prompt only.
-        let (again, _) = mid_cached("told", &first);
-        assert_eq!(again, tokens(35));
-        // A prompt that does not extend the recorded one is not credited.
-        let other = chat(&[("user", "another document altogether. "), ("user", &answer)]);
-        assert_eq!(mid_cached("told", &other).0, 0);
     }
 
     #[test]

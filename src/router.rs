@@ -540,7 +540,6 @@ impl RouterStream {
             self.served,
             self.decided.as_mut().and_then(|d| d.learning.as_mut()),
         ) {
-            learning.note_answer(usage);
             shared.router.note_intake(host, learning, served, usage);
         }
         let report = usage.and_then(|u| self.decided.as_ref()?.usage_report(u, self.served?));
@@ -602,7 +601,7 @@ impl RouterStream {
             self.report_usage(shared, host, false);
         }
         // The engine frees the prompt's blocks now, not at the first byte:
-        // its LRU recency starts here. The session record names the answer.
+        // its LRU recency starts here.
         if let (Some(served), Some(learning)) = (
             self.served,
             self.decided.as_mut().and_then(|d| d.learning.as_mut()),
@@ -610,9 +609,6 @@ impl RouterStream {
             let now = host.now_ms();
             if shared.router.finish(host, learning, served, now) > 0 {
                 share_placement(shared, host, learning, served);
-            }
-            if shared.router.answered(host, learning, served, now) > 0 {
-                share_session(shared, host, learning, served);
             }
         }
         if let Some(region) = self.routed.take() {
@@ -709,6 +705,18 @@ fn share_placement(
     if !shared.cfg.exchange.enabled() {
         return;
     }
+    if let Some((hash, at_ms, (blocks, last))) = shared.router.session_written(learning) {
+        if let Ok(region) = u16::try_from(served) {
+            let note = crate::exchange::encode_note(&crate::exchange::Body::Session {
+                region,
+                at_ms,
+                hash,
+                blocks,
+                last,
+            });
+            host.enqueue(OBSERVATIONS_QUEUE, &note);
+        }
+    }
     if let Some(w) = shared.router.written(learning, served) {
         let note = crate::exchange::encode_note(&crate::exchange::Body::Placement {
             region: w.region,
@@ -716,33 +724,6 @@ fn share_placement(
             blocks: w.end.0,
             tag: w.end.1 as u32,
             hashes: w.hashes,
-        });
-        host.enqueue(OBSERVATIONS_QUEUE, &note);
-    }
-}
-
-/// With the exchange on, the session record `answered` just wrote goes to
-/// the probe, for the deployment's other Envoys.
-fn share_session(
-    shared: &RouterShared,
-    host: &mut dyn StreamHost,
-    learning: &mut crate::route::Learning,
-    served: usize,
-) {
-    if !shared.cfg.exchange.enabled() {
-        return;
-    }
-    let Some((hash, at_ms, turn)) = shared.router.session_written(learning) else {
-        return;
-    };
-    if let Ok(region) = u16::try_from(served) {
-        let note = crate::exchange::encode_note(&crate::exchange::Body::Session {
-            region,
-            at_ms,
-            hash,
-            blocks: turn.blocks,
-            last: turn.last,
-            answer_tokens: turn.answer_tokens,
         });
         host.enqueue(OBSERVATIONS_QUEUE, &note);
     }

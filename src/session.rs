@@ -1,10 +1,7 @@
 //! Session affinity records: which region served a session's previous
-//! request, the prompt it sent and the length of the answer it got. The
-//! engine that generated that answer holds prompt and answer in its cache
-//! (vLLM caches generated blocks as they fill; SGLang inserts the output
-//! into its radix tree when a request ends), which the prefix directory
-//! cannot know: the next turn, whose prompt repeats both, is credited with
-//! them there. Stored in shared data like the directory: fixed slots
+//! request. A soft signal for the cost (the region that served the last turn
+//! also caches that turn's output, which the prefix directory cannot know).
+//! Stored in shared data like the directory: fixed slots
 //! (`llm_geo_router.session.<slot>`, the directory's slot count), a TTL, the
 //! newest session winning a slot; the key is a seeded hash, never the
 //! session id itself.
@@ -22,48 +19,37 @@ pub struct Sessions {
     pub seed: u64,
 }
 
-/// What a session's last request left in its region's cache: its prompt
-/// (`blocks` full blocks, the last one's chain hash `last`) and the answer
-/// generated after it (`answer_tokens`, the engine's `completion_tokens`;
-/// 0 when unknown).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Turn {
-    pub blocks: u32,
-    pub last: u64,
-    pub answer_tokens: u32,
-}
-
 /// A looked-up session: its hash, and the region and time of its last
-/// request if known and fresh, with what that request left there (so the
-/// region's cache of it can be credited exactly, not just to the last
-/// checkpoint, and its answer too).
+/// request if known and fresh, with that request's prompt length in blocks
+/// and the chain hash of its last block (so the region's cache of it can be
+/// credited exactly, not just to the last checkpoint).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SessionEntry {
     pub hash: u64,
     pub last: Option<(usize, u64)>,
-    pub turn: Option<Turn>,
+    pub prefix: Option<(u32, u64)>,
 }
 
-const RECORD_BYTES: usize = 40;
+const RECORD_BYTES: usize = 36;
 
 impl Sessions {
     fn key(&self, hash: u64) -> SlotKey {
         SlotKey::new(KEY_PREFIX, hash % u64::from(self.slots.max(1)))
     }
 
-    fn encode(&self, hash: u64, region: usize, now_ms: u64, turn: Turn) -> Vec<u8> {
+    fn encode(&self, hash: u64, region: usize, now_ms: u64, prefix: (u32, u64)) -> Vec<u8> {
         let mut v = Vec::with_capacity(RECORD_BYTES);
         v.extend_from_slice(&self.layout.to_le_bytes());
         v.extend_from_slice(&hash.to_le_bytes());
         v.extend_from_slice(&(region as u32).to_le_bytes());
         v.extend_from_slice(&now_ms.to_le_bytes());
-        v.extend_from_slice(&turn.blocks.to_le_bytes());
-        v.extend_from_slice(&turn.last.to_le_bytes());
-        v.extend_from_slice(&turn.answer_tokens.to_le_bytes());
+        v.extend_from_slice(&prefix.0.to_le_bytes());
+        v.extend_from_slice(&prefix.1.to_le_bytes());
         v
     }
 
-    fn decode(&self, v: &[u8]) -> Option<(u64, usize, u64, Turn)> {
+    #[allow(clippy::type_complexity)]
+    fn decode(&self, v: &[u8]) -> Option<(u64, usize, u64, (u32, u64))> {
         if v.len() != RECORD_BYTES
             || u32::from_le_bytes(v.get(0..4)?.try_into().ok()?) != self.layout
         {
@@ -72,12 +58,9 @@ impl Sessions {
         let hash = u64::from_le_bytes(v.get(4..12)?.try_into().ok()?);
         let region = u32::from_le_bytes(v.get(12..16)?.try_into().ok()?) as usize;
         let ts = u64::from_le_bytes(v.get(16..24)?.try_into().ok()?);
-        let turn = Turn {
-            blocks: u32::from_le_bytes(v.get(24..28)?.try_into().ok()?),
-            last: u64::from_le_bytes(v.get(28..36)?.try_into().ok()?),
-            answer_tokens: u32::from_le_bytes(v.get(36..40)?.try_into().ok()?),
-        };
-        Some((hash, region, ts, turn))
+        let blocks = u32::from_le_bytes(v.get(24..28)?.try_into().ok()?);
+        let last = u64::from_le_bytes(v.get(28..36)?.try_into().ok()?);
+        Some((hash, region, ts, (blocks, last)))
     }
 
     /// One shared-data read.
@@ -92,22 +75,26 @@ impl Sessions {
         SessionEntry {
             hash,
             last: found.map(|(_, r, ts, _)| (r, ts)),
-            turn: found
-                .map(|(_, _, _, t)| t)
-                .filter(|t| t.blocks > 0 || t.answer_tokens > 0),
+            prefix: found
+                .map(|(_, _, _, p)| p)
+                .filter(|(blocks, _)| *blocks > 0),
         }
     }
 
+    /// Record the region that now serves the session and the prompt it
+    /// sent (`prefix`: blocks, last block's chain hash); skipped (no call)
+    /// when the record already says exactly that and is younger than half
+    /// the TTL.
     /// A peer Envoy's record: session `hash` served by `region` at
-    /// `at_ms`, leaving `turn`; kept unless the slot holds a newer record.
-    /// True when it changed the slot.
+    /// `at_ms`, its prompt `prefix`; kept unless the slot holds a newer
+    /// record. True when it changed the slot.
     pub fn merge(
         &self,
         store: &mut dyn SharedStore,
         hash: u64,
         region: usize,
         at_ms: u64,
-        turn: Turn,
+        prefix: (u32, u64),
     ) -> bool {
         let key = self.key(hash);
         let newer = store
@@ -119,7 +106,11 @@ impl Sessions {
         if newer {
             return false;
         }
-        let _ = store.set(key.as_str(), &self.encode(hash, region, at_ms, turn), None);
+        let _ = store.set(
+            key.as_str(),
+            &self.encode(hash, region, at_ms, prefix),
+            None,
+        );
         true
     }
 
@@ -133,24 +124,21 @@ impl Sessions {
         }
     }
 
-    /// Record the region that served the session's request and what it
-    /// left there (`turn`); skipped (no call) when the record already says
-    /// exactly that and is younger than half the TTL.
     pub fn record(
         &self,
         store: &mut dyn SharedStore,
         entry: SessionEntry,
         region: usize,
         now_ms: u64,
-        turn: Turn,
+        prefix: (u32, u64),
     ) -> u32 {
         if let Some((r, ts)) = entry.last {
             let fresh = now_ms.saturating_sub(ts) < self.ttl_ms / 2;
-            if r == region && entry.turn == Some(turn) && fresh {
+            if r == region && entry.prefix == Some(prefix) && fresh {
                 return 0;
             }
         }
-        let value = self.encode(entry.hash, region, now_ms, turn);
+        let value = self.encode(entry.hash, region, now_ms, prefix);
         let _ = store.set(self.key(entry.hash).as_str(), &value, None);
         1
     }
@@ -170,28 +158,15 @@ mod tests {
             seed: 3,
         };
         let mut m = MemoryStore::default();
-        let turn = |blocks, last, answer_tokens| Turn {
-            blocks,
-            last,
-            answer_tokens,
-        };
         let e = s.lookup(&mut m, "conv-1", 1000);
         assert_eq!(e.last, None);
-        assert_eq!(s.record(&mut m, e, 2, 1000, turn(7, 99, 40)), 1);
+        assert_eq!(s.record(&mut m, e, 2, 1000, (7, 99)), 1);
         let e = s.lookup(&mut m, "conv-1", 2000);
         assert_eq!(e.last, Some((2, 1000)));
-        assert_eq!(e.turn, Some(turn(7, 99, 40)));
-        // Same region, prompt and answer, fresh: no write; a longer prompt
-        // or another answer: written.
-        assert_eq!(s.record(&mut m, e, 2, 2000, turn(7, 99, 40)), 0);
-        assert_eq!(s.record(&mut m, e, 2, 2000, turn(7, 99, 41)), 1);
-        assert_eq!(s.record(&mut m, e, 2, 2000, turn(9, 5, 0)), 1);
-        // A first turn shorter than a block still leaves its answer; one
-        // that left nothing known is no turn.
-        assert_eq!(s.record(&mut m, e, 2, 2000, turn(0, 0, 12)), 1);
-        assert_eq!(s.lookup(&mut m, "conv-1", 2000).turn, Some(turn(0, 0, 12)));
-        assert_eq!(s.record(&mut m, e, 2, 2000, turn(0, 0, 0)), 1);
-        assert_eq!(s.lookup(&mut m, "conv-1", 2000).turn, None);
+        assert_eq!(e.prefix, Some((7, 99)));
+        // Same region and prompt, fresh: no write; a longer prompt: written.
+        assert_eq!(s.record(&mut m, e, 2, 2000, (7, 99)), 0);
+        assert_eq!(s.record(&mut m, e, 2, 2000, (9, 5)), 1);
         assert_eq!(s.lookup(&mut m, "conv-1", 12_000).last, None);
         assert_eq!(s.lookup(&mut m, "conv-2", 2000).last, None);
         // The key is not the session id.

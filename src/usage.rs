@@ -25,9 +25,6 @@ pub struct Usage {
     /// answer does not say (vLLM without `--enable-prompt-tokens-details`,
     /// SGLang without `--enable-cache-report`).
     pub cached_tokens: Option<u64>,
-    /// Tokens of the answer (`completion_tokens`, the Responses API's
-    /// `output_tokens`); `None` when absent or not a whole number.
-    pub completion_tokens: Option<u64>,
 }
 
 /// The last bytes of a response body.
@@ -101,17 +98,9 @@ impl Tail {
 }
 
 fn parse(v: &Value) -> Option<Usage> {
-    let (prompt, details, completion) = match v.get("prompt_tokens") {
-        Some(p) => (
-            p,
-            v.get("prompt_tokens_details"),
-            v.get("completion_tokens"),
-        ),
-        None => (
-            v.get("input_tokens")?,
-            v.get("input_tokens_details"),
-            v.get("output_tokens"),
-        ),
+    let (prompt, details) = match v.get("prompt_tokens") {
+        Some(p) => (p, v.get("prompt_tokens_details")),
+        None => (v.get("input_tokens")?, v.get("input_tokens_details")),
     };
     let prompt_tokens = prompt.as_u64()?;
     let cached_tokens = details
@@ -121,7 +110,6 @@ fn parse(v: &Value) -> Option<Usage> {
     Some(Usage {
         prompt_tokens,
         cached_tokens,
-        completion_tokens: completion.and_then(Value::as_u64),
     })
 }
 
@@ -253,8 +241,7 @@ mod tests {
             u,
             Usage {
                 prompt_tokens: 1200,
-                cached_tokens: Some(1024),
-                completion_tokens: Some(10),
+                cached_tokens: Some(1024)
             }
         );
         // Without the details (vLLM without --enable-prompt-tokens-details).
@@ -277,8 +264,7 @@ mod tests {
             t.usage(),
             Some(Usage {
                 prompt_tokens: 31750,
-                cached_tokens: Some(2448),
-                completion_tokens: Some(50),
+                cached_tokens: Some(2448)
             })
         );
         // Without the usage chunk: token chunks say `"usage":null`, and the
@@ -294,8 +280,7 @@ mod tests {
             feed(&[body]).usage(),
             Some(Usage {
                 prompt_tokens: 300,
-                cached_tokens: Some(256),
-                completion_tokens: Some(5),
+                cached_tokens: Some(256)
             })
         );
     }
@@ -322,11 +307,6 @@ mod tests {
         let body =
             br#"{"usage":{"prompt_tokens":10,"prompt_tokens_details":{"cached_tokens":99}}}"#;
         assert_eq!(feed(&[body]).usage().unwrap().cached_tokens, Some(10));
-        // An answer's count of the wrong type is not believed; the prompt's
-        // figures still are.
-        let body = br#"{"usage":{"prompt_tokens":10,"completion_tokens":"7"}}"#;
-        let u = feed(&[body]).usage().unwrap();
-        assert_eq!((u.prompt_tokens, u.completion_tokens), (10, None));
     }
 
     #[test]

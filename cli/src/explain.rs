@@ -15,7 +15,6 @@ use llm_geo_router::protocol::{Global, RegionStat, Stat, SNAPSHOT_KEY};
 use llm_geo_router::request::{self, Endpoint};
 use llm_geo_router::route::{Routed, Router};
 use llm_geo_router::router::{RouterShared, RouterStream};
-use llm_geo_router::session::Turn;
 use llm_geo_router::snapshot::Snapshot;
 use llm_geo_router::store::{MemoryStore, SharedStore};
 use llm_geo_router::stream::Flow;
@@ -112,12 +111,9 @@ pub struct Args {
         help_heading = "Directory",
         long_help = "JSON array of earlier requests, replayed in order:\n  \
                      [{\"body\": {...} | \"file.json\", \"region\": \"mid\",\n    \
-                     \"at_ms\": 1700000000000, \"session\": \"s1\",\n    \
-                     \"answer_tokens\": 300}]\n\
+                     \"at_ms\": 1700000000000, \"session\": \"s1\"}]\n\
                      a body file is relative to the history file's directory;\n\
-                     `session` is optional (else the body's `user`);\n\
-                     `answer_tokens` is optional: the answer's length, as the\n\
-                     engine's usage reported it (its completion_tokens). Each entry is\n\
+                     `session` is optional (else the body's `user`). Each entry is\n\
                      recorded for its region as the router records the region it\n\
                      chose. at_ms: > 0, not decreasing."
     )]
@@ -284,20 +280,14 @@ fn session_record(
             request::parse(endpoint, body, hasher).ok()?.user?
         }
     };
-    let found = router.sessions.lookup(store, &key, now_ms);
-    Some(Session {
-        key,
-        last: found.last,
-        turn: found.turn,
-    })
+    let last = router.sessions.lookup(store, &key, now_ms).last;
+    Some(Session { key, last })
 }
 
 struct Session {
     key: String,
     /// The region that served its previous request, and when.
     last: Option<(usize, u64)>,
-    /// What that request left there.
-    turn: Option<Turn>,
 }
 
 fn read(option: &str, path: &str) -> Result<Vec<u8>, CliError> {
@@ -349,7 +339,6 @@ struct Past {
     region: usize,
     at_ms: u64,
     session: Option<String>,
-    answer_tokens: u32,
 }
 
 impl History {
@@ -371,14 +360,12 @@ impl History {
             let Value::Object(obj) = item else {
                 return Err(at("must be an object with body, region and at_ms".into()));
             };
-            if let Some(k) = obj.keys().find(|k| {
-                !matches!(
-                    k.as_str(),
-                    "body" | "region" | "at_ms" | "session" | "answer_tokens"
-                )
-            }) {
+            if let Some(k) = obj
+                .keys()
+                .find(|k| !matches!(k.as_str(), "body" | "region" | "at_ms" | "session"))
+            {
                 return Err(at(format!(
-                    "unknown field {k:?}; expected body, region, at_ms, session, answer_tokens"
+                    "unknown field {k:?}; expected body, region, at_ms, session"
                 )));
             }
             let body = match obj.get("body") {
@@ -420,19 +407,11 @@ impl History {
                 Some(Value::String(s)) => Some(s.clone()),
                 Some(_) => return Err(at("session must be a string".into())),
             };
-            let answer_tokens = match obj.get("answer_tokens") {
-                None | Some(Value::Null) => 0,
-                Some(v) => v
-                    .as_u64()
-                    .and_then(|t| u32::try_from(t).ok())
-                    .ok_or_else(|| at("answer_tokens must be a whole number of tokens".into()))?,
-            };
             entries.push(Past {
                 body,
                 region,
                 at_ms,
                 session,
-                answer_tokens,
             });
         }
         Ok(History { file, entries })
@@ -468,14 +447,9 @@ impl History {
             );
             if let Some(key) = past.session.as_deref().or(req.user.as_deref()) {
                 let entry = router.sessions.lookup(store, key, past.at_ms);
-                let turn = Turn {
-                    blocks: prefix.0,
-                    last: prefix.1,
-                    answer_tokens: past.answer_tokens,
-                };
                 router
                     .sessions
-                    .record(store, entry, past.region, past.at_ms, turn);
+                    .record(store, entry, past.region, past.at_ms, prefix);
             }
         }
         Ok(())
@@ -523,16 +497,6 @@ struct Report<'a> {
 }
 
 impl Report<'_> {
-    fn turn_text(&self, turn: Option<Turn>) -> String {
-        match turn {
-            Some(t) => format!(
-                "a prompt of {} blocks, an answer of {} tokens",
-                t.blocks, t.answer_tokens
-            ),
-            None => "nothing known of its prompt or answer".into(),
-        }
-    }
-
     fn name(&self, i: usize) -> &str {
         self.cfg.regions.get(i).map_or("?", |r| r.name.as_str())
     }
@@ -629,8 +593,6 @@ impl Report<'_> {
                 "key": s.key,
                 "last_region": s.last.map(|(r, _)| self.name(r)),
                 "last_at_ms": s.last.map(|(_, t)| t),
-                "last_prompt_blocks": s.turn.map(|t| t.blocks),
-                "last_answer_tokens": s.turn.map(|t| t.answer_tokens),
             })),
             "migration": migration,
             "shared_data_calls": self.routed.shared_data_calls,
@@ -658,14 +620,11 @@ impl Report<'_> {
         );
         if let Some(s) = &self.session {
             let last = match s.last {
-                Some((r, t)) => {
-                    let turn = self.turn_text(s.turn);
-                    format!(
-                        "last served by {} at {t} ms ({turn}); credited there as cached \
-                         when this prompt extends it",
-                        self.name(r)
-                    )
-                }
+                Some((r, t)) => format!(
+                    "last served by {} at {t} ms; kept if within cost.session_slack_ms ({} ms) of the best",
+                    self.name(r),
+                    self.cfg.cost.session_slack_ms
+                ),
                 None => "no record".into(),
             };
             out.push_str(&format!("session    {:?}: {last}\n", s.key));

@@ -391,18 +391,18 @@ impl Envoy {
 
     /// Request `id` ended: answered completely (`ok`), or its region was
     /// lost under it (a connection failure, as Envoy would report it).
-    /// `usage`: the engine's prompt, cached and generated tokens, which the
-    /// answer's last chunk carries as vLLM's does.
-    pub fn done(&mut self, id: usize, ok: bool, usage: Option<(u64, u64, u64)>, now_ms: u64) {
+    /// `usage`: the engine's prompt and cached tokens, which the answer's
+    /// last chunk carries as vLLM's does.
+    pub fn done(&mut self, id: usize, ok: bool, usage: Option<(u64, u64)>, now_ms: u64) {
         let host = &mut self.host;
         host.now_ms = now_ms;
         let Some(mut s) = self.streams.remove(&id) else {
             return;
         };
-        if let (true, Some((prompt, cached, completion))) = (ok, usage) {
+        if let (true, Some((prompt, cached))) = (ok, usage) {
             host.response_chunk = format!(
-                "data: {{\"id\":\"sim\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{{\"prompt_tokens\":{prompt},\"completion_tokens\":{completion},\"total_tokens\":{},\"prompt_tokens_details\":{{\"cached_tokens\":{cached}}}}}}}\n\ndata: [DONE]\n\n",
-                prompt + completion
+                "data: {{\"id\":\"sim\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{{\"prompt_tokens\":{prompt},\"completion_tokens\":1,\"total_tokens\":{},\"prompt_tokens_details\":{{\"cached_tokens\":{cached}}}}}}}\n\ndata: [DONE]\n\n",
+                prompt + 1
             )
             .into_bytes();
             let len = host.response_chunk.len();
@@ -565,8 +565,8 @@ mod tests {
         let o = json!({"cost": {"w_queue": 2.0}, "probe": {"tick_ms": 500, "timeout_ms": 500}});
         let c = plugin_config(&f, 0, Knowledge::Exact, 100.0, Source::default(), Some(&o)).unwrap();
         assert_eq!(
-            (c.cost.w_queue, c.cost.congestion_cap, c.probe.tick_ms),
-            (2.0, 0.8, 500)
+            (c.cost.w_queue, c.cost.session_slack_ms, c.probe.tick_ms),
+            (2.0, 25.0, 500)
         );
         let e = plugin_config(
             &f,

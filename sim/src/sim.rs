@@ -1570,12 +1570,11 @@ impl Sim<'_> {
         let proxy = self.live.get(i).map_or(0, |l| l.router);
         // The engine's usage, as vLLM with `--enable-prompt-tokens-details`
         // reports it at the end of the answer.
-        let generated = self.live.get(i).map_or(0, |l| u64::from(l.output_tokens));
         let usage = self
             .records
             .get(i)
             .filter(|_| ok)
-            .map(|r| (r.prompt_tokens, r.cached_tokens, generated));
+            .map(|r| (r.prompt_tokens, r.cached_tokens));
         if let Some(e) = self.envoy(client, proxy) {
             e.done(i, ok, usage, core_ms(now));
         }
