@@ -366,10 +366,6 @@ pub struct CostConfig {
     pub placement_epsilon: f64,
     /// The placement bound's floor, as `bounded_load_floor`.
     pub placement_floor: f64,
-    /// The region that served a session's previous turn also holds that
-    /// turn's output in its cache, which the directory does not know; it is
-    /// kept when its cost is within this many milliseconds of the best.
-    pub session_slack_ms: f64,
     /// Cap on the utilisation ρ in the queue term's congestion factor
     /// 1/(1 − ρ); 0 turns congestion pricing off.
     pub congestion_cap: f64,
@@ -383,7 +379,6 @@ impl Default for CostConfig {
             bounded_load_floor: 0.5,
             placement_epsilon: 0.1,
             placement_floor: 0.25,
-            session_slack_ms: 25.0,
             congestion_cap: 0.8,
         }
     }
@@ -923,6 +918,13 @@ pub const REMOVED_FIELDS: &[(&str, &str, &str)] = &[
          \"What each rule is worth\")",
     ),
     (
+        "cost",
+        "session_slack_ms",
+        "nothing: a session's previous region is not kept by a margin; what it \
+         holds of the session's prompt enters the expected TTFT as cached tokens, \
+         from the session record (docs/ROUTING.md, \"What each rule is worth\")",
+    ),
+    (
         "probe",
         "rtt_alpha",
         "probe.rtt_window: a region's round trip is the least of its last rtt_window \
@@ -1180,7 +1182,6 @@ impl Config {
                 ));
             }
         }
-        non_negative("cost.session_slack_ms", self.cost.session_slack_ms)?;
         let cap = self.cost.congestion_cap;
         if !(cap.is_finite() && (0.0..=0.95).contains(&cap)) {
             return Err(ConfigError::new(

@@ -180,8 +180,6 @@ pub struct Inputs<'a> {
     /// Per configured region (bit i): whether the request fits its context
     /// limit (`context::check`); `u64::MAX` when none is known.
     pub fits: u64,
-    /// The region that served this session's previous request.
-    pub session_region: Option<usize>,
     /// Cost weights in force (configured, or tuned by the probe).
     pub weights: Weights,
     /// Now (ms since the Unix epoch): how long the engines have drained
@@ -601,9 +599,8 @@ fn apply_load_guard(inp: &Inputs, costs: &mut [Cost], held: bool) {
     }
 }
 
-/// The cheapest region among those `eligible`: the session's region if
-/// within `session_slack_ms` of it; among regions of exactly the least cost,
-/// the rendezvous winner.
+/// The cheapest region among those `eligible`; among regions of exactly the
+/// least cost, the rendezvous winner.
 fn pick(inp: &Inputs, costs: &[Cost], eligible: impl Fn(&Cost) -> bool) -> Option<usize> {
     let cfg = inp.config;
     let best = costs
@@ -613,14 +610,6 @@ fn pick(inp: &Inputs, costs: &[Cost], eligible: impl Fn(&Cost) -> bool) -> Optio
         .fold(f64::INFINITY, f64::min);
     if !best.is_finite() {
         return None;
-    }
-    if let Some(s) = inp.session_region {
-        if costs
-            .get(s)
-            .is_some_and(|c| eligible(c) && c.total_ms <= best + cfg.cost.session_slack_ms)
-        {
-            return Some(s);
-        }
     }
     let key = inp.first_block.unwrap_or(0);
     let mut chosen = None;
@@ -759,7 +748,6 @@ mod tests {
             first_block: Some(42),
             allowed: None,
             fits: u64::MAX,
-            session_region: None,
             weights: Weights::configured(c),
             now_ms: 0,
         })
@@ -937,7 +925,7 @@ mod tests {
         let near = |s: &Snapshot, now_ms: u64| {
             let d = decide(&Inputs {
                 now_ms,
-                ..inputs(&c, s, &[0, 0, 0], None, None)
+                ..inputs(&c, s, &[0, 0, 0], None)
             });
             let n = d.costs[0];
             (n.occupancy, n.wait_ms > 0.0)
@@ -988,7 +976,6 @@ mod tests {
             first_block: Some(key),
             allowed: None,
             fits: u64::MAX,
-            session_region: None,
             weights: Weights::configured(c),
             now_ms: 0,
         })
@@ -1125,7 +1112,6 @@ mod tests {
         s: &'a Snapshot,
         cached: &'a [u32],
         allowed: Option<&'a [bool]>,
-        session: Option<usize>,
     ) -> Inputs<'a> {
         Inputs {
             config: c,
@@ -1140,7 +1126,6 @@ mod tests {
             first_block: Some(7),
             allowed,
             fits: u64::MAX,
-            session_region: session,
             weights: Weights::configured(c),
             now_ms: 0,
         }
@@ -1161,10 +1146,10 @@ mod tests {
         // 20 requests at mid: with one engine of 8 slots, 12 wait; with the
         // 3 replicas the Prometheus source reports, none does.
         s.regions[1].running = 20.0;
-        let one = decide(&inputs(&c, &s, &[0, 62, 0], None, None));
+        let one = decide(&inputs(&c, &s, &[0, 62, 0], None));
         assert!(one.costs[1].wait_ms > 0.0);
         s.regions[1].replicas = Some(3);
-        let three = decide(&inputs(&c, &s, &[0, 62, 0], None, None));
+        let three = decide(&inputs(&c, &s, &[0, 62, 0], None));
         assert_eq!(three.costs[1].wait_ms, 0.0);
         assert_eq!((three.region, three.reason), (1, Reason::Cache));
     }
@@ -1179,7 +1164,7 @@ mod tests {
         s.regions[0].running = 2.0;
         s.regions[1].running = 7.0;
         s.regions[2].running = 1.0;
-        let d = decide(&inputs(&c, &s, &[0, 62, 0], None, None));
+        let d = decide(&inputs(&c, &s, &[0, 62, 0], None));
         assert_eq!((d.region, d.reason), (1, Reason::Cache));
         assert!(d.costs.iter().all(|c| !c.over_bound));
         assert_eq!(d.passed_over, None);
@@ -1192,7 +1177,7 @@ mod tests {
                     s.regions[1].running = f64::from(holder);
                     s.regions[0].running = f64::from(other);
                     s.regions[2].running = f64::from(other / 2);
-                    let mut inp = inputs(&c, &s, &[0, 62, 0], None, None);
+                    let mut inp = inputs(&c, &s, &[0, 62, 0], None);
                     inp.weights.w_queue = w_queue;
                     let d = decide(&inp);
                     assert!(!d.costs[1].over_bound, "{holder} {other} {w_queue}");
@@ -1212,7 +1197,7 @@ mod tests {
             let mut s = snap(&c);
             s.regions[1].running = 8.0;
             s.regions[1].waiting = n - 8.0;
-            let mut inp = inputs(&c, &s, &[0, 62, 0], None, None);
+            let mut inp = inputs(&c, &s, &[0, 62, 0], None);
             inp.weights.w_queue = w_queue;
             decide(&inp)
         };
@@ -1241,7 +1226,7 @@ mod tests {
             r.running = 8.0;
             r.waiting = 8.0;
         }
-        let mut inp = inputs(&c, &s, &[0, 62, 0], None, None);
+        let mut inp = inputs(&c, &s, &[0, 62, 0], None);
         inp.weights.w_queue = 0.2;
         assert_eq!(decide(&inp).reason, Reason::Cache);
     }
@@ -1254,27 +1239,27 @@ mod tests {
         // placement bound 1.1 x 1 < 3: a prompt no region holds goes
         // elsewhere (no cache miss is forced: a spread).
         s.regions[0].running = 2.0;
-        let d = decide(&inputs(&c, &s, &[0, 0, 0], None, None));
+        let d = decide(&inputs(&c, &s, &[0, 0, 0], None));
         assert_eq!(d.reason, Reason::Spread);
         assert_ne!(d.region, 0);
         assert!(d.costs[0].over_bound);
         assert_eq!(d.passed_over.map(|p| (p.region, p.wait_ms)), Some((0, 0.0)));
         // near holds a shared prefix of it, less than half (320 of 1000
         // tokens): it does not hold the prompt, which is placed as new.
-        let d = decide(&inputs(&c, &s, &[20, 0, 0], None, None));
+        let d = decide(&inputs(&c, &s, &[20, 0, 0], None));
         assert_eq!(d.reason, Reason::Spread);
         // A prompt near holds stays: it has free slots.
-        let d = decide(&inputs(&c, &s, &[62, 0, 0], None, None));
+        let d = decide(&inputs(&c, &s, &[62, 0, 0], None));
         assert_eq!((d.region, d.reason), (0, Reason::Cache));
         // A prompt held everywhere alike is placed like a new one: moving it
         // forces no miss either.
-        let d = decide(&inputs(&c, &s, &[62, 62, 62], None, None));
+        let d = decide(&inputs(&c, &s, &[62, 62, 62], None));
         assert_eq!(d.reason, Reason::Spread);
         // Held by near and mid, not far: mid has room and holds as much, so
         // near over its general share, max(1.5 x 2, 0.5 x 8) = 4 < 6,
         // spreads it to mid.
         s.regions[0].running = 5.0;
-        let d = decide(&inputs(&c, &s, &[62, 62, 0], None, None));
+        let d = decide(&inputs(&c, &s, &[62, 62, 0], None));
         assert_eq!((d.region, d.reason), (1, Reason::Spread));
         // With the placement bound as loose as the general one, near keeps
         // the new prompt at 2.
@@ -1282,7 +1267,7 @@ mod tests {
         c.cost.placement_epsilon = c.cost.bounded_load_epsilon;
         c.cost.placement_floor = c.cost.bounded_load_floor;
         s.regions[0].running = 2.0;
-        let d = decide(&inputs(&c, &s, &[0, 0, 0], None, None));
+        let d = decide(&inputs(&c, &s, &[0, 0, 0], None));
         assert_eq!((d.region, d.reason), (0, Reason::Rtt));
     }
 
@@ -1294,20 +1279,20 @@ mod tests {
             r.running = 4.0;
             r.waiting = 20.0;
         }
-        let d = decide(&inputs(&c, &s, &[0, 62, 0], None, None));
+        let d = decide(&inputs(&c, &s, &[0, 62, 0], None));
         assert!(d.costs.iter().all(|c| !c.over_bound));
-        let d = decide(&inputs(&c, &s, &[0, 0, 0], None, None));
+        let d = decide(&inputs(&c, &s, &[0, 0, 0], None));
         assert!(d.costs.iter().all(|c| !c.over_bound));
         // Low load: a new prompt with one request in flight at near is below
         // the placement floor when it is as high as the general one (2 of 4
         // slots); at the default (a quarter: 1 of these 4 slots) it is not.
         let mut s = snap(&c);
         s.regions[0].running = 1.0;
-        let d = decide(&inputs(&c, &s, &[0, 0, 0], None, None));
+        let d = decide(&inputs(&c, &s, &[0, 0, 0], None));
         assert_eq!((d.region, d.reason), (1, Reason::Spread));
         let mut c2 = cfg();
         c2.cost.placement_floor = c2.cost.bounded_load_floor;
-        let d = decide(&inputs(&c2, &s, &[0, 0, 0], None, None));
+        let d = decide(&inputs(&c2, &s, &[0, 0, 0], None));
         assert_eq!((d.region, d.reason), (0, Reason::Rtt));
     }
 
@@ -1316,16 +1301,16 @@ mod tests {
         let c = cfg();
         let mut s = snap(&c);
         let only_far = [false, false, true];
-        let d = decide(&inputs(&c, &s, &[0, 62, 0], Some(&only_far), None));
+        let d = decide(&inputs(&c, &s, &[0, 62, 0], Some(&only_far)));
         assert_eq!((d.region, d.reason), (2, Reason::Pin));
         // Even when the pinned region is unhealthy, the request stays inside the pin.
         s.regions[2].healthy = false;
-        let d = decide(&inputs(&c, &s, &[0, 0, 0], Some(&only_far), None));
+        let d = decide(&inputs(&c, &s, &[0, 0, 0], Some(&only_far)));
         assert_eq!((d.region, d.reason), (2, Reason::Fallback));
         // A pin that allows the best region changes nothing.
         let s = snap(&c);
         let near_mid = [true, true, false];
-        let d = decide(&inputs(&c, &s, &[0, 62, 0], Some(&near_mid), None));
+        let d = decide(&inputs(&c, &s, &[0, 62, 0], Some(&near_mid)));
         assert_eq!((d.region, d.reason), (1, Reason::Cache));
     }
 
@@ -1334,7 +1319,7 @@ mod tests {
         let c = cfg();
         let s = snap(&c);
         // near is cheapest but cannot take it: mid, for its context.
-        let mut inp = inputs(&c, &s, &[0, 0, 0], None, None);
+        let mut inp = inputs(&c, &s, &[0, 0, 0], None);
         inp.fits = !0b001;
         let d = decide(&inp);
         assert_eq!((d.region, d.reason), (1, Reason::Context));
@@ -1345,7 +1330,7 @@ mod tests {
         assert_eq!(decide(&inp).reason, Reason::Rtt);
         // With a pin to near and far: far, for near's context.
         let near_far = [true, false, true];
-        let mut inp = inputs(&c, &s, &[0, 0, 0], Some(&near_far), None);
+        let mut inp = inputs(&c, &s, &[0, 0, 0], Some(&near_far));
         inp.fits = 0b110;
         let d = decide(&inp);
         assert_eq!((d.region, d.reason), (2, Reason::Context));
@@ -1353,23 +1338,10 @@ mod tests {
         let mut s2 = snap(&c);
         s2.regions[1].healthy = false;
         s2.regions[2].healthy = false;
-        let mut inp = inputs(&c, &s2, &[0, 0, 0], None, None);
+        let mut inp = inputs(&c, &s2, &[0, 0, 0], None);
         inp.fits = 0b110;
         let d = decide(&inp);
         assert_eq!((d.region, d.reason), (1, Reason::Fallback));
-    }
-
-    #[test]
-    fn session_region_is_kept_within_the_slack() {
-        let c = cfg();
-        let s = snap(&c);
-        // near costs 505, mid 540: within 25 ms? no (35 ms apart).
-        let d = decide(&inputs(&c, &s, &[0, 0, 0], None, Some(1)));
-        assert_eq!(d.region, 0);
-        let mut c2 = cfg();
-        c2.cost.session_slack_ms = 40.0;
-        let d = decide(&inputs(&c2, &s, &[0, 0, 0], None, Some(1)));
-        assert_eq!(d.region, 1);
     }
 
     #[test]
@@ -1377,20 +1349,20 @@ mod tests {
         let c = cfg();
         let mut s = snap(&c);
         s.regions[0].release_ok = false;
-        let d = decide(&inputs(&c, &s, &[0, 0, 0], None, None));
+        let d = decide(&inputs(&c, &s, &[0, 0, 0], None));
         assert_eq!(d.region, 1, "the mismatched nearest region gets nothing");
         // Fleet-wide mismatch: routing goes on by health alone.
         for r in &mut s.regions {
             r.release_ok = false;
         }
-        let d = decide(&inputs(&c, &s, &[0, 0, 0], None, None));
+        let d = decide(&inputs(&c, &s, &[0, 0, 0], None));
         assert_eq!(d.region, 0);
         // A region ramping back in at 30 % takes about 30 % of new prompts.
         let mut s = snap(&c);
         s.regions[0].ramp = 0.3;
         let mut near = 0;
         for key in 0..2000u64 {
-            let mut inp = inputs(&c, &s, &[0, 0, 0], None, None);
+            let mut inp = inputs(&c, &s, &[0, 0, 0], None);
             inp.first_block = Some(key);
             near += usize::from(decide(&inp).region == 0);
         }

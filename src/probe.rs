@@ -1844,7 +1844,6 @@ vllm:num_requests_running{model_name=\"m\"} 8.0\nvllm:num_requests_waiting{model
                 first_block: Some(7),
                 allowed: None,
                 fits: u64::MAX,
-                session_region: None,
                 weights: crate::cost::Weights::configured(&c),
                 now_ms: T0 + 3000,
             })

@@ -284,7 +284,6 @@ impl Router {
             first_block: None,
             allowed: allowed.as_deref(),
             fits: context::Check::ALL_FIT.fits,
-            session_region: None,
             weights,
             now_ms: inp.now_ms,
         });
@@ -496,7 +495,6 @@ impl Router {
             first_block,
             allowed: allowed.as_deref(),
             fits: limits.fits,
-            session_region: session.and_then(|s| s.last).map(|(r, _)| r),
             weights,
             now_ms: inp.now_ms,
         });

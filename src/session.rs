@@ -172,4 +172,25 @@ mod tests {
         // The key is not the session id.
         assert!(m.map.keys().all(|k| !k.contains("conv")));
     }
+
+    #[test]
+    fn a_peers_record_is_kept_unless_the_slot_holds_a_newer_one() {
+        let s = Sessions {
+            slots: 128,
+            ttl_ms: 10_000,
+            layout: 1,
+            seed: 3,
+        };
+        let mut m = MemoryStore::default();
+        let hash = s.lookup(&mut m, "conv-1", 1000).hash;
+        assert!(s.merge(&mut m, hash, 1, 1000, (7, 99)));
+        let e = s.lookup(&mut m, "conv-1", 1500);
+        assert_eq!((e.last, e.prefix), (Some((1, 1000)), Some((7, 99))));
+        // An older record from another peer does not replace it; a newer one
+        // does.
+        assert!(!s.merge(&mut m, hash, 2, 900, (3, 5)));
+        assert_eq!(s.lookup(&mut m, "conv-1", 1500).last, Some((1, 1000)));
+        assert!(s.merge(&mut m, hash, 2, 1200, (9, 6)));
+        assert_eq!(s.lookup(&mut m, "conv-1", 1500).last, Some((2, 1200)));
+    }
 }

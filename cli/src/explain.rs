@@ -621,9 +621,8 @@ impl Report<'_> {
         if let Some(s) = &self.session {
             let last = match s.last {
                 Some((r, t)) => format!(
-                    "last served by {} at {t} ms; kept if within cost.session_slack_ms ({} ms) of the best",
-                    self.name(r),
-                    self.cfg.cost.session_slack_ms
+                    "last served by {} at {t} ms; credited there with the previous prompt when this one extends it",
+                    self.name(r)
                 ),
                 None => "no record".into(),
             };
