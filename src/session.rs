@@ -149,15 +149,20 @@ mod tests {
     use super::*;
     use crate::store::MemoryStore;
 
-    #[test]
-    fn remembers_the_last_region_within_the_ttl() {
+    /// 128 slots, a 10 s TTL, and an empty store.
+    fn sessions() -> (Sessions, MemoryStore) {
         let s = Sessions {
             slots: 128,
             ttl_ms: 10_000,
             layout: 1,
             seed: 3,
         };
-        let mut m = MemoryStore::default();
+        (s, MemoryStore::default())
+    }
+
+    #[test]
+    fn remembers_the_last_region_within_the_ttl() {
+        let (s, mut m) = sessions();
         let e = s.lookup(&mut m, "conv-1", 1000);
         assert_eq!(e.last, None);
         assert_eq!(s.record(&mut m, e, 2, 1000, (7, 99)), 1);
@@ -175,13 +180,7 @@ mod tests {
 
     #[test]
     fn a_peers_record_is_kept_unless_the_slot_holds_a_newer_one() {
-        let s = Sessions {
-            slots: 128,
-            ttl_ms: 10_000,
-            layout: 1,
-            seed: 3,
-        };
-        let mut m = MemoryStore::default();
+        let (s, mut m) = sessions();
         let hash = s.lookup(&mut m, "conv-1", 1000).hash;
         assert!(s.merge(&mut m, hash, 1, 1000, (7, 99)));
         let e = s.lookup(&mut m, "conv-1", 1500);
