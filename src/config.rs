@@ -366,9 +366,6 @@ pub struct CostConfig {
     pub placement_epsilon: f64,
     /// The placement bound's floor, as `bounded_load_floor`.
     pub placement_floor: f64,
-    /// Cap on the utilisation ρ in the queue term's congestion factor
-    /// 1/(1 − ρ); 0 turns congestion pricing off.
-    pub congestion_cap: f64,
 }
 
 impl Default for CostConfig {
@@ -379,7 +376,6 @@ impl Default for CostConfig {
             bounded_load_floor: 0.5,
             placement_epsilon: 0.1,
             placement_floor: 0.25,
-            congestion_cap: 0.8,
         }
     }
 }
@@ -925,6 +921,13 @@ pub const REMOVED_FIELDS: &[(&str, &str, &str)] = &[
          from the session record (docs/ROUTING.md, \"What each rule is worth\")",
     ),
     (
+        "cost",
+        "congestion_cap",
+        "the externality term: the delay a request adds to the requests arriving \
+         at a region while it is there, from the region's occupancy and slots, \
+         with no cap to set (docs/ROUTING.md, \"What each rule is worth\")",
+    ),
+    (
         "probe",
         "rtt_alpha",
         "probe.rtt_window: a region's round trip is the least of its last rtt_window \
@@ -1181,13 +1184,6 @@ impl Config {
                     format!("{floor} must be within 0..=1"),
                 ));
             }
-        }
-        let cap = self.cost.congestion_cap;
-        if !(cap.is_finite() && (0.0..=0.95).contains(&cap)) {
-            return Err(ConfigError::new(
-                "cost.congestion_cap",
-                format!("{cap} must be within 0..=0.95"),
-            ));
         }
         if self.body_wait.timeout_ms > 60_000 {
             return Err(ConfigError::new(

@@ -1,7 +1,7 @@
 //! The routing decision: one expected time-to-first-token per region, in
 //! milliseconds, and the region that minimises it.
 //!
-//! `ttft(r) = rtt(r) + prefill_ms_per_token(r)·uncached_tokens(r) + w_queue·queue_ms(r)`
+//! `ttft(r) = rtt(r) + prefill_ms_per_token(r)·uncached_tokens(r) + w_queue·queue_ms(r) + x(r)`
 //!
 //! * `rtt(r)`: the least of the probe's recent health round trips, else the
 //!   configured `rtt_ms`.
@@ -12,6 +12,9 @@
 //!   engine's waiting + running at the last scrape plus what this Envoy has
 //!   sent (or finished) since: the in-flight gauge now minus its value at the
 //!   scrape. A burst between two probe ticks therefore sees its own load.
+//! * `x(r)`: the externality, the delay this request adds to the requests
+//!   that arrive at `r` while it is there ([`externality_ms`]); left out
+//!   where a region holds the prompt.
 //!
 //! Unhealthy regions are not candidates, nor are regions whose context
 //! limit the request exceeds (`context`). Regions of exactly the least cost
@@ -96,12 +99,11 @@ pub struct Cost {
     /// The queue term: the request's own expected wait for a slot, weighted
     /// (`w_queue × wait_ms`), plus `load_ms`.
     pub queue_ms: f64,
-    /// Of `queue_ms`, the congestion price: the delay this request adds to
-    /// the ones behind it at the region's utilisation ρ (`w_queue × wait_ms
-    /// × ρ / (1 − ρ)`, ρ capped at `cost.congestion_cap`); 0 where a region
-    /// holds the prompt.
+    /// Of `queue_ms`, the externality: the delay this request adds to the
+    /// requests that arrive at the region while it is there
+    /// ([`externality_ms`]); 0 where a region holds the prompt.
     pub load_ms: f64,
-    /// The expected wait itself (unweighted, without congestion pricing):
+    /// The expected wait itself (unweighted, without the externality):
     /// what the tuner compares with observed TTFT.
     pub wait_ms: f64,
     pub total_ms: f64,
@@ -134,7 +136,8 @@ pub struct Cost {
 pub struct PassedOver {
     pub region: usize,
     /// Its expected wait for a slot as compared (ms): the larger of `wait_ms`
-    /// and its queue term; 0 while it has a slot free.
+    /// and its weighted wait (the queue term without the externality); 0
+    /// while it has a slot free.
     pub wait_ms: f64,
     /// What the move costs (ms): the chosen region's round trip, prefill and
     /// wait minus the passed-over region's round trip and prefill.
@@ -254,6 +257,78 @@ pub fn queue_ms(occupancy: f64, max_concurrency: u32, service_ms: f64) -> f64 {
     ahead / slots * service_ms
 }
 
+/// The delay one more request of `service_ms` adds to the requests that
+/// arrive at a region while it is there: of the about `occupancy` arrivals
+/// in one residence time (Little), those that find every slot taken
+/// (occupancy taken as Poisson about its measured value) wait
+/// `service_ms / slots` longer each.
+pub fn externality_ms(occupancy: f64, slots: u32, service_ms: f64) -> f64 {
+    // An occupancy no engine can have (a corrupt figure) stays finite.
+    let n = if occupancy.is_nan() {
+        0.0
+    } else {
+        occupancy.clamp(0.0, 1e12)
+    };
+    let c = slots.max(1);
+    n * poisson_at_least(n, c - 1) * service_ms.max(0.0) / f64::from(c)
+}
+
+/// `P[N ≥ k]` for `N` Poisson with `mean`.
+fn poisson_at_least(mean: f64, k: u32) -> f64 {
+    if k == 0 {
+        return 1.0;
+    }
+    if mean.is_nan() || mean <= 0.0 {
+        return 0.0;
+    }
+    let kf = f64::from(k);
+    if kf > mean && kf * (1.0 + (mean / kf).ln()) - mean < -50.0 {
+        // Chernoff: P[N ≥ k] ≤ e^(−mean)·(e·mean/k)^k < 2e-22, nothing
+        // against a cost in ms; most regions below their slots end here.
+        return 0.0;
+    }
+    if mean > 600.0 || k > 2048 {
+        // Normal approximation with continuity correction.
+        let z = (kf - 0.5 - mean) / mean.sqrt();
+        return 0.5 * erfc(z / std::f64::consts::SQRT_2);
+    }
+    let mut p = (-mean).exp();
+    let mut below = p;
+    for j in 1..k {
+        p *= mean / f64::from(j);
+        below += p;
+    }
+    if kf <= mean {
+        return (1.0 - below).clamp(0.0, 1.0);
+    }
+    // Beyond the mean the tail is summed upwards (its terms fall at least
+    // geometrically), not left as a difference of nearly equal numbers.
+    p *= mean / f64::from(k);
+    let mut tail = 0.0;
+    let mut j = k;
+    while p > tail * 1e-17 && j < k.saturating_add(2048) {
+        tail += p;
+        j += 1;
+        p *= mean / f64::from(j);
+    }
+    tail.clamp(0.0, 1.0)
+}
+
+/// Complementary error function (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7).
+fn erfc(x: f64) -> f64 {
+    let t = 1.0 / (1.0 + 0.327_591_1 * x.abs());
+    let poly = t
+        * (0.254_829_592
+            + t * (-0.284_496_736
+                + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
+    let e = poly * (-x * x).exp();
+    if x >= 0.0 {
+        e
+    } else {
+        2.0 - e
+    }
+}
+
 pub fn decide(inp: &Inputs) -> Decision {
     let Some(snap) = inp.snapshot else {
         return fallback(inp, Vec::new());
@@ -296,8 +371,11 @@ pub fn decide(inp: &Inputs) -> Decision {
     let held = holds_prompt(&costs, inp.prompt_tokens);
     if held {
         // Where a region holds the prompt, the choice is between waiting
-        // there and a full prefill elsewhere, which congestion pricing
-        // does not see: the prompt's own expected wait decides.
+        // there and a full prefill elsewhere; the externality term, which
+        // would move a kept conversation off a busy holder into a cache
+        // miss that the term does not price (the holder's copy wasted, a
+        // second copy evicting others' prefixes), is left out: the prompt's
+        // own expected wait decides (A/B in docs/ROUTING.md).
         for c in costs.iter_mut() {
             c.queue_ms = inp.weights.w_queue * c.wait_ms;
             c.load_ms = 0.0;
@@ -373,7 +451,7 @@ fn passed_over(costs: &[Cost], from: usize, region: usize) -> Option<PassedOver>
     let c = costs.get(region)?;
     Some(PassedOver {
         region: from,
-        wait_ms: f.wait_ms.max(f.queue_ms),
+        wait_ms: f.wait_ms.max(f.queue_ms - f.load_ms),
         move_ms: move_ms(f, c),
     })
 }
@@ -460,16 +538,13 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
             let rtt_ms = rtt;
             let prefill_ms = prefill_rate * uncached as f64;
             let wait = queue_ms(occupancy, slots, region.service_ms);
-            // Congestion pricing: a request added to a busy region also delays
-            // the ones behind it; 1/(1 − ρ) (ρ capped) keeps the router from
-            // filling the nearest region to its last slot.
-            let rho = (occupancy / f64::from(slots)).min(cfg.cost.congestion_cap);
-            let queue = w.w_queue * wait / (1.0 - rho);
+            let extern_ms = externality_ms(occupancy, slots, region.service_ms + prefill_ms);
+            let queue = w.w_queue * wait + extern_ms;
             Cost {
                 rtt_ms,
                 prefill_ms,
                 queue_ms: queue,
-                load_ms: queue - w.w_queue * wait,
+                load_ms: extern_ms,
                 wait_ms: wait,
                 total_ms: rtt_ms + prefill_ms + queue,
                 prompt_tokens,
@@ -784,8 +859,13 @@ mod tests {
         s.regions[0].load_unknown = true;
         let d = run(&c, Some(&s), [0, 0, 0], [0.0; 3], 1000);
         assert_eq!(d.costs[0].occupancy, 4.0, "every slot taken");
-        // One request beyond 4 slots: a quarter of service_ms, ×5 congestion.
-        assert!((d.costs[0].queue_ms - 1000.0 / 4.0 * 5.0).abs() < 1e-9);
+        // One request beyond 4 slots: a quarter of service_ms, and the
+        // externality of 4 requests' arrivals.
+        let k = d.costs[0];
+        assert!((k.wait_ms - 1000.0 / 4.0).abs() < 1e-9, "{k:?}");
+        assert!(
+            (k.queue_ms - k.wait_ms - externality_ms(4.0, 4, 1000.0 + k.prefill_ms)).abs() < 1e-9
+        );
         assert_eq!((d.region, d.reason), (1, Reason::Rtt), "{:?}", d.costs);
         // A queue known from before the failures stands above that.
         s.regions[0].waiting = 6.0;
@@ -816,30 +896,65 @@ mod tests {
     }
 
     #[test]
-    fn the_terms_add_up_and_the_congestion_price_is_its_own() {
+    fn the_terms_add_up_and_the_externality_is_its_own() {
         let c = cfg();
         let mut s = snap(&c);
         s.regions[1].waiting = 10.0;
         s.regions[1].running = 4.0;
         let sum = |k: &Cost| k.rtt_ms + k.prefill_ms + (k.queue_ms - k.load_ms) + k.load_ms;
         // A prompt no region holds: the queued region's queue term is its
-        // weighted wait priced by 1 / (1 − ρ), ρ capped; the price is load_ms.
+        // weighted wait plus the externality, which is load_ms: of the 14
+        // arrivals in one residence time all but a Poisson tail of
+        // 1.5e-4 find its 4 slots taken and wait service / 4 longer, the
+        // service being its slot time and this request's prefill.
         let d = run(&c, Some(&s), [0, 0, 0], [0.0; 3], 1000);
         let k = d.costs[1];
-        let rho = (k.occupancy / 4.0).min(c.cost.congestion_cap);
-        assert!(k.load_ms > 0.0, "{k:?}");
+        let expect = 14.0 * (1000.0 + k.prefill_ms) / 4.0;
         assert!(
-            (k.load_ms - k.wait_ms * rho / (1.0 - rho)).abs() < 1e-9,
-            "{k:?}"
+            k.load_ms < expect && k.load_ms > expect * 0.999,
+            "{k:?} against {expect}"
         );
         assert!((k.queue_ms - k.load_ms - k.wait_ms).abs() < 1e-9, "{k:?}");
         for k in &d.costs {
             assert!((sum(k) - k.total_ms).abs() < 1e-9, "{k:?}");
         }
-        // A prompt a region holds: the own wait decides, no price.
+        // A prompt a region holds: the own wait decides, no externality.
         let d = run(&c, Some(&s), [0, 62, 0], [0.0; 3], 1000);
         assert!(d.costs.iter().all(|k| k.load_ms == 0.0), "{:?}", d.costs);
         assert!(d.costs.iter().all(|k| (sum(k) - k.total_ms).abs() < 1e-9));
+    }
+
+    #[test]
+    fn the_externality_is_zero_idle_grows_with_load_and_stays_finite() {
+        assert_eq!(externality_ms(0.0, 8, 1000.0), 0.0);
+        assert_eq!(externality_ms(-3.0, 8, 1000.0), 0.0);
+        assert_eq!(externality_ms(5.0, 8, 0.0), 0.0);
+        // One slot: every arrival while it is there waits its whole service.
+        assert!((externality_ms(2.0, 1, 1000.0) - 2000.0).abs() < 1e-9);
+        // Rises with the load, from almost nothing well below the slots to
+        // about one slot time per slot per arrival well beyond them.
+        let mut last = 0.0;
+        for n in 1..400 {
+            let x = externality_ms(f64::from(n) / 4.0, 32, 1000.0);
+            assert!(x >= last, "{n}: {x} < {last}");
+            last = x;
+        }
+        assert!(externality_ms(4.0, 32, 1000.0) < 1e-6);
+        assert!((externality_ms(100.0, 32, 1000.0) - 100.0 * 1000.0 / 32.0).abs() < 1.0);
+        // The approximation for large loads and slot counts joins on.
+        let below = externality_ms(599.999, 600, 1000.0);
+        let above = externality_ms(600.001, 600, 1000.0);
+        assert!((below - above).abs() / below < 0.01, "{below} {above}");
+        for (n, c) in [
+            (1e9, 4096),
+            (5000.0, 4096),
+            (5000.0, 8),
+            (f64::NAN, 8),
+            (f64::INFINITY, 8),
+        ] {
+            let x = externality_ms(n, c, 1000.0);
+            assert!(x.is_finite() && x >= 0.0, "{n} {c}: {x}");
+        }
     }
 
     #[test]
@@ -857,7 +972,7 @@ mod tests {
         s2.regions[0].inflight_at_scrape = 1.0;
         let d = run(&c, Some(&s2), [0, 0, 0], [1.0, 0.0, 0.0], 100);
         assert_eq!(d.region, 0);
-        assert_eq!(d.costs[0].queue_ms, 0.0);
+        assert_eq!(d.costs[0].wait_ms, 0.0);
     }
 
     #[test]

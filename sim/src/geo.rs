@@ -564,10 +564,7 @@ mod tests {
         assert_eq!(c.regions[1].max_concurrency, 10);
         let o = json!({"cost": {"w_queue": 2.0}, "probe": {"tick_ms": 500, "timeout_ms": 500}});
         let c = plugin_config(&f, 0, Knowledge::Exact, 100.0, Source::default(), Some(&o)).unwrap();
-        assert_eq!(
-            (c.cost.w_queue, c.cost.congestion_cap, c.probe.tick_ms),
-            (2.0, 0.8, 500)
-        );
+        assert_eq!((c.cost.w_queue, c.probe.tick_ms), (2.0, 500));
         let e = plugin_config(
             &f,
             0,
