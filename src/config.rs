@@ -282,8 +282,6 @@ impl Default for Headers {
 pub struct PrefixConfig {
     /// Bytes of canonical prompt text per hashed block (64 ≈ 16 tokens).
     pub block_bytes: u32,
-    /// Bytes of prompt text per token, to turn text into token counts.
-    pub bytes_per_token: f64,
     /// Seed of the xxh3 chain hash. Change it per deployment so that block
     /// hashes cannot be precomputed by a client.
     pub hash_seed: u64,
@@ -293,7 +291,6 @@ impl Default for PrefixConfig {
     fn default() -> Self {
         PrefixConfig {
             block_bytes: 64,
-            bytes_per_token: 4.0,
             hash_seed: 0x6c6c_6d2d_6765_6f21,
         }
     }
@@ -305,17 +302,12 @@ pub struct DirectoryConfig {
     /// Fixed number of shared-data slots; the directory never holds more.
     pub slots: u32,
     /// How long a region is believed to hold a prefix after it last served
-    /// it: an upper bound; with `learn_from_usage` each region's engine
-    /// teaches how long it really keeps prefixes.
+    /// it: an upper bound; each region's engine teaches (from the `usage`
+    /// the router reads at the end of each answer) how long it really
+    /// keeps prefixes.
     pub ttl_s: u32,
-    /// Read `usage` at the end of each answer (the JSON body, or a stream's
-    /// final usage chunk) and learn from it: engine tokens per byte of
-    /// prompt, and, where the engines report `cached_tokens`, each
-    /// region's cache horizon and the reliability of the directory there.
-    /// What the client receives is never changed.
-    pub learn_from_usage: bool,
     /// Also believe a region's entries only within the cache horizon its
-    /// engine's `cached_tokens` teach (needs `learn_from_usage`). Off by
+    /// engine's `cached_tokens` teach. Off by
     /// default: measured to help where engine caches are far smaller than
     /// the working set and to cost cache hits elsewhere (docs/ROUTING.md).
     pub cache_horizon: bool,
@@ -341,7 +333,6 @@ impl Default for DirectoryConfig {
         DirectoryConfig {
             slots: 16384,
             ttl_s: 600,
-            learn_from_usage: true,
             cache_horizon: false,
             stream_usage: StreamUsage::Requested,
         }
@@ -928,6 +919,26 @@ pub const REMOVED_FIELDS: &[(&str, &str, &str)] = &[
          with no cap to set (docs/ROUTING.md, \"What each rule is worth\")",
     ),
     (
+        "prefix",
+        "bytes_per_token",
+        "the engines' own count: tokens per byte of prompt are measured from each \
+         answer's usage.prompt_tokens, per region and model (4 bytes per token until \
+         the first answer) (docs/ROUTING.md, \"What the engines report\")",
+    ),
+    (
+        "directory",
+        "learn_from_usage",
+        "nothing: the usage ending each answer is always read and learnt from \
+         (docs/ROUTING.md, \"What the engines report\")",
+    ),
+    (
+        "tuning",
+        "enabled",
+        "nothing: the queue weight and prefill rates are always fitted on the \
+         observed TTFT; to pin the queue weight set tuning.w_queue_min and \
+         tuning.w_queue_max to it",
+    ),
+    (
         "probe",
         "rtt_alpha",
         "probe.rtt_window: a region's round trip is the least of its last rtt_window \
@@ -1153,13 +1164,6 @@ impl Config {
             return Err(ConfigError::new(
                 "prefix.block_bytes",
                 format!("{} must be within 16..=4096", self.prefix.block_bytes),
-            ));
-        }
-        let bpt = self.prefix.bytes_per_token;
-        if !(bpt.is_finite() && (0.5..=64.0).contains(&bpt)) {
-            return Err(ConfigError::new(
-                "prefix.bytes_per_token",
-                format!("{bpt} must be within 0.5..=64"),
             ));
         }
         if !(64..=1 << 20).contains(&self.directory.slots) {
@@ -1985,6 +1989,26 @@ mod tests {
         assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
         assert!(c.warnings[0].starts_with("cost.tie_ms is no longer a setting"));
         assert!(c.warnings[0].contains("exactly the least expected TTFT"));
+        // What the plugin now measures or always does, even set to values
+        // once refused: the fields beside them still apply.
+        let c = Config::parse(
+            br#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}],
+                "prefix":{"bytes_per_token":0,"block_bytes":128},
+                "directory":{"learn_from_usage":false,"ttl_s":60},
+                "tuning":{"enabled":false,"window":64},
+                "migration":{"enabled":false}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (c.prefix.block_bytes, c.directory.ttl_s, c.tuning.window),
+            (128, 60, 64)
+        );
+        assert_eq!(c.warnings.len(), 3, "{:?}", c.warnings);
+        assert!(c.warnings[0].starts_with("prefix.bytes_per_token is no longer a setting"));
+        assert!(c.warnings[0].contains("usage.prompt_tokens"));
+        assert!(c.warnings[1].starts_with("directory.learn_from_usage is no longer"));
+        assert!(c.warnings[2].starts_with("tuning.enabled is no longer a setting"));
+        assert!(c.warnings[2].contains("tuning.w_queue_min"));
     }
 
     #[test]

@@ -181,15 +181,12 @@ fn kind_of(v: &Value) -> &'static str {
 ///
 /// With the region's tokens per byte as the cost uses them: measured from
 /// its engine's `usage.prompt_tokens` (for the request's model, where
-/// measured), else the configured `prefix.bytes_per_token`.
-pub fn prompt_tokens(cfg: &Config, req: &InferenceRequest, state: Option<&RegionState>) -> u64 {
-    match state.filter(|s| s.tokens_per_byte.is_some()) {
-        Some(s) => crate::cost::tokens_of(
-            req.prompt.bytes,
-            crate::cost::tokens_per_byte(cfg, Some(s), req.model.as_deref()),
-        ),
-        None => req.prompt_tokens(cfg.prefix.bytes_per_token),
-    }
+/// measured), else 4 bytes per token ([`crate::cost::PRIOR_TOKENS_PER_BYTE`]).
+pub fn prompt_tokens(req: &InferenceRequest, state: Option<&RegionState>) -> u64 {
+    crate::cost::tokens_of(
+        req.prompt.bytes,
+        crate::cost::tokens_per_byte(state, req.model.as_deref()),
+    )
 }
 
 /// The output tokens the request asks for, as the engines read them
@@ -255,7 +252,7 @@ pub fn check(
     for i in 0..cfg.regions.len().min(64) {
         let state = snapshot.region_at(snapshot_index, i);
         let limit = state.and_then(|s| s.max_model_len);
-        let estimate = prompt_tokens(cfg, req, state);
+        let estimate = prompt_tokens(req, state);
         let output =
             requested.filter(|_| cfg.regions.get(i).is_none_or(|r| output_counts(r.engine)));
         let ok = fits(cfg.context.margin, limit, estimate, output);
@@ -518,7 +515,7 @@ mod tests {
         // 40,000 bytes of canonical text ("user\n" + content + "\n"): 10,000
         // tokens at 4 bytes per token, 9,000 after the 10 % margin.
         let req = chat(39_994, "");
-        assert_eq!(prompt_tokens(&c, &req, None), 10_000);
+        assert_eq!(prompt_tokens(&req, None), 10_000);
         let s = snap(&c, [Some(4096), Some(32768), None]);
         let k = check(&c, &req, &s, &idx, None);
         assert_eq!(k.fits, 0b110, "near cannot take it; far's limit is unknown");

@@ -469,9 +469,9 @@ fn state_healthy(inp: &Inputs, snap: &Snapshot, i: usize) -> bool {
 
 /// Engine tokens per byte of canonical prompt text for a region: measured
 /// for `model`, else measured for the region, else the configured
-/// `prefix.bytes_per_token`. Values outside any tokenizer's range are
+/// [`PRIOR_TOKENS_PER_BYTE`]. Values outside any tokenizer's range are
 /// not believed.
-pub fn tokens_per_byte(cfg: &Config, state: Option<&RegionState>, model: Option<&str>) -> f64 {
+pub fn tokens_per_byte(state: Option<&RegionState>, model: Option<&str>) -> f64 {
     let sane = |v: &f64| v.is_finite() && (0.01..=4.0).contains(v);
     state
         .and_then(|s| {
@@ -485,7 +485,34 @@ pub fn tokens_per_byte(cfg: &Config, state: Option<&RegionState>, model: Option<
                 })
                 .or(s.tokens_per_byte.filter(sane))
         })
-        .unwrap_or(1.0 / cfg.prefix.bytes_per_token)
+        .unwrap_or(PRIOR_TOKENS_PER_BYTE)
+}
+
+/// Engine tokens per byte of prompt text until an engine's `usage` says:
+/// 4 bytes per token, about what the BPE tokenizers of today's models
+/// give for English text. The first answer's `usage.prompt_tokens`
+/// replaces it, per region and per model, so it is a starting point, not
+/// a setting (docs/ROUTING.md, "What the engines report").
+pub const PRIOR_TOKENS_PER_BYTE: f64 = 0.25;
+
+/// Engine tokens per byte for the fleet-wide prompt estimate: the mean of
+/// the regions' measured figures (for `model`, where measured), else
+/// [`PRIOR_TOKENS_PER_BYTE`].
+pub fn fleet_tokens_per_byte(snapshot: Option<&Snapshot>, model: Option<&str>) -> f64 {
+    let (mut sum, mut n) = (0.0, 0u32);
+    for r in snapshot
+        .into_iter()
+        .flat_map(|s| s.regions.iter())
+        .filter(|r| r.tokens_per_byte.is_some())
+    {
+        sum += tokens_per_byte(Some(r), model);
+        n += 1;
+    }
+    if n == 0 {
+        PRIOR_TOKENS_PER_BYTE
+    } else {
+        sum / f64::from(n)
+    }
 }
 
 /// Tokens in `bytes` at `tpb` tokens per byte.
@@ -526,7 +553,7 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
             // A region not yet measured counts in the fleet's unit, for its
             // prompt and its cache alike.
             let (tpb, prompt_tokens) = if state.is_some_and(|s| s.tokens_per_byte.is_some()) {
-                let tpb = tokens_per_byte(cfg, state, inp.model);
+                let tpb = tokens_per_byte(state, inp.model);
                 (tpb, tokens_of(inp.prompt_bytes, tpb))
             } else {
                 (inp.tokens_per_byte, inp.prompt_tokens)

@@ -426,7 +426,7 @@ impl Fleet {
 
     /// A TTFT observation reported by a router.
     pub fn on_observation(&mut self, cfg: &Config, o: Observation) {
-        if cfg.tuning.enabled && usize::from(o.region) < cfg.regions.len() {
+        if usize::from(o.region) < cfg.regions.len() {
             self.tuner.push(o);
             self.observations += 1;
         }
@@ -515,11 +515,9 @@ impl Fleet {
                 .ladder
                 .step(&cfg.ladder, ratio.unwrap_or(f64::MAX), now_ms),
         };
-        if cfg.tuning.enabled {
-            let configured: Vec<f64> = cfg.regions.iter().map(|r| r.prefill_ms_per_token).collect();
-            if let Some(fit) = self.tuner.fit(&cfg.tuning, cfg.cost.w_queue, &configured) {
-                self.fit = Some(fit);
-            }
+        let configured: Vec<f64> = cfg.regions.iter().map(|r| r.prefill_ms_per_token).collect();
+        if let Some(fit) = self.tuner.fit(&cfg.tuning, cfg.cost.w_queue, &configured) {
+            self.fit = Some(fit);
         }
         changed
     }
@@ -935,8 +933,8 @@ mod tests {
     }
 
     #[test]
-    fn observations_tune_the_snapshot_unless_disabled() {
-        let mut c = cfg();
+    fn observations_tune_the_snapshot() {
+        let c = cfg();
         let o = |region: u16, uncached: u32| Observation {
             region,
             rtt_ms: 10.0,
@@ -957,13 +955,6 @@ mod tests {
         // Region 1 has no observations of its own: the window's rate.
         assert_eq!(s.regions[1].prefill_ms_per_token, Some(rate));
         assert!(s.weights.is_some());
-        c.tuning.enabled = false;
-        let mut f = Fleet::new(&c, 0);
-        for i in 0..64 {
-            f.on_observation(&c, o(0, 200 + i));
-        }
-        let (s, _) = f.publish(&c, 1);
-        assert_eq!((s.weights, s.regions[0].prefill_ms_per_token), (None, None));
     }
 
     fn parity_cfg() -> Config {

@@ -21,6 +21,7 @@ use crate::effects::{Level, StreamHost};
 use crate::prefix::PromptHasher;
 use crate::protocol::{Global, Stat, TierStat, LADDER_OVERRIDE_KEY, POOL_FALLBACK};
 use crate::request::{self, BodyKind, Endpoint, InferenceRequest, RequestError};
+use crate::snapshot::Snapshot;
 use crate::stream::{Flow, Reply};
 use crate::view::View;
 
@@ -130,16 +131,19 @@ pub fn rewrite_model(body: &[u8], model: &str) -> Option<Vec<u8>> {
     }
 }
 
-/// Apply a level's caps to a body.
+/// Apply a level's caps to a body. Prompt tokens are counted at the
+/// tokens per byte the engines' usage taught (the fleet's mean, for the
+/// request's model where measured; 4 bytes per token before any).
 pub fn check_body(
-    cfg: &Config,
     policy: &TierPolicy,
     endpoint: Endpoint,
     body: &[u8],
+    snapshot: Option<&Snapshot>,
 ) -> Result<Verdict, RequestError> {
     let req = request::parse(endpoint, body, PromptHasher::counting_only())?;
     if let Some(limit) = policy.max_prompt_tokens {
-        let tokens = req.prompt_tokens(cfg.prefix.bytes_per_token);
+        let tpb = crate::cost::fleet_tokens_per_byte(snapshot, req.model.as_deref());
+        let tokens = crate::cost::tokens_of(req.prompt.bytes, tpb);
         if tokens > limit {
             return Ok(Verdict::PromptTooLong { tokens, limit });
         }
@@ -297,12 +301,16 @@ enum Waiting {
 #[derive(Debug)]
 pub struct GuardStream {
     waiting: Waiting,
+    /// The snapshot the level came from: its measured tokens per byte
+    /// count a capped prompt as the engines do.
+    snapshot: Option<Rc<Snapshot>>,
 }
 
 impl Default for GuardStream {
     fn default() -> Self {
         GuardStream {
             waiting: Waiting::Nothing,
+            snapshot: None,
         }
     }
 }
@@ -365,7 +373,8 @@ impl GuardStream {
         // The level of the fresh snapshot; 0 without one: the guard never
         // refuses on stale data.
         let now_ms = host.now_ms();
-        let level = view.current(cfg, host, now_ms).map_or(0, |f| f.level());
+        let fresh = view.current(cfg, host, now_ms);
+        let level = fresh.as_ref().map_or(0, |f| f.level());
         if guard.level_written.get() != Some(level) {
             guard.level_written.set(Some(level));
             host.set_gauge(Stat::Global(Global::GuardLevel), u64::from(level));
@@ -407,6 +416,7 @@ impl GuardStream {
             return Flow::Continue;
         }
         self.waiting = Waiting::Caps(endpoint, level, tier_index);
+        self.snapshot = fresh.map(|f| f.snapshot);
         self.body_or_pause(guard, host, end_of_stream)
     }
 
@@ -442,7 +452,7 @@ impl GuardStream {
                 if request::body_kind(body) == BodyKind::Other {
                     return Flow::Continue;
                 }
-                match check_body(cfg, policy, endpoint, body) {
+                match check_body(policy, endpoint, body, self.snapshot.as_deref()) {
                     Ok(Verdict::Pass) => Flow::Continue,
                     Ok(Verdict::PromptTooLong { tokens, limit }) => {
                         host.count(Stat::Tier(tier_index, TierStat::PromptTooLong), 1);
@@ -635,19 +645,43 @@ mod tests {
             r#"{{"messages":[{{"role":"user","content":"{}"}}]}}"#,
             "x".repeat(100)
         );
+        let chat = Endpoint::ChatCompletions;
+        // 106 bytes of canonical text: 27 tokens at 4 bytes per token
+        // before any engine has reported a usage.
         assert_eq!(
-            check_body(&c, &policy, Endpoint::ChatCompletions, long.as_bytes()).unwrap(),
+            check_body(&policy, chat, long.as_bytes(), None).unwrap(),
             Verdict::PromptTooLong {
                 tokens: 27,
                 limit: 10
             }
         );
+        // Once an engine's usage taught 2 bytes per token (and, for one
+        // model, 1), the cap counts as the engines do.
+        let mut snap = Snapshot::all_healthy(&c);
+        let r0 = snap.regions.get_mut(0).unwrap();
+        r0.tokens_per_byte = Some(0.5);
+        r0.model_tokens_per_byte = vec![("m1".into(), 1.0)];
+        assert_eq!(
+            check_body(&policy, chat, long.as_bytes(), Some(&snap)).unwrap(),
+            Verdict::PromptTooLong {
+                tokens: 53,
+                limit: 10
+            }
+        );
+        let m1 = long.replacen('{', r#"{"model":"m1","#, 1);
+        assert_eq!(
+            check_body(&policy, chat, m1.as_bytes(), Some(&snap)).unwrap(),
+            Verdict::PromptTooLong {
+                tokens: 106,
+                limit: 10
+            }
+        );
         let short = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":5}"#;
         assert_eq!(
-            check_body(&c, &policy, Endpoint::ChatCompletions, short.as_bytes()).unwrap(),
+            check_body(&policy, chat, short.as_bytes(), None).unwrap(),
             Verdict::Pass
         );
-        assert!(check_body(&c, &policy, Endpoint::ChatCompletions, b"{oops").is_err());
+        assert!(check_body(&policy, chat, b"{oops", None).is_err());
     }
 
     #[test]
@@ -666,7 +700,6 @@ mod tests {
 
     #[test]
     fn fallback_model_is_rewritten_with_the_clamp() {
-        let c = cfg("");
         let policy = TierPolicy {
             max_tokens: Some(20),
             fallback: true,
@@ -677,7 +710,7 @@ mod tests {
         let body =
             r#"{"model":"chat-70b","messages":[{"role":"user","content":"hi"}],"max_tokens":500}"#;
         let Verdict::Rewrite { body, clamped } =
-            check_body(&c, &policy, Endpoint::ChatCompletions, body.as_bytes()).unwrap()
+            check_body(&policy, Endpoint::ChatCompletions, body.as_bytes(), None).unwrap()
         else {
             panic!("expected a rewrite")
         };

@@ -198,13 +198,6 @@ impl Probe {
         self.exchange.as_ref().map_or(0, |x| x.origin)
     }
 
-    /// Whether the routers' observation queue is needed (tuning on).
-    pub fn wants_observations(&self) -> bool {
-        self.cfg.tuning.enabled
-            || self.cfg.directory.learn_from_usage
-            || self.cfg.exchange.enabled()
-    }
-
     /// Arm the first tick; false (configuration refused) when the host
     /// refuses a tick period.
     pub fn start(&mut self, host: &mut dyn ProbeHost) -> bool {
@@ -865,9 +858,6 @@ impl Probe {
     }
 
     fn drain_observations(&mut self, host: &mut dyn ProbeHost) {
-        if !self.wants_observations() {
-            return;
-        }
         for _ in 0..MAX_OBSERVATIONS_PER_TICK {
             let Some(bytes) = host.dequeue(OBSERVATIONS_QUEUE) else {
                 break;
@@ -893,9 +883,6 @@ impl Probe {
                 self.fleet.on_observation(&self.cfg, o);
                 host.count(Stat::Global(Global::TuningObservations), 1);
             } else if let Some(r) = UsageReport::decode(&bytes) {
-                if !self.cfg.directory.learn_from_usage {
-                    continue;
-                }
                 host.count(Stat::Global(Global::UsageReports), 1);
                 let region = usize::from(r.region);
                 if let Some(Verdict::Refuted) = self.fleet.on_usage(&r) {
@@ -953,12 +940,10 @@ impl Probe {
             Stat::Global(Global::ExchangeLagMs),
             now.saturating_sub(sent_ms),
         );
-        if self.cfg.directory.learn_from_usage {
-            for r in usage {
-                let region = usize::from(r.region);
-                if let Some(Verdict::Refuted) = self.fleet.on_usage(&r) {
-                    host.count(Stat::Region(region, RegionStat::CacheBeliefRefuted), 1);
-                }
+        for r in usage {
+            let region = usize::from(r.region);
+            if let Some(Verdict::Refuted) = self.fleet.on_usage(&r) {
+                host.count(Stat::Region(region, RegionStat::CacheBeliefRefuted), 1);
             }
         }
         self.export_peers(host, now);
@@ -1237,7 +1222,7 @@ impl Probe {
             );
             let tpb = r
                 .tokens_per_byte
-                .unwrap_or(1.0 / self.cfg.prefix.bytes_per_token);
+                .unwrap_or(crate::cost::PRIOR_TOKENS_PER_BYTE);
             rg(
                 host,
                 RegionStat::TokensPerKib,

@@ -170,25 +170,6 @@ impl Routed {
     }
 }
 
-/// Engine tokens per byte for the fleet-wide prompt estimate: the mean of
-/// the regions' measured figures (for the model, where measured), else the
-/// configured `prefix.bytes_per_token`.
-fn fleet_tokens_per_byte(cfg: &Config, inp: &RouteInputs, model: Option<&str>) -> f64 {
-    let Some(snap) = inp.snapshot else {
-        return 1.0 / cfg.prefix.bytes_per_token;
-    };
-    let (mut sum, mut n) = (0.0, 0u32);
-    for r in snap.regions.iter().filter(|r| r.tokens_per_byte.is_some()) {
-        sum += cost::tokens_per_byte(cfg, Some(r), model);
-        n += 1;
-    }
-    if n == 0 {
-        1.0 / cfg.prefix.bytes_per_token
-    } else {
-        sum / f64::from(n)
-    }
-}
-
 /// Why a request is not routed.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Refusal {
@@ -279,7 +260,7 @@ impl Router {
             inflight: inp.inflight,
             prompt_tokens: 0,
             prompt_bytes: 0,
-            tokens_per_byte: 1.0 / cfg.prefix.bytes_per_token,
+            tokens_per_byte: cost::PRIOR_TOKENS_PER_BYTE,
             model: None,
             first_block: None,
             allowed: allowed.as_deref(),
@@ -426,7 +407,7 @@ impl Router {
                         Some(st) => match (st.cache_free_tokens, st.cache_horizon_ms) {
                             (Some(free), _) => Keep::Lru(Lru {
                                 free_tokens: free,
-                                tokens_per_block: cost::tokens_per_byte(cfg, Some(st), model)
+                                tokens_per_block: cost::tokens_per_byte(Some(st), model)
                                     * block_bytes,
                                 clock: clocks.get(i).map_or(&[], Vec::as_slice),
                             }),
@@ -480,7 +461,7 @@ impl Router {
         // conversation's first turns together.
         let first_block = req.prompt.first_block.or(session.map(|s| s.hash));
         let weights = Weights::in_force(cfg, inp.snapshot);
-        let fleet_tpb = fleet_tokens_per_byte(cfg, inp, model);
+        let fleet_tpb = cost::fleet_tokens_per_byte(inp.snapshot, model);
         let prompt_tokens = cost::tokens_of(req.prompt.bytes, fleet_tpb);
         let mut decision = cost::decide(&cost::Inputs {
             config: cfg,

@@ -275,7 +275,7 @@ impl RouterStream {
         let usage_comes = !routed.stream
             || routed.stream_usage
             || cfg.directory.stream_usage == StreamUsage::Always;
-        if cfg.directory.learn_from_usage && !self.fallback && usage_comes {
+        if !self.fallback && usage_comes {
             self.tail = Some(Tail::default());
         }
         // A response produced by the fallback pool is in its engines: not
@@ -588,7 +588,7 @@ impl RouterStream {
             return;
         };
         p.observation.observed_ms = now.saturating_sub(p.routed_ms) as f32;
-        if attempts <= 1 && self.served == Some(routed) && shared.cfg.tuning.enabled {
+        if attempts <= 1 && self.served == Some(routed) {
             host.enqueue(OBSERVATIONS_QUEUE, &p.observation.encode());
         }
     }

@@ -84,9 +84,6 @@ impl Observation {
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct TuningConfig {
-    /// Turn online tuning on or off (off: the configured weights and rates
-    /// are used as they are).
-    pub enabled: bool,
     /// Observations kept (the rolling window).
     pub window: u32,
     /// Observations needed before anything is fitted.
@@ -100,7 +97,6 @@ pub struct TuningConfig {
 impl Default for TuningConfig {
     fn default() -> Self {
         TuningConfig {
-            enabled: true,
             window: 512,
             min_samples: 32,
             w_queue_min: 0.5,

@@ -82,8 +82,10 @@ def test_invalid_plugin_config_is_refused_with_the_field(override, expected, run
 def test_a_removed_field_is_accepted_with_one_warning_naming_its_replacement(run_dir):
     def removed_fields(plugin):
         plugin.setdefault("cost", {}).update({"w_rtt": 1.5, "tie_ms": 3, "w_queue": 2})
-        plugin.setdefault("tuning", {}).update({"w_rtt_min": 0.5})
+        plugin.setdefault("tuning", {}).update({"w_rtt_min": 0.5, "enabled": False})
         plugin.setdefault("probe", {}).update({"rtt_alpha": 0.3})
+        plugin.setdefault("prefix", {}).update({"bytes_per_token": 3.5})
+        plugin.setdefault("directory", {}).update({"learn_from_usage": False})
 
     rc, out = validate_plugin(run_dir, "removed", removed_fields)
     assert rc == 0, out[-3000:]
@@ -93,7 +95,10 @@ def test_a_removed_field_is_accepted_with_one_warning_naming_its_replacement(run
     for field, instead in [("cost.w_rtt", "the round trip enters the cost as the probe measures it"),
                            ("cost.tie_ms", "exactly the least expected TTFT"),
                            ("tuning.w_rtt_min", "the round trip is not weighted"),
-                           ("probe.rtt_alpha", "probe.rtt_window")]:
+                           ("probe.rtt_alpha", "probe.rtt_window"),
+                           ("prefix.bytes_per_token", "measured from each answer's usage.prompt_tokens"),
+                           ("directory.learn_from_usage", "always read and learnt from"),
+                           ("tuning.enabled", "always fitted on the observed TTFT")]:
         lines = [l for l in out.splitlines() if f"{field} is no longer a setting" in l]
         assert len(lines) == 1, (field, lines or out[-3000:])
         assert instead in lines[0] and "next release refuses it" in lines[0], lines[0]

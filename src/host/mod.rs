@@ -191,9 +191,7 @@ impl RootContext for Root {
                         ..Queue::default()
                     },
                 };
-                if root.probe.wants_observations() {
-                    root.queue.id.set(calls::register_queue(OBSERVATIONS_QUEUE));
-                }
+                root.queue.id.set(calls::register_queue(OBSERVATIONS_QUEUE));
                 let mut host = Host::new(&root.stats);
                 if !root.probe.start(&mut host) {
                     return false;
