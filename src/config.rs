@@ -342,29 +342,21 @@ impl Default for DirectoryConfig {
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct CostConfig {
-    /// Weight of the expected queueing wait.
-    pub w_queue: f64,
-    /// Bounded load: no region takes more than `(1 + epsilon)` times its fair
-    /// share (by `max_concurrency`) of the in-flight work while another
-    /// candidate region has room, whatever its cache says.
-    pub bounded_load_epsilon: f64,
-    /// Below this fraction of its `max_concurrency` a region is never over
-    /// its bound: at low load, spreading would only add network distance.
-    pub bounded_load_floor: f64,
-    /// Placement of prompts no region holds (new conversations): a tighter
-    /// bound, `(1 + placement_epsilon)` times the fair share. A conversation
-    /// stays where it starts, so its future load is placed with it.
+    /// Placement of prompts no region holds (new conversations): no region
+    /// takes more than `(1 + placement_epsilon)` times its fair share (by
+    /// `max_concurrency`) of the in-flight work while another candidate has
+    /// room. A conversation stays where it starts, so its future load is
+    /// placed with it.
     pub placement_epsilon: f64,
-    /// The placement bound's floor, as `bounded_load_floor`.
+    /// Below this fraction of its `max_concurrency` a region is never over
+    /// the placement bound: at low load, spreading would only add network
+    /// distance.
     pub placement_floor: f64,
 }
 
 impl Default for CostConfig {
     fn default() -> Self {
         CostConfig {
-            w_queue: 1.0,
-            bounded_load_epsilon: 0.5,
-            bounded_load_floor: 0.5,
             placement_epsilon: 0.1,
             placement_floor: 0.25,
         }
@@ -919,6 +911,29 @@ pub const REMOVED_FIELDS: &[(&str, &str, &str)] = &[
          with no cap to set (docs/ROUTING.md, \"What each rule is worth\")",
     ),
     (
+        "cost",
+        "w_queue",
+        "the fitted queue weight: it starts at 1 (a predicted ms of wait is a ms, \
+         like every other term) and is fitted on the observed TTFT within \
+         tuning.w_queue_min and tuning.w_queue_max; set both to one value to pin it",
+    ),
+    (
+        "cost",
+        "bounded_load_epsilon",
+        "nothing: a prompt some region holds is not spread by a share of the \
+         in-flight work; it leaves the region holding it only when that region \
+         is full and its wait exceeds what the move costs (docs/ROUTING.md, \
+         \"What each rule is worth\")",
+    ),
+    (
+        "cost",
+        "bounded_load_floor",
+        "nothing: a prompt some region holds is not spread by a share of the \
+         in-flight work; it leaves the region holding it only when that region \
+         is full and its wait exceeds what the move costs (docs/ROUTING.md, \
+         \"What each rule is worth\")",
+    ),
+    (
         "prefix",
         "bytes_per_token",
         "the engines' own count: tokens per byte of prompt are measured from each \
@@ -1175,19 +1190,13 @@ impl Config {
         if self.directory.ttl_s == 0 {
             return Err(ConfigError::new("directory.ttl_s", "must be at least 1"));
         }
-        positive("cost.w_queue", self.cost.w_queue)?;
-        non_negative("cost.bounded_load_epsilon", self.cost.bounded_load_epsilon)?;
         non_negative("cost.placement_epsilon", self.cost.placement_epsilon)?;
-        for (path, floor) in [
-            ("cost.bounded_load_floor", self.cost.bounded_load_floor),
-            ("cost.placement_floor", self.cost.placement_floor),
-        ] {
-            if !(floor.is_finite() && (0.0..=1.0).contains(&floor)) {
-                return Err(ConfigError::new(
-                    path,
-                    format!("{floor} must be within 0..=1"),
-                ));
-            }
+        let floor = self.cost.placement_floor;
+        if !(floor.is_finite() && (0.0..=1.0).contains(&floor)) {
+            return Err(ConfigError::new(
+                "cost.placement_floor",
+                format!("{floor} must be within 0..=1"),
+            ));
         }
         if self.body_wait.timeout_ms > 60_000 {
             return Err(ConfigError::new(
@@ -1779,8 +1788,8 @@ mod tests {
                 r#"{{"regions":[{{"name":"a","cluster":"a","capacity_rps":1}}],"cost":{cost}}}"#
             )
         };
-        let c = Config::parse(json(r#"{"w_rtt":1.5,"w_queue":3}"#).as_bytes()).unwrap();
-        assert_eq!(c.cost.w_queue, 3.0);
+        let c = Config::parse(json(r#"{"w_rtt":1.5,"placement_floor":0.5}"#).as_bytes()).unwrap();
+        assert_eq!(c.cost.placement_floor, 0.5);
         assert_eq!(c.warnings.len(), 1);
         assert!(c.warnings[0].starts_with("cost.w_rtt is no longer a setting"));
         let mut store = crate::store::MemoryStore::default();
@@ -1801,12 +1810,13 @@ mod tests {
         );
         // None set: no warning; a wrong field next to a removed one is
         // still refused.
-        assert!(Config::parse(json(r#"{"w_queue":3}"#).as_bytes())
+        assert!(Config::parse(json(r#"{"placement_floor":0.5}"#).as_bytes())
             .unwrap()
             .warnings
             .is_empty());
-        let e = Config::parse(json(r#"{"w_rtt":0.5,"w_queuex":3}"#).as_bytes()).unwrap_err();
-        assert!(e.to_string().contains("w_queuex"), "{e}");
+        let e =
+            Config::parse(json(r#"{"w_rtt":0.5,"placement_floorx":3}"#).as_bytes()).unwrap_err();
+        assert!(e.to_string().contains("placement_floorx"), "{e}");
         // The name in another section is not the removed field.
         let e = Config::parse(
             br#"{"regions":[{"name":"a","cluster":"a","capacity_rps":1}],"probe":{"w_rtt":1}}"#,
@@ -1995,6 +2005,7 @@ mod tests {
             br#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}],
                 "prefix":{"bytes_per_token":0,"block_bytes":128},
                 "directory":{"learn_from_usage":false,"ttl_s":60},
+                "cost":{"bounded_load_epsilon":-1,"bounded_load_floor":2,"placement_floor":0.5},
                 "tuning":{"enabled":false,"window":64},
                 "migration":{"enabled":false}}"#,
         )
@@ -2003,12 +2014,16 @@ mod tests {
             (c.prefix.block_bytes, c.directory.ttl_s, c.tuning.window),
             (128, 60, 64)
         );
-        assert_eq!(c.warnings.len(), 3, "{:?}", c.warnings);
-        assert!(c.warnings[0].starts_with("prefix.bytes_per_token is no longer a setting"));
-        assert!(c.warnings[0].contains("usage.prompt_tokens"));
-        assert!(c.warnings[1].starts_with("directory.learn_from_usage is no longer"));
-        assert!(c.warnings[2].starts_with("tuning.enabled is no longer a setting"));
-        assert!(c.warnings[2].contains("tuning.w_queue_min"));
+        assert_eq!(c.cost.placement_floor, 0.5);
+        assert_eq!(c.warnings.len(), 5, "{:?}", c.warnings);
+        assert!(c.warnings[0].starts_with("cost.bounded_load_epsilon is no longer a setting"));
+        assert!(c.warnings[1].starts_with("cost.bounded_load_floor is no longer a setting"));
+        assert!(c.warnings[1].contains("its wait exceeds what the move costs"));
+        assert!(c.warnings[2].starts_with("prefix.bytes_per_token is no longer a setting"));
+        assert!(c.warnings[2].contains("usage.prompt_tokens"));
+        assert!(c.warnings[3].starts_with("directory.learn_from_usage is no longer"));
+        assert!(c.warnings[4].starts_with("tuning.enabled is no longer a setting"));
+        assert!(c.warnings[4].contains("tuning.w_queue_min"));
     }
 
     #[test]

@@ -39,9 +39,9 @@ pub enum Reason {
     /// prefill of the tokens not held elsewhere plus the round-trip
     /// difference), though the weighted cost alone would have stayed.
     LoadOverride,
-    /// The load guard's share bound passed over the cheapest region for a
-    /// prompt it does not hold (a new conversation) or that a region with
-    /// room holds as much of.
+    /// The load guard's placement bound passed over the cheapest region for
+    /// a prompt no region holds (a new conversation, or one held everywhere
+    /// alike).
     Spread,
     /// Where the request may go excluded the cheapest region: the
     /// residency pin, or the model (a region whose engine does not list it
@@ -197,9 +197,10 @@ pub struct Weights {
 }
 
 impl Weights {
+    /// Before the probe has fitted anything: the queue weight's start.
     pub fn configured(cfg: &Config) -> Self {
         Weights {
-            w_queue: cfg.cost.w_queue,
+            w_queue: cfg.tuning.w_queue_start(),
         }
     }
 
@@ -615,13 +616,14 @@ fn holds_prompt(costs: &[Cost], prompt_tokens: u64) -> bool {
 ///   costs (`move_ms`: the prefill of the tokens not held there, plus the
 ///   round trip and wait difference). While the holder has a free slot, its
 ///   wait is 0 and the prompt stays.
-/// * Otherwise (a prompt no region holds, or one a room region holds as
-///   much of) the share bound: marked when, with this request, its
-///   occupancy would exceed `(1 + ε)` times its fair share (by
-///   `max_concurrency`) of all candidates' occupancy and
-///   `floor × max_concurrency`; a held prompt by `bounded_load_epsilon` /
-///   `_floor`, a prompt no region holds (a new conversation, whose later
-///   turns will follow it) by the tighter `placement_epsilon` / `_floor`.
+/// * A prompt no region holds (a new conversation, whose later turns will
+///   follow it, or one held everywhere alike), the placement bound: marked
+///   when, with this request, its occupancy would exceed `(1 + ε)` times
+///   its fair share (by `max_concurrency`) of all candidates' occupancy and
+///   `floor × max_concurrency` (`placement_epsilon` / `_floor`).
+/// * A held prompt that a room region holds as much of is not marked: it
+///   goes by its cost. A share bound for it paid nothing (A/B in
+///   docs/ROUTING.md, "What each rule is worth").
 fn apply_load_guard(inp: &Inputs, costs: &mut [Cost], held: bool) {
     let cfg = inp.config;
     let slots = |i: usize| f64::from(region_slots(inp, i));
@@ -640,23 +642,14 @@ fn apply_load_guard(inp: &Inputs, costs: &mut [Cost], held: bool) {
     if total_slots <= 0.0 {
         return;
     }
-    let (e, f) = if held {
-        (cfg.cost.bounded_load_epsilon, cfg.cost.bounded_load_floor)
-    } else {
-        (
-            cfg.cost
-                .bounded_load_epsilon
-                .min(cfg.cost.placement_epsilon),
-            cfg.cost.bounded_load_floor.min(cfg.cost.placement_floor),
-        )
-    };
+    let (e, f) = (cfg.cost.placement_epsilon, cfg.cost.placement_floor);
     let over_share: Vec<bool> = costs
         .iter()
         .enumerate()
         .map(|(i, c)| {
             let fair = total_load * slots(i) / total_slots;
             let bound = ((1.0 + e) * fair).max(f * slots(i));
-            c.candidate && c.occupancy + 1.0 > bound
+            !held && c.candidate && c.occupancy + 1.0 > bound
         })
         .collect();
     let room: Vec<usize> = costs
@@ -988,7 +981,7 @@ mod tests {
     fn own_inflight_since_scrape_counts() {
         // The accounting, not the placement bound, is under test here.
         let mut c = cfg();
-        c.cost.placement_floor = c.cost.bounded_load_floor;
+        c.cost.placement_floor = 0.5;
         let s = snap(&c);
         // 8 requests sent to `near` since the last scrape: it is full.
         let d = run(&c, Some(&s), [0, 0, 0], [8.0, 0.0, 0.0], 100);
@@ -1397,17 +1390,17 @@ mod tests {
         // forces no miss either.
         let d = decide(&inputs(&c, &s, &[62, 62, 62], None));
         assert_eq!(d.reason, Reason::Spread);
-        // Held by near and mid, not far: mid has room and holds as much, so
-        // near over its general share, max(1.5 x 2, 0.5 x 8) = 4 < 6,
-        // spreads it to mid.
+        // Held by near and mid, not far: no share bound, whatever near's
+        // share; near (5 of 8 slots, a free one) is the cheaper holder.
         s.regions[0].running = 5.0;
         let d = decide(&inputs(&c, &s, &[62, 62, 0], None));
-        assert_eq!((d.region, d.reason), (1, Reason::Spread));
-        // With the placement bound as loose as the general one, near keeps
-        // the new prompt at 2.
+        assert_eq!((d.region, d.reason), (0, Reason::Cache));
+        assert!(d.costs.iter().all(|c| !c.over_bound));
+        // With a looser placement bound (1.5 x the share, floor a half),
+        // near keeps the new prompt at 2.
         let mut c = eight_slots();
-        c.cost.placement_epsilon = c.cost.bounded_load_epsilon;
-        c.cost.placement_floor = c.cost.bounded_load_floor;
+        c.cost.placement_epsilon = 0.5;
+        c.cost.placement_floor = 0.5;
         s.regions[0].running = 2.0;
         let d = decide(&inputs(&c, &s, &[0, 0, 0], None));
         assert_eq!((d.region, d.reason), (0, Reason::Rtt));
@@ -1433,7 +1426,7 @@ mod tests {
         let d = decide(&inputs(&c, &s, &[0, 0, 0], None));
         assert_eq!((d.region, d.reason), (1, Reason::Spread));
         let mut c2 = cfg();
-        c2.cost.placement_floor = c2.cost.bounded_load_floor;
+        c2.cost.placement_floor = 0.5;
         let d = decide(&inputs(&c2, &s, &[0, 0, 0], None));
         assert_eq!((d.region, d.reason), (0, Reason::Rtt));
     }

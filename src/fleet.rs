@@ -516,7 +516,10 @@ impl Fleet {
                 .step(&cfg.ladder, ratio.unwrap_or(f64::MAX), now_ms),
         };
         let configured: Vec<f64> = cfg.regions.iter().map(|r| r.prefill_ms_per_token).collect();
-        if let Some(fit) = self.tuner.fit(&cfg.tuning, cfg.cost.w_queue, &configured) {
+        if let Some(fit) = self
+            .tuner
+            .fit(&cfg.tuning, cfg.tuning.w_queue_start(), &configured)
+        {
             self.fit = Some(fit);
         }
         changed

@@ -1187,7 +1187,9 @@ impl Probe {
             Global::LadderCapacityRps,
             snap.capacity_rps.round() as u64,
         );
-        let w_queue = snap.weights.map_or(self.cfg.cost.w_queue, |w| w.w_queue);
+        let w_queue = snap
+            .weights
+            .map_or(self.cfg.tuning.w_queue_start(), |w| w.w_queue);
         g(
             host,
             Global::TuningWQueueMilli,

@@ -8,8 +8,8 @@
 //!   on `observed − rtt − queue ≈ rate · uncached_tokens`, shrunk towards the
 //!   configured rate and kept within [¼×, 4×] of it;
 //! * the queue weight `w_queue`, by ridge regression of
-//!   `observed − rtt − prefill ≈ w_queue · queue` towards the configured
-//!   weight, within configured bounds. The round trip is not weighted: it is
+//!   `observed − rtt − prefill ≈ w_queue · queue` towards 1 (a predicted
+//!   ms of wait taken as one ms), within configured bounds. The round trip is not weighted: it is
 //!   measured in the unit the TTFT is observed in (one round trip is one
 //!   round trip), and A/B in the simulator showed the fitted weight gained
 //!   nothing (docs/ROUTING.md, "What each rule is worth").
@@ -106,6 +106,13 @@ impl Default for TuningConfig {
 }
 
 impl TuningConfig {
+    /// The queue weight before any fit, and the ridge's centre: 1 (a
+    /// predicted ms of wait is one ms, as every other term is taken),
+    /// within the bounds, so that equal bounds pin the weight throughout.
+    pub fn w_queue_start(&self) -> f64 {
+        1.0_f64.clamp(self.w_queue_min, self.w_queue_max)
+    }
+
     pub fn validate(&self) -> Result<(), (String, String)> {
         let e = |f: &str, r: String| Err((format!("tuning.{f}"), r));
         if !(16..=65536).contains(&self.window) {
@@ -181,8 +188,8 @@ impl Tuner {
     }
 
     /// Fit the queue weight and per-region prefill rates. `configured`
-    /// gives, per region, the configured prefill rate; `prior` the
-    /// configured queue weight. The two fits depend on each other, so they
+    /// gives, per region, the configured prefill rate; `prior` the queue
+    /// weight's start ([`TuningConfig::w_queue_start`]). The two fits depend on each other, so they
     /// alternate a few rounds (coordinate descent), starting from the prior.
     pub fn fit(&self, cfg: &TuningConfig, prior: f64, configured: &[f64]) -> Option<Fit> {
         if self.window.len() < cfg.min_samples as usize {
@@ -305,6 +312,17 @@ mod tests {
             prefill_ms: 0.1 * uncached as f32,
             observed_ms: rtt + rate * uncached as f32 + w_queue_true * queue,
         }
+    }
+
+    #[test]
+    fn the_queue_weight_starts_at_one_within_its_bounds() {
+        let mut cfg = TuningConfig::default();
+        assert_eq!(cfg.w_queue_start(), 1.0);
+        // Equal bounds pin it from the first request, before any fit.
+        (cfg.w_queue_min, cfg.w_queue_max) = (2.0, 2.0);
+        assert_eq!(cfg.w_queue_start(), 2.0);
+        (cfg.w_queue_min, cfg.w_queue_max) = (0.1, 0.5);
+        assert_eq!(cfg.w_queue_start(), 0.5);
     }
 
     #[test]

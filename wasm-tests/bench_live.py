@@ -1360,7 +1360,7 @@ def main() -> int:
                     help=f"each engine's prefix cache, tokens (default: --fleet, else {ENGINE_DEFAULTS['cache_tokens']})")
     ap.add_argument("--plugin-config", type=json.loads, default={},
                     help="JSON merged into the plugin's configuration after the region figures "
-                         "(e.g. '{\"cost\": {\"bounded_load_floor\": 1.0}}')")
+                         "(e.g. '{\"cost\": {\"placement_floor\": 1.0}}')")
     ap.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated subset of {','.join(ROUTERS)}")
     ap.add_argument("--rounds", type=int, default=1, help="times every router replays the trace (alternated)")
     ap.add_argument("--max-inflight", type=int, default=256, help="client threads in flight at most")

@@ -50,7 +50,8 @@ BAD = [
     ({"ladder": {"down_at": [1.1, 0.5, 0.85, 0.7, 0.55]}}, "ladder.down_at[1]"),
     ({"headers": {"cluster": "Bad Header"}}, "headers.cluster"),
     ({"tiers": {"default": "gold"}}, "tiers.default"),
-    ({"cost": {"w_queue": 0}}, "cost.w_queue"),
+    ({"cost": {"placement_floor": 1.5}}, "cost.placement_floor"),
+    ({"tuning": {"w_queue_min": 0}}, "tuning.w_queue_min"),
     ({"typo_field": 1}, "unknown field `typo_field`"),
 ]
 
@@ -81,7 +82,8 @@ def test_invalid_plugin_config_is_refused_with_the_field(override, expected, run
 
 def test_a_removed_field_is_accepted_with_one_warning_naming_its_replacement(run_dir):
     def removed_fields(plugin):
-        plugin.setdefault("cost", {}).update({"w_rtt": 1.5, "tie_ms": 3, "w_queue": 2})
+        plugin.setdefault("cost", {}).update({"w_rtt": 1.5, "tie_ms": 3, "w_queue": 2,
+                                              "bounded_load_floor": 0.7, "placement_floor": 0.3})
         plugin.setdefault("tuning", {}).update({"w_rtt_min": 0.5, "enabled": False})
         plugin.setdefault("probe", {}).update({"rtt_alpha": 0.3})
         plugin.setdefault("prefix", {}).update({"bytes_per_token": 3.5})
@@ -98,12 +100,14 @@ def test_a_removed_field_is_accepted_with_one_warning_naming_its_replacement(run
                            ("probe.rtt_alpha", "probe.rtt_window"),
                            ("prefix.bytes_per_token", "measured from each answer's usage.prompt_tokens"),
                            ("directory.learn_from_usage", "always read and learnt from"),
-                           ("tuning.enabled", "always fitted on the observed TTFT")]:
+                           ("tuning.enabled", "always fitted on the observed TTFT"),
+                           ("cost.bounded_load_floor", "leaves the region holding it only when"),
+                           ("cost.w_queue", "fitted on the observed TTFT within tuning.w_queue_min")]:
         lines = [l for l in out.splitlines() if f"{field} is no longer a setting" in l]
         assert len(lines) == 1, (field, lines or out[-3000:])
         assert instead in lines[0] and "next release refuses it" in lines[0], lines[0]
     # A field still in force is not warned about.
-    assert "w_queue is no longer" not in out
+    assert "placement_floor is no longer" not in out
 
 
 def test_non_json_configuration_is_refused(run_dir):

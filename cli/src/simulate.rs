@@ -161,7 +161,7 @@ pub struct Args {
     deployment: Vec<Deployment>,
     /// Plugin settings for geo-router (a plugin configuration without
     /// `regions`, merged over the one built from the fleet), e.g.
-    /// {"cost": {"w_queue": 2}}; its probe.tick_ms is also gorgo's scrape
+    /// {"cost": {"placement_floor": 0.5}}; its probe.tick_ms is also gorgo's scrape
     /// period outside the oracle
     #[arg(
         verbatim_doc_comment,

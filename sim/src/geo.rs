@@ -562,9 +562,10 @@ mod tests {
             assert_eq!(r.capacity_rps, slots * 1000.0 / d.service_ms);
         }
         assert_eq!(c.regions[1].max_concurrency, 10);
-        let o = json!({"cost": {"w_queue": 2.0}, "probe": {"tick_ms": 500, "timeout_ms": 500}});
+        let o =
+            json!({"cost": {"placement_floor": 0.5}, "probe": {"tick_ms": 500, "timeout_ms": 500}});
         let c = plugin_config(&f, 0, Knowledge::Exact, 100.0, Source::default(), Some(&o)).unwrap();
-        assert_eq!((c.cost.w_queue, c.probe.tick_ms), (2.0, 500));
+        assert_eq!((c.cost.placement_floor, c.probe.tick_ms), (0.5, 500));
         let e = plugin_config(
             &f,
             0,
