@@ -856,6 +856,12 @@ impl Default for TierConfig {
     }
 }
 
+/// What replaced the held prompts' share bound (two removed fields).
+const HELD_SHARE_BOUND_GONE: &str =
+    "nothing: a prompt some region holds is not spread by a share of \
+     the in-flight work; it leaves the region holding it only when that region is full and its \
+     wait exceeds what the move costs (docs/ROUTING.md, \"What each rule is worth\")";
+
 /// Fields an earlier release took and this one does not: `(section, field,
 /// what replaced it)`. A configuration that still sets one is accepted, the
 /// field ignored, with one warning naming the replacement (for one release;
@@ -917,22 +923,8 @@ pub const REMOVED_FIELDS: &[(&str, &str, &str)] = &[
          like every other term) and is fitted on the observed TTFT within \
          tuning.w_queue_min and tuning.w_queue_max; set both to one value to pin it",
     ),
-    (
-        "cost",
-        "bounded_load_epsilon",
-        "nothing: a prompt some region holds is not spread by a share of the \
-         in-flight work; it leaves the region holding it only when that region \
-         is full and its wait exceeds what the move costs (docs/ROUTING.md, \
-         \"What each rule is worth\")",
-    ),
-    (
-        "cost",
-        "bounded_load_floor",
-        "nothing: a prompt some region holds is not spread by a share of the \
-         in-flight work; it leaves the region holding it only when that region \
-         is full and its wait exceeds what the move costs (docs/ROUTING.md, \
-         \"What each rule is worth\")",
-    ),
+    ("cost", "bounded_load_epsilon", HELD_SHARE_BOUND_GONE),
+    ("cost", "bounded_load_floor", HELD_SHARE_BOUND_GONE),
     (
         "prefix",
         "bytes_per_token",
