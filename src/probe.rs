@@ -1187,9 +1187,7 @@ impl Probe {
             Global::LadderCapacityRps,
             snap.capacity_rps.round() as u64,
         );
-        let w_queue = snap
-            .weights
-            .map_or(self.cfg.tuning.w_queue_start(), |w| w.w_queue);
+        let w_queue = crate::cost::Weights::in_force(&self.cfg, Some(snap)).w_queue;
         g(
             host,
             Global::TuningWQueueMilli,

@@ -110,16 +110,6 @@ pub struct InferenceRequest {
     pub include_usage: bool,
 }
 
-impl InferenceRequest {
-    /// Estimated prompt tokens from the canonical text's length.
-    pub fn prompt_tokens(&self, bytes_per_token: f64) -> u64 {
-        if bytes_per_token <= 0.0 {
-            return self.prompt.bytes;
-        }
-        (self.prompt.bytes as f64 / bytes_per_token).ceil() as u64
-    }
-}
-
 /// A request body that is not a valid request; rendered as an OpenAI error.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RequestError {
@@ -1403,7 +1393,8 @@ mod tests {
             PromptHasher::counting_only(),
         )
         .unwrap();
-        assert_eq!(r.prompt_tokens(4.0), 3);
+        let tpb = crate::cost::PRIOR_TOKENS_PER_BYTE;
+        assert_eq!(crate::cost::tokens_of(r.prompt.bytes, tpb), 3);
     }
 
     #[test]
