@@ -138,8 +138,8 @@ fn check_accepted(endpoint: Endpoint, data: &[u8], req: &InferenceRequest) {
     assert!(p.checkpoints.iter().all(|c| c.blocks >= 1
         && c.blocks <= p.blocks
         && p.block_hash(c.blocks as usize - 1) == Some(c.hash)));
-    for bpt in [0.0, 0.5, 4.0, 1e300, -1.0, f64::NAN] {
-        let _ = req.prompt_tokens(bpt);
+    for tpb in [0.0, 2.0, 0.25, 1e300, -1.0, f64::NAN] {
+        let _ = llm_geo_router::cost::tokens_of(req.prompt.bytes, tpb);
     }
 
     // On an accepted body every member's span is exactly its JSON value,
