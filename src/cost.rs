@@ -367,21 +367,18 @@ pub fn decide(inp: &Inputs) -> Decision {
         c.candidate = c.healthy && allowed(i) && ramp_ok && !c.over_context;
     }
     if !costs.iter().any(|c| c.candidate) {
+        price_externality(inp, &mut costs);
         return fallback(inp, costs);
     }
+    // Where a region holds the prompt, the choice is between waiting there
+    // and a full prefill elsewhere; the externality term, which would move
+    // a kept conversation off a busy holder into a cache miss that the term
+    // does not price (the holder's copy wasted, a second copy evicting
+    // others' prefixes), is left out: the prompt's own expected wait
+    // decides (A/B in docs/ROUTING.md).
     let held = holds_prompt(&costs, inp.prompt_tokens);
-    if held {
-        // Where a region holds the prompt, the choice is between waiting
-        // there and a full prefill elsewhere; the externality term, which
-        // would move a kept conversation off a busy holder into a cache
-        // miss that the term does not price (the holder's copy wasted, a
-        // second copy evicting others' prefixes), is left out: the prompt's
-        // own expected wait decides (A/B in docs/ROUTING.md).
-        for c in costs.iter_mut() {
-            c.queue_ms = inp.weights.w_queue * c.wait_ms;
-            c.load_ms = 0.0;
-            c.total_ms = c.rtt_ms + c.prefill_ms + c.queue_ms;
-        }
+    if !held {
+        price_externality(inp, &mut costs);
     }
     apply_load_guard(inp, &mut costs, held);
     let eligible = |c: &Cost| c.candidate && !c.over_bound;
@@ -566,13 +563,14 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
             let rtt_ms = rtt;
             let prefill_ms = prefill_rate * uncached as f64;
             let wait = queue_ms(occupancy, slots, region.service_ms);
-            let extern_ms = externality_ms(occupancy, slots, region.service_ms + prefill_ms);
-            let queue = w.w_queue * wait + extern_ms;
+            // The externality (`load_ms`) is added by `price_externality`
+            // where it applies: not for a prompt some region holds.
+            let queue = w.w_queue * wait;
             Cost {
                 rtt_ms,
                 prefill_ms,
                 queue_ms: queue,
-                load_ms: extern_ms,
+                load_ms: 0.0,
                 wait_ms: wait,
                 total_ms: rtt_ms + prefill_ms + queue,
                 prompt_tokens,
@@ -586,6 +584,19 @@ fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
             }
         })
         .collect()
+}
+
+/// Adds to each region's cost the delay its request adds to the others
+/// there (`externality_ms` of its occupancy, slots, and slot time: the
+/// service time plus its prefill), as `load_ms`, inside `queue_ms`.
+fn price_externality(inp: &Inputs, costs: &mut [Cost]) {
+    for (i, c) in costs.iter_mut().enumerate() {
+        let service = inp.config.regions.get(i).map_or(0.0, |r| r.service_ms);
+        let x = externality_ms(c.occupancy, region_slots(inp, i), service + c.prefill_ms);
+        c.load_ms = x;
+        c.queue_ms += x;
+        c.total_ms = c.rtt_ms + c.prefill_ms + c.queue_ms;
+    }
 }
 
 /// Whether some candidate holds the prompt: at least half of it beyond what
