@@ -1170,7 +1170,7 @@ def doc_section(result: dict, tbl: str, lines: list[str]) -> str:
     routers_ran = ", ".join(f"`{k}`" for k in result["routers"])
     return reflow(f"""\
 Each router in front of the same three emulated regions (near 5 ms, mid 40 ms,
-far 120 ms away, the demo's: `wasm-tests/emulator`), replaying one trace
+far 120 ms away, the demo's: `emulator`), replaying one trace
 open loop in real time, time-scaled, with time to first token (TTFT) and
 end-to-end time measured at the client. Every router gets a fresh set of
 emulators (cold prefix caches) and the same requests at the same (scaled)
@@ -1250,7 +1250,7 @@ def seeds_doc_section(combined: dict) -> str:
     routers_ran = ", ".join(f"`{k}`" for k in first["routers"])
     return reflow(f"""\
 Each router in front of the same three emulated regions (near 5 ms, mid 40 ms,
-far 120 ms away, the demo's: `wasm-tests/emulator`), replaying one trace
+far 120 ms away, the demo's: `emulator`), replaying one trace
 open loop in real time, time-scaled, with time to first token (TTFT) and
 end-to-end time measured at the client; once per seed, every router on fresh
 emulators (cold prefix caches) with the same requests at the same (scaled)
