@@ -24,12 +24,12 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use llm_geo_router::config::Config;
-use llm_geo_router::cost::Reason;
-use llm_geo_router::prefix::PromptHasher;
-use llm_geo_router::request::{self, Endpoint};
-use llm_geo_router::route::{RouteInputs, Routed, Router};
-use llm_geo_router::snapshot::{RegionState, Snapshot};
-use llm_geo_router::store::MemoryStore;
+use llm_geo_router::decision::cost::Reason;
+use llm_geo_router::decision::pipeline::{RouteInputs, Routed, Router};
+use llm_geo_router::fleet::snapshot::{RegionState, Snapshot};
+use llm_geo_router::request::openai::{self, Endpoint};
+use llm_geo_router::request::prefix::PromptHasher;
+use llm_geo_router::shared::store::MemoryStore;
 use serde_json::{json, Value};
 
 /// Target body sizes.
@@ -617,7 +617,7 @@ fn run_case(cfg: &Config, size: usize) -> Result<CaseResult, String> {
         sets: s.sets,
     };
     let seed = cfg.prefix.hash_seed;
-    let parsed = request::parse(
+    let parsed = openai::parse(
         Endpoint::ChatCompletions,
         &probe_body,
         PromptHasher::new(cfg.prefix.block_bytes, seed),

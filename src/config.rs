@@ -11,7 +11,7 @@ use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::fmt;
 
-use crate::metrics::EngineKind;
+use crate::engines::metrics::EngineKind;
 
 /// Number of rungs above level 0 on the degraded-mode ladder.
 pub const LADDER_RUNGS: usize = 5;
@@ -73,7 +73,7 @@ pub struct Config {
     #[serde(default)]
     pub residency: ResidencyConfig,
     #[serde(default)]
-    pub tuning: crate::tuning::TuningConfig,
+    pub tuning: crate::learning::tuning::TuningConfig,
     #[serde(default)]
     pub migration: MigrationConfig,
     #[serde(default)]
@@ -465,7 +465,7 @@ impl Default for ContextConfig {
 
 /// The router's guard against a pause on the request headers that never
 /// ends: Envoy without `allow_on_headers_stop_iteration` on the filter never
-/// delivers the body (src/bodywait.rs).
+/// delivers the body (src/request/body_wait.rs).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct BodyWaitConfig {
@@ -588,7 +588,7 @@ pub struct MigrationConfig {
     /// or `recompute; tokens=<n>`. A client-sent value is always removed.
     pub header: String,
     /// The served model's KV geometry and compute (required when enabled).
-    pub model: Option<crate::migration::KvModel>,
+    pub model: Option<crate::decision::migration::KvModel>,
     /// Inter-region bandwidth for KV transfer, Gbit/s, unless a link says otherwise.
     pub bandwidth_gbps: f64,
     /// Per pair of regions: measured RTT and bandwidth between them.
@@ -994,7 +994,10 @@ fn warned_key(warning: &str) -> String {
 impl Config {
     /// The warnings of [`Config::warnings`] not yet logged by this Envoy
     /// (any of its plugins and workers), marked logged in `store`.
-    pub fn unlogged_warnings(&self, store: &mut dyn crate::store::SharedStore) -> Vec<&str> {
+    pub fn unlogged_warnings(
+        &self,
+        store: &mut dyn crate::shared::store::SharedStore,
+    ) -> Vec<&str> {
         self.warnings
             .iter()
             .filter(|w| {
@@ -1098,7 +1101,7 @@ impl Config {
                         at("cache_tokens"),
                         format!(
                             "{n} must be a whole number of tokens in 1..={}",
-                            crate::metrics::MAX_CACHE_TOKENS
+                            crate::engines::metrics::MAX_CACHE_TOKENS
                         ),
                     ));
                 }
@@ -1664,11 +1667,13 @@ fn whole_tokens(n: &serde_json::Number) -> Option<u64> {
     let t = n.as_u64().or_else(|| {
         n.as_f64()
             .filter(|f| {
-                f.fract() == 0.0 && *f >= 1.0 && *f <= crate::metrics::MAX_CACHE_TOKENS as f64
+                f.fract() == 0.0
+                    && *f >= 1.0
+                    && *f <= crate::engines::metrics::MAX_CACHE_TOKENS as f64
             })
             .map(|f| f as u64)
     })?;
-    (1..=crate::metrics::MAX_CACHE_TOKENS)
+    (1..=crate::engines::metrics::MAX_CACHE_TOKENS)
         .contains(&t)
         .then_some(t)
 }
@@ -1784,7 +1789,7 @@ mod tests {
         assert_eq!(c.cost.placement_floor, 0.5);
         assert_eq!(c.warnings.len(), 1);
         assert!(c.warnings[0].starts_with("cost.w_rtt is no longer a setting"));
-        let mut store = crate::store::MemoryStore::default();
+        let mut store = crate::shared::store::MemoryStore::default();
         assert_eq!(c.unlogged_warnings(&mut store).len(), 1);
         assert!(c.unlogged_warnings(&mut store).is_empty(), "logged once");
         // Each section's removed fields, each said.

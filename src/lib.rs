@@ -7,37 +7,15 @@
 //! native tests and the tools. `host` (wasm32 only) is the one module that
 //! talks to `proxy_wasm`.
 
-pub mod assess;
-pub mod bodywait;
-pub mod calibration;
+pub mod cache;
 pub mod config;
-pub mod context;
-pub mod cost;
-pub mod directory;
-pub mod effects;
-pub mod exchange;
+pub mod decision;
+pub mod engines;
 pub mod fleet;
-pub mod guard;
-pub mod ladder;
-pub mod metrics;
-pub mod migration;
-pub mod openai;
-pub mod outcome;
-pub mod prefix;
-pub mod probe;
-pub mod promql;
-pub mod protocol;
+pub mod learning;
 pub mod request;
-pub mod responses;
-pub mod route;
-pub mod router;
-pub mod session;
-pub mod snapshot;
-pub mod store;
-pub mod stream;
-pub mod tuning;
-pub mod usage;
-pub mod view;
+pub mod roots;
+pub mod shared;
 
 #[cfg(target_arch = "wasm32")]
 mod host;

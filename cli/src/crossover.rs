@@ -5,7 +5,7 @@
 
 use crate::args;
 use crate::CliError;
-use llm_geo_router::migration::{
+use llm_geo_router::decision::migration::{
     crossover_tokens, crossover_utilization, fetch_s, recompute_s, transfer_s_per_token, KvModel,
 };
 use serde_json::{json, Map, Value};

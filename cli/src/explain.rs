@@ -7,18 +7,18 @@
 
 use crate::CliError;
 use llm_geo_router::config::Config;
-use llm_geo_router::cost::{Cost, Decision};
-use llm_geo_router::effects::{Effects, Recorder};
-use llm_geo_router::migration::{KvAction, MigrationAction};
-use llm_geo_router::prefix::PromptHasher;
-use llm_geo_router::protocol::{Global, RegionStat, Stat, SNAPSHOT_KEY};
-use llm_geo_router::request::{self, Endpoint};
-use llm_geo_router::route::{Routed, Router};
-use llm_geo_router::router::{RouterShared, RouterStream};
-use llm_geo_router::snapshot::Snapshot;
-use llm_geo_router::store::{MemoryStore, SharedStore};
-use llm_geo_router::stream::Flow;
-use llm_geo_router::view::View;
+use llm_geo_router::decision::cost::{Cost, Decision};
+use llm_geo_router::decision::migration::{KvAction, MigrationAction};
+use llm_geo_router::decision::pipeline::{Routed, Router};
+use llm_geo_router::fleet::snapshot::Snapshot;
+use llm_geo_router::fleet::view::View;
+use llm_geo_router::request::openai::{self, Endpoint};
+use llm_geo_router::request::prefix::PromptHasher;
+use llm_geo_router::roots::router::{RouterShared, RouterStream};
+use llm_geo_router::shared::flow::Flow;
+use llm_geo_router::shared::host_api::{Effects, Recorder};
+use llm_geo_router::shared::names::{Global, RegionStat, Stat, SNAPSHOT_KEY};
+use llm_geo_router::shared::store::{MemoryStore, SharedStore};
 use serde_json::{json, Value};
 use std::path::Path;
 use std::rc::Rc;
@@ -174,7 +174,7 @@ pub fn run(a: Args) -> Result<String, CliError> {
         now_ms,
         ..Recorder::default()
     };
-    let endpoint = request::endpoint("POST", req_path);
+    let endpoint = openai::endpoint("POST", req_path);
     if let Some(endpoint) = endpoint {
         history.replay(cfg, &shared.router, endpoint, &mut host.store)?;
     }
@@ -234,7 +234,7 @@ pub fn run(a: Args) -> Result<String, CliError> {
             Some(_) if host.value(Stat::Global(Global::RouterInvalidRequest)) > 0 => {
                 let hasher = PromptHasher::new(cfg.prefix.block_bytes, cfg.prefix.hash_seed);
                 let message = endpoint
-                    .and_then(|e| request::parse(e, &body, hasher).err())
+                    .and_then(|e| openai::parse(e, &body, hasher).err())
                     .map_or_else(String::new, |e| e.message);
                 format!(
                     "invalid request passed through (invalid_requests = pass_through): {message}"
@@ -277,7 +277,7 @@ fn session_record(
         Some(h) => h.to_string(),
         None => {
             let hasher = PromptHasher::new(cfg.prefix.block_bytes, cfg.prefix.hash_seed);
-            request::parse(endpoint, body, hasher).ok()?.user?
+            openai::parse(endpoint, body, hasher).ok()?.user?
         }
     };
     let last = router.sessions.lookup(store, &key, now_ms).last;
@@ -428,7 +428,7 @@ impl History {
     ) -> Result<(), CliError> {
         for (i, past) in self.entries.iter().enumerate() {
             let hasher = PromptHasher::new(cfg.prefix.block_bytes, cfg.prefix.hash_seed);
-            let req = request::parse(endpoint, &past.body, hasher).map_err(|e| {
+            let req = openai::parse(endpoint, &past.body, hasher).map_err(|e| {
                 CliError::Input(format!(
                     "--history {}: [{i}]: body is not a valid request: {}",
                     self.file, e.message

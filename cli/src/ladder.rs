@@ -6,7 +6,7 @@
 
 use crate::CliError;
 use llm_geo_router::config::{Config, LADDER_RUNGS};
-use llm_geo_router::ladder::Ladder;
+use llm_geo_router::fleet::ladder::Ladder;
 use std::io::Read;
 
 pub const SUMMARY: &str = "replay a capacity/demand ratio series through the ladder controller";

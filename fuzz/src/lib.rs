@@ -9,15 +9,17 @@
 //! that runs them over the committed corpus and deterministic mutations.
 
 use llm_geo_router::config::Config;
-use llm_geo_router::directory::{layout_of, Directory};
-use llm_geo_router::metrics::{self, EngineKind, EngineSample, MetricsError, Sample};
-use llm_geo_router::prefix::PromptHasher;
-use llm_geo_router::request::{self, Endpoint, InferenceRequest};
-use llm_geo_router::route::{RouteInputs, Router};
-use llm_geo_router::session::Sessions;
-use llm_geo_router::snapshot::Snapshot;
-use llm_geo_router::store::{SetOutcome, SharedStore};
-use llm_geo_router::{exchange, guard, ladder};
+use llm_geo_router::cache::directory::{layout_of, Directory};
+use llm_geo_router::engines::metrics::{self, EngineKind, EngineSample, MetricsError, Sample};
+use llm_geo_router::request::prefix::PromptHasher;
+use llm_geo_router::request::openai::{self, Endpoint, InferenceRequest};
+use llm_geo_router::decision::pipeline::{RouteInputs, Router};
+use llm_geo_router::cache::sessions::Sessions;
+use llm_geo_router::fleet::snapshot::Snapshot;
+use llm_geo_router::shared::store::{SetOutcome, SharedStore};
+use llm_geo_router::cache::exchange;
+use llm_geo_router::fleet::ladder;
+use llm_geo_router::roots::guard;
 
 /// The plugin configuration of `envoy/envoy.yaml` (the demo).
 pub const DEMO_CONFIG: &str = include_str!("../corpus/config/envoy-demo.json");
@@ -39,19 +41,19 @@ const KEYS: [&str; 11] = [
 
 // ---------------------------------------------------------------- request
 
-/// `request::parse` for both endpoints, `body_kind`,
+/// `openai::parse` for both endpoints, `body_kind`,
 /// `top_level_value_span`, and the guard's body rewrites that build on them.
 pub fn request(data: &[u8]) {
     let first = data.iter().find(|b| !b.is_ascii_whitespace());
-    let kind = request::body_kind(data);
-    assert_eq!(kind == request::BodyKind::Json, first == Some(&b'{'));
-    assert_eq!(kind == request::BodyKind::Blank, first.is_none());
+    let kind = openai::body_kind(data);
+    assert_eq!(kind == openai::BodyKind::Json, first == Some(&b'{'));
+    assert_eq!(kind == openai::BodyKind::Blank, first.is_none());
 
     // An answer's first bytes, whole or in any split: the response id the
     // router would record is a usable id, and found the same either way.
-    let whole = llm_geo_router::responses::find_id(data);
-    assert!(whole.is_none_or(llm_geo_router::responses::valid_id));
-    let mut head = llm_geo_router::responses::Head::default();
+    let whole = llm_geo_router::cache::stored_responses::find_id(data);
+    assert!(whole.is_none_or(llm_geo_router::cache::stored_responses::valid_id));
+    let mut head = llm_geo_router::cache::stored_responses::Head::default();
     let mut found = None;
     for chunk in data.chunks(7) {
         let n = head.wanted(chunk.len());
@@ -63,12 +65,12 @@ pub fn request(data: &[u8]) {
             break;
         }
     }
-    if data.len() <= llm_geo_router::responses::HEAD_BYTES {
+    if data.len() <= llm_geo_router::cache::stored_responses::HEAD_BYTES {
         assert_eq!(found.as_deref(), whole);
     }
     let path = String::from_utf8_lossy(data);
     assert!(
-        llm_geo_router::responses::path_id(&path).is_none_or(llm_geo_router::responses::valid_id)
+        llm_geo_router::cache::stored_responses::path_id(&path).is_none_or(llm_geo_router::cache::stored_responses::valid_id)
     );
 
     for endpoint in [
@@ -76,8 +78,8 @@ pub fn request(data: &[u8]) {
         Endpoint::Completions,
         Endpoint::Responses,
     ] {
-        let counted = request::parse(endpoint, data, PromptHasher::counting_only());
-        let hashed = request::parse(endpoint, data, PromptHasher::new(16, 7));
+        let counted = openai::parse(endpoint, data, PromptHasher::counting_only());
+        let hashed = openai::parse(endpoint, data, PromptHasher::new(16, 7));
         match (&counted, &hashed) {
             (Ok(c), Ok(h)) => {
                 // Hashing changes what is recorded, never what is accepted.
@@ -96,7 +98,7 @@ pub fn request(data: &[u8]) {
     // The span scanner runs only on bodies `parse` accepted, but it must
     // not panic on anything, and whatever it returns must be in bounds.
     for key in KEYS {
-        if let Some(span) = request::top_level_value_span(data, key) {
+        if let Some(span) = openai::top_level_value_span(data, key) {
             assert!(span.start <= span.end && span.end <= data.len());
         }
     }
@@ -112,7 +114,7 @@ fn is_undecodable_but_valid(e: &serde_json::Error) -> bool {
 
 fn check_accepted(endpoint: Endpoint, data: &[u8], req: &InferenceRequest) {
     // Whatever `parse` accepts is one JSON object and nothing else.
-    assert_eq!(request::body_kind(data), request::BodyKind::Json);
+    assert_eq!(openai::body_kind(data), openai::BodyKind::Json);
     // Two things are valid JSON grammar that serde_json's `Value` refuses
     // to decode: a `\uXXXX` escape of a lone surrogate (RFC 8259 section
     // 8.2) and a number beyond f64 (section 6). `parse` skips the members it
@@ -139,13 +141,13 @@ fn check_accepted(endpoint: Endpoint, data: &[u8], req: &InferenceRequest) {
         && c.blocks <= p.blocks
         && p.block_hash(c.blocks as usize - 1) == Some(c.hash)));
     for tpb in [0.0, 2.0, 0.25, 1e300, -1.0, f64::NAN] {
-        let _ = llm_geo_router::cost::tokens_of(req.prompt.bytes, tpb);
+        let _ = llm_geo_router::decision::cost::tokens_of(req.prompt.bytes, tpb);
     }
 
     // On an accepted body every member's span is exactly its JSON value,
     // and the scalars `parse` returned are the ones in those spans.
     for key in KEYS {
-        let Some(span) = request::top_level_value_span(data, key) else {
+        let Some(span) = openai::top_level_value_span(data, key) else {
             continue;
         };
         let Some(raw) = data.get(span) else {
@@ -182,7 +184,7 @@ fn check_accepted(endpoint: Endpoint, data: &[u8], req: &InferenceRequest) {
     // The guard's rewrites must leave a body that still parses, with the
     // change they promise.
     if let Some(out) = guard::rewrite_model(data, "fuzz/model") {
-        match request::parse(endpoint, &out, PromptHasher::counting_only()) {
+        match openai::parse(endpoint, &out, PromptHasher::counting_only()) {
             Ok(r) => {
                 assert_eq!(r.model.as_deref(), Some("fuzz/model"));
                 assert_eq!(r.prompt.bytes, req.prompt.bytes);
@@ -193,7 +195,7 @@ fn check_accepted(endpoint: Endpoint, data: &[u8], req: &InferenceRequest) {
     let limit = 100;
     let clamped = guard::clamp_max_tokens(endpoint, data, req, limit);
     if let Some(out) = &clamped {
-        match request::parse(endpoint, out, PromptHasher::counting_only()) {
+        match openai::parse(endpoint, out, PromptHasher::counting_only()) {
             Ok(r) => {
                 assert!(r.max_tokens.is_none_or(|v| v <= limit));
                 assert!(r.max_completion_tokens.is_none_or(|v| v <= limit));
@@ -373,7 +375,7 @@ pub fn config(data: &[u8]) {
 
     // One decision over the configuration, as the router filter makes it.
     let router = Router::new(&cfg);
-    let mut store = llm_geo_router::store::MemoryStore::default();
+    let mut store = llm_geo_router::shared::store::MemoryStore::default();
     let index: Vec<Option<usize>> = (0..n).map(Some).collect();
     let inflight = vec![0.0; n];
     let body = chat_body();
@@ -576,7 +578,7 @@ pub fn shared_records(data: &[u8]) {
         .map(|i| now.rotate_left(i as u32 * 7) % 100_000)
         .collect();
     let mut ring_store = ScriptedStore::new(rest);
-    let (ring, _) = llm_geo_router::directory::RecentIntake::read(&mut ring_store);
+    let (ring, _) = llm_geo_router::cache::directory::RecentIntake::read(&mut ring_store);
     let clock: Vec<(u64, f64)> = rest
         .chunks_exact(4)
         .scan(0u64, |t, c| {
@@ -586,14 +588,14 @@ pub fn shared_records(data: &[u8]) {
         .collect();
     let merged = ring.merged(0, &clock);
     assert!(merged.windows(2).all(|w| w[0].0 <= w[1].0), "{merged:?}");
-    let keep: Vec<llm_geo_router::directory::Keep> = horizons
+    let keep: Vec<llm_geo_router::cache::directory::Keep> = horizons
         .iter()
         .enumerate()
         .map(|(i, h)| {
             if i % 2 == 0 {
-                llm_geo_router::directory::Keep::Horizon(*h)
+                llm_geo_router::cache::directory::Keep::Horizon(*h)
             } else {
-                llm_geo_router::directory::Keep::Lru(llm_geo_router::directory::Lru {
+                llm_geo_router::cache::directory::Keep::Lru(llm_geo_router::cache::directory::Lru {
                     free_tokens: (*h % 5000) as f64,
                     tokens_per_block: 16.0,
                     clock: &merged,
@@ -616,12 +618,12 @@ pub fn shared_records(data: &[u8]) {
 
     // The same bytes as a queue message: a usage report, if one, round
     // trips, and whatever it says the calibration stays in its ranges.
-    if let Some(r) = llm_geo_router::usage::UsageReport::decode(rest) {
+    if let Some(r) = llm_geo_router::learning::usage::UsageReport::decode(rest) {
         assert_eq!(
-            llm_geo_router::usage::UsageReport::decode(&r.encode()),
+            llm_geo_router::learning::usage::UsageReport::decode(&r.encode()),
             Some(r.clone())
         );
-        let mut c = llm_geo_router::calibration::RegionCalibration::default();
+        let mut c = llm_geo_router::learning::calibration::RegionCalibration::default();
         for _ in 0..3 {
             let _ = c.on_report(&r);
         }
@@ -732,7 +734,7 @@ fn chat_inputs<'a>(
 /// prior turns spread over the demo's regions.
 pub fn shared_records_seed(now: u64, turns: u64) -> Vec<u8> {
     struct Recording<'a> {
-        inner: &'a mut llm_geo_router::store::MemoryStore,
+        inner: &'a mut llm_geo_router::shared::store::MemoryStore,
         script: Vec<u8>,
     }
     impl SharedStore for Recording<'_> {
@@ -759,7 +761,7 @@ pub fn shared_records_seed(now: u64, turns: u64) -> Vec<u8> {
     let snapshot = Snapshot::all_healthy(&cfg);
     let index: Vec<Option<usize>> = (0..n).map(Some).collect();
     let body = chat_body();
-    let mut memory = llm_geo_router::store::MemoryStore::default();
+    let mut memory = llm_geo_router::shared::store::MemoryStore::default();
     for turn in 0..=turns {
         // Load the chosen region so that the turns spread over regions.
         let mut inflight = vec![0.0; n];

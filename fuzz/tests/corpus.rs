@@ -202,7 +202,7 @@ fn write_seeds() {
 /// round trip is exact: tighten `fuzz_checks::snapshot` to equality.
 #[test]
 fn snapshot_floats_round_trip_inexactly() {
-    use llm_geo_router::snapshot::Snapshot;
+    use llm_geo_router::fleet::snapshot::Snapshot;
     let seed = std::fs::read(corpus_dir("snapshot").join("float-off-by-one-ulp")).unwrap();
     let x = Snapshot::decode(&seed).unwrap();
     let y = Snapshot::decode(&x.encode()).unwrap();

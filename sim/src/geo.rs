@@ -2,7 +2,7 @@
 //! own plugin state, running the plugin's own state machines: per request
 //! the guard's and the router's (`guard::GuardStream`,
 //! `router::RouterStream`), per tick and per callout answer the probe's
-//! (`probe::Probe`), over an in-memory host (`effects::Recorder`: this
+//! (`probe::Probe`), over an in-memory host (`shared::host_api::Recorder`: this
 //! Envoy's stats, shared data and queue). This module only turns the
 //! simulation's events into theirs.
 
@@ -11,15 +11,15 @@ use std::rc::Rc;
 
 use crate::fleet::Fleet;
 use llm_geo_router::config::Config;
-use llm_geo_router::cost::Reason;
-use llm_geo_router::effects::{Answer, Recorder};
-use llm_geo_router::guard::{Guard, GuardStream};
-use llm_geo_router::outcome;
-use llm_geo_router::probe::Probe;
-use llm_geo_router::protocol::{CODE_DETAILS_PROPERTY, RESPONSE_FLAGS_PROPERTY};
-use llm_geo_router::router::{RouterShared, RouterStream};
-use llm_geo_router::stream::Flow;
-use llm_geo_router::view::View;
+use llm_geo_router::decision::cost::Reason;
+use llm_geo_router::fleet::view::View;
+use llm_geo_router::learning::outcome;
+use llm_geo_router::roots::guard::{Guard, GuardStream};
+use llm_geo_router::roots::probe::Probe;
+use llm_geo_router::roots::router::{RouterShared, RouterStream};
+use llm_geo_router::shared::flow::Flow;
+use llm_geo_router::shared::host_api::{Answer, Recorder};
+use llm_geo_router::shared::names::{CODE_DETAILS_PROPERTY, RESPONSE_FLAGS_PROPERTY};
 use serde_json::{json, Map, Value};
 
 /// What the plugin is told about the engines.
@@ -476,13 +476,13 @@ impl Envoy {
     }
 
     /// What this Envoy's probe last published (shared data), if anything.
-    pub fn snapshot(&self) -> Option<llm_geo_router::snapshot::Snapshot> {
+    pub fn snapshot(&self) -> Option<llm_geo_router::fleet::snapshot::Snapshot> {
         let (bytes, _) = self
             .host
             .store
             .map
-            .get(llm_geo_router::protocol::SNAPSHOT_KEY)?;
-        llm_geo_router::snapshot::Snapshot::decode(bytes).ok()
+            .get(llm_geo_router::shared::names::SNAPSHOT_KEY)?;
+        llm_geo_router::fleet::snapshot::Snapshot::decode(bytes).ok()
     }
 
     /// The body of exchange callout `token` (once).
@@ -494,8 +494,8 @@ impl Envoy {
     /// plugin's `exchange` filter takes it (queued for this Envoy's probe,
     /// merged at its next tick) or refuses it. Returns the status answered.
     pub fn exchange_in(&mut self, body: &[u8], now_ms: u64) -> u32 {
-        use llm_geo_router::exchange::ExchangeStream;
-        use llm_geo_router::stream::Flow;
+        use llm_geo_router::cache::exchange::ExchangeStream;
+        use llm_geo_router::shared::flow::Flow;
         self.host.now_ms = now_ms;
         let length = body.len().to_string();
         self.host.request(&[

@@ -31,7 +31,7 @@ use engine_emulator::config::Mode as EngineMode;
 use engine_emulator::metrics as exposition;
 use engine_emulator::model::{Admission, Engine, EngineConfig, Timing, DEFAULT_BLOCK_TOKENS};
 use engine_emulator::openai::{self, Kind};
-use llm_geo_router::effects::Answer;
+use llm_geo_router::shared::host_api::Answer;
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
 
@@ -335,7 +335,7 @@ struct Prometheus {
 
 impl Prometheus {
     /// The instant query's answer at `now_ms`, as Prometheus evaluates the
-    /// plugin's query (`llm_geo_router::promql::fleet_query`): per region
+    /// plugin's query (`llm_geo_router::engines::promql::fleet_query`): per region
     /// with at least one live series, each signal's aggregate over its
     /// replicas, labelled `llm_geo_region` and `llm_geo_signal`.
     fn answer(&self, names: &[String], now_ms: f64) -> Vec<u8> {
@@ -2238,7 +2238,7 @@ mod tests {
             .unwrap()
             .answer(&sim.names, 12_000.0);
         let cfg = the_envoy(&sim).cfg.clone();
-        let read = llm_geo_router::promql::parse_answer(&cfg, &body).unwrap();
+        let read = llm_geo_router::engines::promql::parse_answer(&cfg, &body).unwrap();
         let (r1, w1) = loads[1];
         assert_eq!(read[&0].replicas, 2);
         assert_eq!(

@@ -6,7 +6,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType};
 
-use crate::store::{SetOutcome, SharedStore};
+use crate::shared::store::{SetOutcome, SharedStore};
 
 pub fn log(level: LogLevel, msg: &str) {
     let _ = hostcalls::log(level, msg);

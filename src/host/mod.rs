@@ -2,12 +2,12 @@
 //! `vm_id`, four root ids: `probe` (bootstrap singleton service), `guard`,
 //! `router` (HTTP filters on the client listener) and `exchange` (HTTP
 //! filter on the peers' listener). Each callback is handed to the core's state
-//! machine ([`crate::guard::GuardStream`], [`crate::router::RouterStream`],
-//! [`crate::probe::Probe`]) with a [`effects::Host`] that carries out what
+//! machine ([`crate::roots::guard::GuardStream`], [`crate::roots::router::RouterStream`],
+//! [`crate::roots::probe::Probe`]) with a [`host_api::Host`] that carries out what
 //! it asks; this layer decides nothing itself.
 
 mod calls;
-mod effects;
+mod host_api;
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -15,18 +15,18 @@ use std::rc::Rc;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 
-use crate::bodywait::{self, BodyWait};
+use crate::cache::exchange::ExchangeStream;
 use crate::config::{BodyWaitAction, BodyWaitConfig, Config};
-use crate::effects::Effects;
-use crate::exchange::ExchangeStream;
-use crate::guard::{Guard, GuardStream};
-use crate::probe::Probe;
-use crate::protocol::{Global, Stat, OBSERVATIONS_QUEUE};
-use crate::router::{RouterShared, RouterStream};
-use crate::stream::Flow;
-use crate::view::View;
+use crate::fleet::view::View;
+use crate::request::body_wait::{self, BodyWait};
+use crate::roots::guard::{Guard, GuardStream};
+use crate::roots::probe::Probe;
+use crate::roots::router::{RouterShared, RouterStream};
+use crate::shared::flow::Flow;
+use crate::shared::host_api::Effects;
+use crate::shared::names::{Global, Stat, OBSERVATIONS_QUEUE};
 use calls::log;
-use effects::{define_stats, Callout, Host, Queue, Stats};
+use host_api::{define_stats, Callout, Host, Queue, Stats};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -200,7 +200,7 @@ impl RootContext for Root {
             }
             Role::Guard => {
                 let body_wait = config.body_wait.clone();
-                let tick = bodywait::tick_ms(body_wait.timeout_ms);
+                let tick = body_wait::tick_ms(body_wait.timeout_ms);
                 if tick > 0 {
                     calls::set_tick_ms(tick);
                 }
@@ -214,7 +214,7 @@ impl RootContext for Root {
             Role::Router => {
                 // HTTP contexts have no timers: the root's tick expires
                 // the requests paused too long for their body.
-                let tick = bodywait::tick_ms(config.body_wait.timeout_ms);
+                let tick = body_wait::tick_ms(config.body_wait.timeout_ms);
                 if tick > 0 {
                     calls::set_tick_ms(tick);
                 }
@@ -361,7 +361,7 @@ fn expire_body_waits(
                 }
             }
             BodyWaitAction::Reject => {
-                act(Flow::Reply(bodywait::reply()));
+                act(Flow::Reply(body_wait::reply()));
             }
         }
     }

@@ -8,17 +8,17 @@ use std::time::Duration;
 use proxy_wasm::types::LogLevel;
 
 use super::calls::{self, HostStore, Metric};
-use crate::effects::{CalloutResponse, Effects, Level, ProbeHost, StreamHost};
-use crate::protocol::{Stat, StatTable, OBSERVATIONS_QUEUE};
-use crate::store::{SetOutcome, SharedStore};
+use crate::shared::host_api::{CalloutResponse, Effects, Level, ProbeHost, StreamHost};
+use crate::shared::names::{Stat, StatTable, OBSERVATIONS_QUEUE};
+use crate::shared::store::{SetOutcome, SharedStore};
 
 /// Envoy's metric ids for one configuration's stats.
 pub type Stats = StatTable<Metric>;
 
 pub fn define_stats(cfg: &crate::config::Config) -> Stats {
     StatTable::new(cfg, |_, name, kind| match kind {
-        crate::protocol::StatKind::Counter => Metric::counter(name),
-        crate::protocol::StatKind::Gauge => Metric::gauge(name),
+        crate::shared::names::StatKind::Counter => Metric::counter(name),
+        crate::shared::names::StatKind::Gauge => Metric::gauge(name),
     })
 }
 

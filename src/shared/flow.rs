@@ -1,7 +1,7 @@
 //! What the two HTTP filters have in common: the flow-control answer to
 //! each event, and local replies in the OpenAI error format.
 
-use crate::openai;
+use crate::shared::openai_error;
 
 /// A reply the filter sends instead of forwarding the request.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,7 +26,7 @@ impl Reply {
         Reply {
             status,
             headers,
-            body: openai::error_body(message, kind, param, Some(code)),
+            body: openai_error::error_body(message, kind, param, Some(code)),
         }
     }
 

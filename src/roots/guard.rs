@@ -17,13 +17,13 @@ use std::rc::Rc;
 use sha2::{Digest, Sha256};
 
 use crate::config::{Config, InvalidRequests, TierPolicy};
-use crate::effects::{Level, StreamHost};
-use crate::prefix::PromptHasher;
-use crate::protocol::{Global, Stat, TierStat, LADDER_OVERRIDE_KEY, POOL_FALLBACK};
-use crate::request::{self, BodyKind, Endpoint, InferenceRequest, RequestError};
-use crate::snapshot::Snapshot;
-use crate::stream::{Flow, Reply};
-use crate::view::View;
+use crate::fleet::snapshot::Snapshot;
+use crate::fleet::view::View;
+use crate::request::openai::{self, BodyKind, Endpoint, InferenceRequest, RequestError};
+use crate::request::prefix::PromptHasher;
+use crate::shared::flow::{Flow, Reply};
+use crate::shared::host_api::{Level, StreamHost};
+use crate::shared::names::{Global, Stat, TierStat, LADDER_OVERRIDE_KEY, POOL_FALLBACK};
 
 /// The caller's tier.
 pub fn resolve_tier<'c>(
@@ -106,7 +106,7 @@ pub fn needs_body(policy: &TierPolicy) -> bool {
 /// A body whose top-level `model` is `model` (replaced, or added).
 pub fn rewrite_model(body: &[u8], model: &str) -> Option<Vec<u8>> {
     let value = serde_json::to_vec(model).ok()?;
-    match request::top_level_value_span(body, "model") {
+    match openai::top_level_value_span(body, "model") {
         Some(span) => {
             let mut out = Vec::with_capacity(body.len() + value.len());
             out.extend_from_slice(body.get(..span.start)?);
@@ -140,10 +140,10 @@ pub fn check_body(
     body: &[u8],
     snapshot: Option<&Snapshot>,
 ) -> Result<Verdict, RequestError> {
-    let req = request::parse(endpoint, body, PromptHasher::counting_only())?;
+    let req = openai::parse(endpoint, body, PromptHasher::counting_only())?;
     if let Some(limit) = policy.max_prompt_tokens {
-        let tpb = crate::cost::fleet_tokens_per_byte(snapshot, req.model.as_deref());
-        let tokens = crate::cost::tokens_of(req.prompt.bytes, tpb);
+        let tpb = crate::decision::cost::fleet_tokens_per_byte(snapshot, req.model.as_deref());
+        let tokens = crate::decision::cost::tokens_of(req.prompt.bytes, tpb);
         if tokens > limit {
             return Ok(Verdict::PromptTooLong { tokens, limit });
         }
@@ -187,7 +187,7 @@ pub fn clamp_max_tokens(
     let mut spans = Vec::new();
     let mut present = false;
     for (key, value) in fields {
-        if let Some(span) = request::top_level_value_span(body, key) {
+        if let Some(span) = openai::top_level_value_span(body, key) {
             present = true;
             if over(*value) {
                 spans.push(span);
@@ -250,7 +250,9 @@ pub fn parse_override(body: &[u8]) -> Result<Option<u8>, String> {
     let r: Req = serde_json::from_slice(body)
         .map_err(|e| format!("expected {{\"level\": 0..=5 or null}}: {e}"))?;
     match r.level {
-        Some(l) if l > crate::ladder::MAX_LEVEL => Err(format!("level {l} is out of range 0..=5")),
+        Some(l) if l > crate::fleet::ladder::MAX_LEVEL => {
+            Err(format!("level {l} is out of range 0..=5"))
+        }
         other => Ok(other),
     }
 }
@@ -366,7 +368,7 @@ impl GuardStream {
             self.waiting = Waiting::Operator;
             return self.body_or_pause(guard, host, end_of_stream);
         }
-        let Some(endpoint) = request::endpoint(&method, &path) else {
+        let Some(endpoint) = openai::endpoint(&method, &path) else {
             return Flow::Continue;
         };
         host.count(Stat::Global(Global::Arrivals), 1);
@@ -409,7 +411,7 @@ impl GuardStream {
             host.count(Stat::Tier(tier_index, TierStat::Fallback), 1);
         }
         if !needs_body(policy)
-            || request::is_encoded(host.request_header("content-encoding").as_deref())
+            || openai::is_encoded(host.request_header("content-encoding").as_deref())
         {
             // A compressed body is not one the guard can read: the router
             // sends it to the default region untouched.
@@ -449,7 +451,7 @@ impl GuardStream {
                 let Some(policy) = cfg.tier_policy(level, tier) else {
                     return Flow::Continue;
                 };
-                if request::body_kind(body) == BodyKind::Other {
+                if openai::body_kind(body) == BodyKind::Other {
                     return Flow::Continue;
                 }
                 match check_body(policy, endpoint, body, self.snapshot.as_deref()) {
@@ -571,7 +573,7 @@ mod tests {
     }
 
     fn clamp(body: &str, limit: u64) -> Option<String> {
-        let req = request::parse(
+        let req = openai::parse(
             Endpoint::ChatCompletions,
             body.as_bytes(),
             PromptHasher::counting_only(),
@@ -609,7 +611,7 @@ mod tests {
     #[test]
     fn responses_bodies_clamp_max_output_tokens() {
         let clamp_r = |body: &str, limit: u64| {
-            let req = request::parse(
+            let req = openai::parse(
                 Endpoint::Responses,
                 body.as_bytes(),
                 PromptHasher::counting_only(),
@@ -740,9 +742,9 @@ mod tests {
 
     mod stream {
         use super::super::*;
-        use crate::effects::Recorder;
-        use crate::protocol::{Global, Stat, TierStat};
-        use crate::snapshot::Snapshot;
+        use crate::fleet::snapshot::Snapshot;
+        use crate::shared::host_api::Recorder;
+        use crate::shared::names::{Global, Stat, TierStat};
 
         const NOW: u64 = 1_700_000_000_000;
 

@@ -8,18 +8,18 @@
 //! `explain` CLI, the simulator and the benchmarks all run these same
 //! functions; only the host layer gathers their inputs from Envoy.
 
+use crate::cache::directory::{Directory, Keep, Lookup, Lru, RecentIntake};
+use crate::cache::sessions::{SessionEntry, Sessions};
+use crate::cache::stored_responses::ResponseMap;
 use crate::config::{Config, HolderUnavailable};
-use crate::context::{self, Exceeded};
-use crate::cost::{self, Decision, Weights};
-use crate::directory::{Directory, Keep, Lookup, Lru, RecentIntake};
-use crate::migration::{self, KvAction};
-use crate::prefix::{Checkpoint, PromptHasher};
-use crate::request::{self, Endpoint, RequestError};
-use crate::responses::ResponseMap;
-use crate::session::{SessionEntry, Sessions};
-use crate::snapshot::Snapshot;
-use crate::store::SharedStore;
-use crate::tuning::Observation;
+use crate::decision::cost::{self, Decision, Weights};
+use crate::decision::migration::{self, KvAction};
+use crate::fleet::snapshot::Snapshot;
+use crate::learning::tuning::Observation;
+use crate::request::limits::{self, Exceeded};
+use crate::request::openai::{self, Endpoint, RequestError};
+use crate::request::prefix::{Checkpoint, PromptHasher};
+use crate::shared::store::SharedStore;
 
 /// The per-configuration parts of routing.
 #[derive(Debug, Clone, Copy)]
@@ -150,12 +150,12 @@ impl Routed {
     /// believed that region held.
     pub fn usage_report(
         &self,
-        usage: crate::usage::Usage,
+        usage: crate::learning::usage::Usage,
         served: usize,
-    ) -> Option<crate::usage::UsageReport> {
+    ) -> Option<crate::learning::usage::UsageReport> {
         let b = self.learning.as_ref()?.belief(served);
         let clamp = |v: u64| u32::try_from(v).unwrap_or(u32::MAX - 1);
-        Some(crate::usage::UsageReport {
+        Some(crate::learning::usage::UsageReport {
             region: u16::try_from(served).ok()?,
             routed_ms: b.routed_ms,
             prompt_bytes: clamp(b.prompt_bytes),
@@ -264,7 +264,7 @@ impl Router {
             model: None,
             first_block: None,
             allowed: allowed.as_deref(),
-            fits: context::Check::ALL_FIT.fits,
+            fits: limits::Check::ALL_FIT.fits,
             weights,
             now_ms: inp.now_ms,
         });
@@ -331,30 +331,30 @@ impl Router {
         let allowed = residency(cfg, inp.residency)?;
         let hasher = PromptHasher::new(cfg.prefix.block_bytes, cfg.prefix.hash_seed)
             .reserve_for(inp.body.len());
-        let req = request::parse(inp.endpoint, inp.body, hasher).map_err(Refusal::Invalid)?;
+        let req = openai::parse(inp.endpoint, inp.body, hasher).map_err(Refusal::Invalid)?;
         // A region whose engine does not list the model would answer 404:
         // not a candidate while another lists it (the fallback pool is
         // other engines, whose lists the probe does not read).
         let allowed = match inp.snapshot.filter(|_| !inp.fallback) {
-            Some(s) => context::serving(cfg, req.model.as_deref(), s, inp.snapshot_index, allowed),
+            Some(s) => limits::serving(cfg, req.model.as_deref(), s, inp.snapshot_index, allowed),
             None => allowed,
         };
         // The regions' context limits, before any shared-data call. The
         // fallback pool is other engines, whose limits the probe does not
         // read: unchecked, as a region whose limit is unknown.
         let limits = match inp.snapshot.filter(|_| !inp.fallback) {
-            Some(s) => context::check(cfg, &req, s, inp.snapshot_index, allowed.as_deref()),
-            None => context::Check::ALL_FIT,
+            Some(s) => limits::check(cfg, &req, s, inp.snapshot_index, allowed.as_deref()),
+            None => limits::Check::ALL_FIT,
         };
         if let Some(exceeded) = limits.exceeded {
             let engine = cfg
                 .regions
                 .get(exceeded.region)
-                .map_or(crate::metrics::EngineKind::Vllm, |r| r.engine);
+                .map_or(crate::engines::metrics::EngineKind::Vllm, |r| r.engine);
             return Err(Refusal::ContextLength {
-                message: context::refusal_message(engine, &exceeded, cfg.context.margin),
-                error_type: context::refusal_type(engine),
-                param: context::param(inp.endpoint),
+                message: limits::refusal_message(engine, &exceeded, cfg.context.margin),
+                error_type: limits::refusal_type(engine),
+                param: limits::param(inp.endpoint),
                 exceeded,
             });
         }
@@ -655,7 +655,7 @@ impl Router {
         store: &mut dyn SharedStore,
         learning: &mut Learning,
         served: usize,
-        usage: Option<crate::usage::Usage>,
+        usage: Option<crate::learning::usage::Usage>,
     ) -> u32 {
         if !learning.modelled
             || learning.served_ms == 0
@@ -664,7 +664,7 @@ impl Router {
             return 0;
         }
         let tokens = match usage {
-            Some(crate::usage::Usage {
+            Some(crate::learning::usage::Usage {
                 prompt_tokens,
                 cached_tokens: Some(c),
             }) => prompt_tokens.saturating_sub(c) as f64,
@@ -738,7 +738,7 @@ fn push_one_decimal(s: &mut String, v: f64) {
 
 fn push_u64(s: &mut String, n: u64) {
     let mut buf = [0u8; 20];
-    for d in crate::store::decimal(n, &mut buf) {
+    for d in crate::shared::store::decimal(n, &mut buf) {
         s.push(char::from(*d));
     }
 }
@@ -885,8 +885,8 @@ impl Routed {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cost::Reason;
-    use crate::store::MemoryStore;
+    use crate::decision::cost::Reason;
+    use crate::shared::store::MemoryStore;
 
     fn cfg() -> Config {
         Config::parse(
@@ -1038,7 +1038,7 @@ mod tests {
         inp.now_ms = 5000;
         let third = router.route(&c, &mut store, &inp).unwrap();
         assert_eq!(third.decision.region, 1, "the conversation follows mid");
-        let usage = crate::usage::Usage {
+        let usage = crate::learning::usage::Usage {
             prompt_tokens: 3000,
             cached_tokens: Some(0),
         };
@@ -1151,8 +1151,8 @@ mod format_tests {
 #[cfg(test)]
 mod kv_action_tests {
     use super::*;
-    use crate::cost::{Cost, Reason};
-    use crate::migration::MigrationAction;
+    use crate::decision::cost::{Cost, Reason};
+    use crate::decision::migration::MigrationAction;
 
     fn cfg(extra: &str) -> Config {
         Config::parse(

@@ -43,7 +43,7 @@
 //! from then on an answer without one means 0. A region that never reported
 //! one teaches tokens per byte only.
 
-use crate::usage::UsageReport;
+use crate::learning::usage::UsageReport;
 
 /// Prompts shorter than this do not calibrate tokens per byte.
 pub const CALIBRATE_MIN_BYTES: u32 = 256;

@@ -39,12 +39,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use crate::cache::directory::Directory;
+use crate::cache::sessions::Sessions;
+use crate::cache::stored_responses::ResponseMap;
 use crate::config::Config;
-use crate::directory::Directory;
-use crate::responses::ResponseMap;
-use crate::session::Sessions;
-use crate::stream::{Flow, Reply};
-use crate::usage::UsageReport;
+use crate::learning::usage::UsageReport;
+use crate::shared::flow::{Flow, Reply};
 
 /// First bytes of every exchange message.
 pub const MAGIC: &[u8; 4] = b"LGRX";
@@ -848,12 +848,12 @@ impl ExchangeStream {
     pub fn on_request_headers(
         &mut self,
         cfg: &Config,
-        host: &mut dyn crate::effects::StreamHost,
+        host: &mut dyn crate::shared::host_api::StreamHost,
         end_of_stream: bool,
     ) -> Flow {
         let method = host.request_header(":method");
         let path = host.request_header(":path");
-        let path = path.as_deref().map(crate::request::strip_path);
+        let path = path.as_deref().map(crate::request::openai::strip_path);
         if method.as_deref() != Some("POST") || path != Some(cfg.exchange.path.as_str()) {
             return Flow::Continue;
         }
@@ -874,7 +874,7 @@ impl ExchangeStream {
     pub fn on_request_body(
         &mut self,
         cfg: &Config,
-        host: &mut dyn crate::effects::StreamHost,
+        host: &mut dyn crate::shared::host_api::StreamHost,
         size: usize,
         body: Option<&[u8]>,
     ) -> Flow {
@@ -903,7 +903,7 @@ impl ExchangeStream {
                 let mut queued = Vec::with_capacity(body.len() + 1);
                 queued.push(PEER_TAG);
                 queued.extend_from_slice(body);
-                host.enqueue(crate::protocol::OBSERVATIONS_QUEUE, &queued);
+                host.enqueue(crate::shared::names::OBSERVATIONS_QUEUE, &queued);
                 Flow::Reply(Reply {
                     status: 204,
                     headers: Vec::new(),
@@ -933,7 +933,12 @@ impl SharedMaps {
 
     /// A placement, stored response or session record, merged newest-wins
     /// (a usage report is the probe's).
-    pub fn apply(&self, store: &mut dyn crate::store::SharedStore, cfg: &Config, body: &Body) {
+    pub fn apply(
+        &self,
+        store: &mut dyn crate::shared::store::SharedStore,
+        cfg: &Config,
+        body: &Body,
+    ) {
         match body {
             Body::Placement {
                 region,
@@ -974,11 +979,11 @@ impl SharedMaps {
     }
 }
 
-fn refuse(host: &mut dyn crate::effects::StreamHost, status: u32, why: Refusal) -> Flow {
-    use crate::protocol::{Global, Stat};
+fn refuse(host: &mut dyn crate::shared::host_api::StreamHost, status: u32, why: Refusal) -> Flow {
+    use crate::shared::names::{Global, Stat};
     host.count(Stat::Global(Global::ExchangeRefused), 1);
     host.log(
-        crate::effects::Level::Warn,
+        crate::shared::host_api::Level::Warn,
         &format!("llm-geo-router exchange: a peer message refused ({status}): {why}"),
     );
     Flow::Reply(Reply {

@@ -6,10 +6,10 @@
 //! newest session winning a slot; the key is a seeded hash, never the
 //! session id itself.
 
-use crate::store::{SharedStore, SlotKey};
+use crate::shared::store::{SharedStore, SlotKey};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::protocol::SESSION_KEY_PREFIX as KEY_PREFIX;
+use crate::shared::names::SESSION_KEY_PREFIX as KEY_PREFIX;
 
 #[derive(Debug, Clone, Copy)]
 pub struct Sessions {
@@ -119,7 +119,7 @@ impl Sessions {
         Sessions {
             slots: cfg.directory.slots,
             ttl_ms: u64::from(cfg.directory.ttl_s) * 1000,
-            layout: crate::directory::layout_of(cfg.regions.iter().map(|r| r.name.as_str())),
+            layout: crate::cache::directory::layout_of(cfg.regions.iter().map(|r| r.name.as_str())),
             seed: cfg.prefix.hash_seed,
         }
     }
@@ -147,7 +147,7 @@ impl Sessions {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::MemoryStore;
+    use crate::shared::store::MemoryStore;
 
     /// 128 slots, a 10 s TTL, and an empty store.
     fn sessions() -> (Sessions, MemoryStore) {

@@ -29,11 +29,11 @@
 //! whole chain is restamped, as an engine's hit refreshes every block it
 //! reuses.
 
-use crate::prefix::Checkpoint;
+use crate::request::prefix::Checkpoint;
 
-use crate::protocol::DIRECTORY_KEY_PREFIX as KEY_PREFIX;
-use crate::protocol::INTAKE_KEY;
-use crate::store::{SetOutcome, SharedStore, SlotKey};
+use crate::shared::names::DIRECTORY_KEY_PREFIX as KEY_PREFIX;
+use crate::shared::names::INTAKE_KEY;
+use crate::shared::store::{SetOutcome, SharedStore, SlotKey};
 
 /// Bytes of an entry before the regions' fields: layout, prefix hash.
 const HEAD: usize = 12;
@@ -811,8 +811,8 @@ pub fn layout_of<'a>(names: impl Iterator<Item = &'a str>) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::prefix::PromptHasher;
-    use crate::store::MemoryStore;
+    use crate::request::prefix::PromptHasher;
+    use crate::shared::store::MemoryStore;
 
     fn dir(regions: usize) -> Directory {
         Directory {
@@ -938,7 +938,7 @@ mod tests {
         assert!(writes[1..].iter().all(|&w| w <= 1), "{writes:?}");
     }
 
-    fn prompt(text: &[u8]) -> crate::prefix::PromptPrefix {
+    fn prompt(text: &[u8]) -> crate::request::prefix::PromptPrefix {
         let mut h = PromptHasher::new(64, 9);
         h.feed(text);
         h.finish()
@@ -948,7 +948,7 @@ mod tests {
     fn serve(
         d: &Directory,
         s: &mut MemoryStore,
-        p: &crate::prefix::PromptPrefix,
+        p: &crate::request::prefix::PromptPrefix,
         t: u64,
         keep: &[Keep],
     ) -> Lookup {

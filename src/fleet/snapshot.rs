@@ -1,5 +1,5 @@
 //! The fleet snapshot: what `probe` publishes to shared data
-//! (`protocol::SNAPSHOT_KEY`) and the filters read. JSON, versioned; the
+//! (`names::SNAPSHOT_KEY`) and the filters read. JSON, versioned; the
 //! filters copy and decode it only when the probe's version gauge says it
 //! changed (`view`).
 
@@ -27,7 +27,7 @@ pub struct Snapshot {
     pub weights: Option<TunedWeights>,
     /// The declare-disaster assessment.
     #[serde(default)]
-    pub assessment: crate::assess::Assessment,
+    pub assessment: crate::fleet::assess::Assessment,
     pub regions: Vec<RegionState>,
 }
 
@@ -113,7 +113,7 @@ pub struct RegionState {
     pub max_model_len: Option<u32>,
     /// The models and LoRA adapters the engine's model list names (each
     /// card's `id`); empty: not read, or more than the router keeps
-    /// (`context::MAX_LISTED_MODELS`), and then it is taken to serve any.
+    /// (`limits::MAX_LISTED_MODELS`), and then it is taken to serve any.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub models: Vec<String>,
     /// Engine replicas behind the region's entry point, from the
@@ -217,7 +217,7 @@ impl Snapshot {
     pub fn decode(bytes: &[u8]) -> Result<Snapshot, String> {
         let s: Snapshot = serde_json::from_slice(bytes)
             .map_err(|e| format!("fleet snapshot is not valid: {e}"))?;
-        if s.level > crate::ladder::MAX_LEVEL {
+        if s.level > crate::fleet::ladder::MAX_LEVEL {
             return Err(format!("fleet snapshot level {} is out of range", s.level));
         }
         Ok(s)

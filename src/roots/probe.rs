@@ -16,21 +16,21 @@
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use crate::assess::Assessment;
-use crate::calibration::Verdict;
+use crate::cache::exchange::{self, Apply, Body, Exchange, Load, Message};
 use crate::config::{Config, LoadSource, ProbeConfig, ReleaseSource};
-use crate::context::{limit_field, parse_model_ids, parse_model_limit, MAX_LISTED_MODELS};
-use crate::effects::{CalloutResponse, Level, ProbeHost};
-use crate::exchange::{self, Apply, Body, Exchange, Load, Message};
-use crate::fleet::{Fleet, HealthChange};
-use crate::metrics::{parse_engine_metrics, CacheCapacity, EngineKind};
-use crate::protocol::{
+use crate::engines::metrics::{parse_engine_metrics, CacheCapacity, EngineKind};
+use crate::fleet::assess::Assessment;
+use crate::fleet::snapshot::Snapshot;
+use crate::fleet::state::{Fleet, HealthChange};
+use crate::learning::calibration::Verdict;
+use crate::learning::tuning::Observation;
+use crate::learning::usage::UsageReport;
+use crate::request::limits::{limit_field, parse_model_ids, parse_model_limit, MAX_LISTED_MODELS};
+use crate::shared::host_api::{CalloutResponse, Level, ProbeHost};
+use crate::shared::names::{
     Global, RegionStat, Stat, LADDER_OVERRIDE_KEY, LEASE_KEY, OBSERVATIONS_QUEUE, SNAPSHOT_KEY,
 };
-use crate::snapshot::Snapshot;
-use crate::store::SetOutcome;
-use crate::tuning::Observation;
-use crate::usage::UsageReport;
+use crate::shared::store::SetOutcome;
 
 /// What of a peer's news the probe applies itself: the usage reports, to
 /// its calibration (the exchange filter wrote the placements and stored
@@ -179,8 +179,8 @@ impl Probe {
             period_ms: 0,
             last_full_ms: None,
             calm_rounds: 0,
-            prom_path: crate::promql::fleet_query(&cfg)
-                .map(|q| crate::promql::query_path(&cfg, &q)),
+            prom_path: crate::engines::promql::fleet_query(&cfg)
+                .map(|q| crate::engines::promql::query_path(&cfg, &q)),
             prom_warned: false,
             inflight_history: vec![std::collections::VecDeque::new(); n],
             exchange: cfg.exchange.enabled().then(|| {
@@ -500,8 +500,8 @@ impl Probe {
     ) {
         let read = match status {
             Some(s) if (200..300).contains(&s) => {
-                match response.body(crate::promql::MAX_ANSWER_BYTES + 1) {
-                    Some(b) => crate::promql::parse_answer(&self.cfg, &b),
+                match response.body(crate::engines::promql::MAX_ANSWER_BYTES + 1) {
+                    Some(b) => crate::engines::promql::parse_answer(&self.cfg, &b),
                     None => Err("the answer has no body".to_string()),
                 }
             }
@@ -997,8 +997,10 @@ impl Probe {
         let Some(x) = self.exchange.as_mut() else {
             return;
         };
-        let (calls, direct) =
-            crate::exchange::plan(self.cfg.exchange.fanout as usize, x.live_peers(now, fresh));
+        let (calls, direct) = crate::cache::exchange::plan(
+            self.cfg.exchange.fanout as usize,
+            x.live_peers(now, fresh),
+        );
         x.direct = direct;
         let dropped = std::mem::take(&mut x.dropped);
         if dropped > 0 {
@@ -1187,7 +1189,7 @@ impl Probe {
             Global::LadderCapacityRps,
             snap.capacity_rps.round() as u64,
         );
-        let w_queue = crate::cost::Weights::in_force(&self.cfg, Some(snap)).w_queue;
+        let w_queue = crate::decision::cost::Weights::in_force(&self.cfg, Some(snap)).w_queue;
         g(
             host,
             Global::TuningWQueueMilli,
@@ -1222,7 +1224,7 @@ impl Probe {
             );
             let tpb = r
                 .tokens_per_byte
-                .unwrap_or(crate::cost::PRIOR_TOKENS_PER_BYTE);
+                .unwrap_or(crate::decision::cost::PRIOR_TOKENS_PER_BYTE);
             rg(
                 host,
                 RegionStat::TokensPerKib,
@@ -1268,9 +1270,9 @@ fn parse_override_value(v: &[u8]) -> Option<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::effects::{Answer, Effects, Recorder, StreamHost};
-    use crate::guard::api_key_digest;
-    use crate::store::SharedStore;
+    use crate::roots::guard::api_key_digest;
+    use crate::shared::host_api::{Answer, Effects, Recorder, StreamHost};
+    use crate::shared::store::SharedStore;
 
     const T0: u64 = 1_700_000_000_000;
     const VLLM: &str = "vllm:num_requests_waiting{model_name=\"m\"} 3.0\nvllm:num_requests_running{model_name=\"m\"} 5.0\n";
@@ -1816,7 +1818,7 @@ vllm:num_requests_running{model_name=\"m\"} 8.0\nvllm:num_requests_waiting{model
         let snap = published(&host);
         assert!(!snap.regions[0].metrics_ok && snap.regions[0].load_unknown);
         let decide = |snap: &Snapshot| {
-            crate::cost::decide(&crate::cost::Inputs {
+            crate::decision::cost::decide(&crate::decision::cost::Inputs {
                 config: &c,
                 snapshot: Some(snap),
                 snapshot_index: &[Some(0), Some(1)],
@@ -1829,7 +1831,7 @@ vllm:num_requests_running{model_name=\"m\"} 8.0\nvllm:num_requests_waiting{model
                 first_block: Some(7),
                 allowed: None,
                 fits: u64::MAX,
-                weights: crate::cost::Weights::configured(&c),
+                weights: crate::decision::cost::Weights::configured(&c),
                 now_ms: T0 + 3000,
             })
         };

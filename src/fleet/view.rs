@@ -8,9 +8,9 @@
 use std::rc::Rc;
 
 use crate::config::Config;
-use crate::effects::{Effects, Level};
-use crate::protocol::{Global, Stat, SNAPSHOT_KEY};
-use crate::snapshot::Snapshot;
+use crate::fleet::snapshot::Snapshot;
+use crate::shared::host_api::{Effects, Level};
+use crate::shared::names::{Global, Stat, SNAPSHOT_KEY};
 
 /// Per configured region: its index in the snapshot's region list.
 pub type RegionIndex = Rc<Vec<Option<usize>>>;
@@ -95,8 +95,8 @@ impl View {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::effects::Recorder;
-    use crate::store::SharedStore;
+    use crate::shared::host_api::Recorder;
+    use crate::shared::store::SharedStore;
 
     fn cfg() -> Config {
         Config::parse(br#"{"regions":[{"name":"a","cluster":"a","capacity_rps":1}],"probe":{"snapshot_max_age_ms":2000}}"#)

@@ -1,5 +1,5 @@
 //! The router filter on one request: wait for an inference request's body,
-//! route it (`route`), set the cluster header and clear the route cache;
+//! route it (`decision::pipeline`), set the cluster header and clear the route cache;
 //! send everything else to the default region untouched; remove any
 //! client-sent cluster header. When a successful answer's first bytes
 //! arrive, it reads from Envoy which region's host served the last try and
@@ -14,21 +14,21 @@
 
 use std::rc::Rc;
 
+use crate::cache::stored_responses::{self, Head};
 use crate::config::{Config, InvalidRequests, StreamUsage};
-use crate::cost::Reason;
-use crate::effects::StreamHost;
-use crate::outcome::{flags, Ending, VIA_UPSTREAM};
-use crate::protocol::{
+use crate::decision::cost::Reason;
+use crate::decision::pipeline::{Refusal, RouteInputs, Routed, Router, UnreadInputs};
+use crate::fleet::view::View;
+use crate::learning::outcome::{flags, Ending, VIA_UPSTREAM};
+use crate::learning::tuning::Observation;
+use crate::learning::usage::Tail;
+use crate::request::openai::{self, BodyKind, Endpoint, RequestError};
+use crate::shared::flow::{Flow, Reply};
+use crate::shared::host_api::StreamHost;
+use crate::shared::names::{
     Global, RegionStat, Stat, ATTEMPTS_PROPERTY, CODE_DETAILS_PROPERTY, DECISION_FILTER_STATE,
     HOST_REGION_PROPERTY, OBSERVATIONS_QUEUE, POOL_FALLBACK, RESPONSE_FLAGS_PROPERTY,
 };
-use crate::request::{self, BodyKind, Endpoint, RequestError};
-use crate::responses::{self, Head};
-use crate::route::{Refusal, RouteInputs, Routed, Router, UnreadInputs};
-use crate::stream::{Flow, Reply};
-use crate::tuning::Observation;
-use crate::usage::Tail;
-use crate::view::View;
 
 /// The router filter's per-configuration state (one per root context).
 #[derive(Debug)]
@@ -138,10 +138,10 @@ impl RouterStream {
         self.fallback = host.request_header(&cfg.headers.pool).as_deref() == Some(POOL_FALLBACK);
         let method = host.request_header(":method").unwrap_or_default();
         let path = host.request_header(":path").unwrap_or_default();
-        self.endpoint = request::endpoint(&method, &path)
-            .filter(|_| !request::is_encoded(host.request_header("content-encoding").as_deref()));
+        self.endpoint = openai::endpoint(&method, &path)
+            .filter(|_| !openai::is_encoded(host.request_header("content-encoding").as_deref()));
         if self.endpoint.is_none() {
-            return self.route_unread(shared, host, view, responses::path_id(&path));
+            return self.route_unread(shared, host, view, stored_responses::path_id(&path));
         }
         if end_of_stream {
             return self.on_request_body(shared, host, view, &[]);
@@ -172,7 +172,7 @@ impl RouterStream {
             return Flow::Continue;
         };
         // A blank body is an empty request (refused below), not a non-JSON one.
-        if request::body_kind(body) == BodyKind::Other {
+        if openai::body_kind(body) == BodyKind::Other {
             return self.route_unread(shared, host, view, None);
         }
         self.route(shared, host, view, endpoint, body)
@@ -507,11 +507,13 @@ impl RouterStream {
                 shared.router.responses.record(host, &id, &r.name, now);
                 if shared.cfg.exchange.enabled() {
                     if let Ok(region) = u16::try_from(region) {
-                        let note = crate::exchange::encode_note(&crate::exchange::Body::Response {
-                            region,
-                            at_ms: now,
-                            hash: shared.router.responses.id_hash(&id),
-                        });
+                        let note = crate::cache::exchange::encode_note(
+                            &crate::cache::exchange::Body::Response {
+                                region,
+                                at_ms: now,
+                                hash: shared.router.responses.id_hash(&id),
+                            },
+                        );
                         host.enqueue(OBSERVATIONS_QUEUE, &note);
                     }
                 }
@@ -699,7 +701,7 @@ fn served_region(
 fn share_placement(
     shared: &RouterShared,
     host: &mut dyn StreamHost,
-    learning: &mut crate::route::Learning,
+    learning: &mut crate::decision::pipeline::Learning,
     served: usize,
 ) {
     if !shared.cfg.exchange.enabled() {
@@ -707,18 +709,19 @@ fn share_placement(
     }
     if let Some((hash, at_ms, (blocks, last))) = shared.router.session_written(learning) {
         if let Ok(region) = u16::try_from(served) {
-            let note = crate::exchange::encode_note(&crate::exchange::Body::Session {
-                region,
-                at_ms,
-                hash,
-                blocks,
-                last,
-            });
+            let note =
+                crate::cache::exchange::encode_note(&crate::cache::exchange::Body::Session {
+                    region,
+                    at_ms,
+                    hash,
+                    blocks,
+                    last,
+                });
             host.enqueue(OBSERVATIONS_QUEUE, &note);
         }
     }
     if let Some(w) = shared.router.written(learning, served) {
-        let note = crate::exchange::encode_note(&crate::exchange::Body::Placement {
+        let note = crate::cache::exchange::encode_note(&crate::cache::exchange::Body::Placement {
             region: w.region,
             stamp: w.stamp,
             blocks: w.end.0,
@@ -749,7 +752,7 @@ fn holder_unavailable(host: &mut dyn StreamHost, message: &str, param: Option<&s
 
 /// A prompt no allowed region's context can take: 400
 /// `context_length_exceeded`, with the error `type` of the engine's
-/// family (`context::refusal_type`).
+/// family (`limits::refusal_type`).
 fn reject_context(error_type: &str, message: &str, param: &str) -> Flow {
     Flow::Reply(Reply::error(
         400,
@@ -775,9 +778,9 @@ fn reject(code: &str, message: &str, param: Option<&str>) -> Flow {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::effects::Recorder;
+    use crate::shared::host_api::Recorder;
 
-    use crate::snapshot::Snapshot;
+    use crate::fleet::snapshot::Snapshot;
 
     const NOW: u64 = 1_700_000_000_000;
 
@@ -1274,7 +1277,7 @@ mod tests {
             .unwrap_or_default()
             .into();
         assert_eq!(sent.len(), 1, "{sent:?}");
-        let report = crate::usage::UsageReport::decode(&sent[0]).unwrap();
+        let report = crate::learning::usage::UsageReport::decode(&sent[0]).unwrap();
         assert_eq!(report.region, 1);
         // The next turn: believed held by mid, not by near.
         host.next_stream();
@@ -1395,7 +1398,7 @@ mod tests {
         assert!(!s.awaiting_first_byte());
         let tuning = host.queues.get(OBSERVATIONS_QUEUE).map_or(0, |q| {
             q.iter()
-                .filter(|m| m.first() != Some(&crate::usage::REPORT_TAG))
+                .filter(|m| m.first() != Some(&crate::learning::usage::REPORT_TAG))
                 .count()
         });
         assert_eq!(tuning, 0);
@@ -1488,7 +1491,7 @@ mod tests {
     fn llamacpp_regions_refuse_in_llamacpp_words_and_only_on_the_prompt() {
         let mut c = (*shared("").cfg).clone();
         for r in &mut c.regions {
-            r.engine = crate::metrics::EngineKind::Llamacpp;
+            r.engine = crate::engines::metrics::EngineKind::Llamacpp;
         }
         let sh = RouterShared::new(Rc::new(c));
         let mut host = new_host(&sh);

@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use serde::Deserialize;
 
 use crate::config::{Config, LoadSource, Region};
-use crate::metrics::{CapacitySum, EngineKind, EngineSample};
+use crate::engines::metrics::{CapacitySum, EngineKind, EngineSample};
 
 /// Answers read at most.
 pub const MAX_ANSWER_BYTES: usize = 1 << 20;
@@ -448,7 +448,7 @@ mod tests {
 
     #[test]
     fn cache_capacity_is_summed_over_replicas_from_the_series() {
-        use crate::metrics::CacheCapacity;
+        use crate::engines::metrics::CacheCapacity;
         let c = cfg();
         let load = |r: &str| {
             vec![

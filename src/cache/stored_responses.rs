@@ -10,8 +10,8 @@
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::protocol::RESPONSES_KEY_PREFIX;
-use crate::store::{SharedStore, SlotKey};
+use crate::shared::names::RESPONSES_KEY_PREFIX;
+use crate::shared::store::{SharedStore, SlotKey};
 
 /// The longest response id the router keeps (engines use about 40 bytes).
 pub const MAX_ID_BYTES: usize = 256;
@@ -23,7 +23,7 @@ pub const HEAD_BYTES: usize = 4096;
 /// The id a `/v1/responses/{id}[/cancel|/input_items]` path names, if any
 /// (query string ignored). `POST /v1/responses` itself names none.
 pub fn path_id(path: &str) -> Option<&str> {
-    let path = crate::request::strip_path(path);
+    let path = crate::request::openai::strip_path(path);
     let rest = path.strip_prefix("/v1/responses/")?;
     let id = match rest.split_once('/') {
         None => rest,
@@ -177,7 +177,7 @@ impl ResponseMap {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::MemoryStore;
+    use crate::shared::store::MemoryStore;
 
     #[test]
     fn paths_name_ids() {

@@ -7,8 +7,8 @@
 
 use std::collections::HashMap;
 
-use crate::protocol::Stat;
-use crate::store::{MemoryStore, SetOutcome, SharedStore};
+use crate::shared::names::Stat;
+use crate::shared::store::{MemoryStore, SetOutcome, SharedStore};
 
 /// Severity of a log line (Envoy's levels).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -156,12 +156,12 @@ impl Recorder {
 
     /// Publish a snapshot as the probe does: to shared data, then its
     /// version gauge.
-    pub fn publish(&mut self, snapshot: &crate::snapshot::Snapshot) {
+    pub fn publish(&mut self, snapshot: &crate::fleet::snapshot::Snapshot) {
         let _ = self
             .store
-            .set(crate::protocol::SNAPSHOT_KEY, &snapshot.encode(), None);
+            .set(crate::shared::names::SNAPSHOT_KEY, &snapshot.encode(), None);
         self.set_gauge(
-            Stat::Global(crate::protocol::Global::ProbeSnapshotVersion),
+            Stat::Global(crate::shared::names::Global::ProbeSnapshotVersion),
             snapshot.version,
         );
     }

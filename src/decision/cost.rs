@@ -17,12 +17,12 @@
 //!   where a region holds the prompt.
 //!
 //! Unhealthy regions are not candidates, nor are regions whose context
-//! limit the request exceeds (`context`). Regions of exactly the least cost
+//! limit the request exceeds (`request::limits`). Regions of exactly the least cost
 //! are a tie, broken by rendezvous hashing of the prompt's first block so
 //! that independent proxies agree on where a new conversation goes.
 
 use crate::config::Config;
-use crate::snapshot::{RegionState, Snapshot};
+use crate::fleet::snapshot::{RegionState, Snapshot};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Why a region was chosen, for counters and the decision header.
@@ -120,7 +120,7 @@ pub struct Cost {
     /// Healthy, allowed by the residency pin, if any, and able to take the
     /// request (its context limit).
     pub candidate: bool,
-    /// The request exceeds the region's context limit (`context::fits`).
+    /// The request exceeds the region's context limit (`limits::fits`).
     pub over_context: bool,
     /// A candidate left out by the load guard (see `apply_load_guard`).
     pub over_bound: bool,
@@ -181,7 +181,7 @@ pub struct Inputs<'a> {
     /// Residency pin: per configured region, whether it is allowed.
     pub allowed: Option<&'a [bool]>,
     /// Per configured region (bit i): whether the request fits its context
-    /// limit (`context::check`); `u64::MAX` when none is known.
+    /// limit (`limits::check`); `u64::MAX` when none is known.
     pub fits: u64,
     /// Cost weights in force (configured, or tuned by the probe).
     pub weights: Weights,

@@ -6,7 +6,7 @@
 //! the host layer, the simulator and the tests agree by construction.
 
 use crate::config::Config;
-use crate::cost::Reason;
+use crate::decision::cost::Reason;
 
 /// Shared data: the fleet snapshot the probe publishes.
 pub const SNAPSHOT_KEY: &str = "llm_geo_router.snapshot";

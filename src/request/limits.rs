@@ -14,9 +14,9 @@
 use serde_json::Value;
 
 use crate::config::Config;
-use crate::metrics::EngineKind;
-use crate::request::{Endpoint, InferenceRequest};
-use crate::snapshot::{RegionState, Snapshot};
+use crate::engines::metrics::EngineKind;
+use crate::fleet::snapshot::{RegionState, Snapshot};
+use crate::request::openai::{Endpoint, InferenceRequest};
 
 /// Where a model card states the context limit, per engine family, as a
 /// path of keys (also how messages name it).
@@ -181,11 +181,11 @@ fn kind_of(v: &Value) -> &'static str {
 ///
 /// With the region's tokens per byte as the cost uses them: measured from
 /// its engine's `usage.prompt_tokens` (for the request's model, where
-/// measured), else 4 bytes per token ([`crate::cost::PRIOR_TOKENS_PER_BYTE`]).
+/// measured), else 4 bytes per token ([`crate::decision::cost::PRIOR_TOKENS_PER_BYTE`]).
 pub fn prompt_tokens(req: &InferenceRequest, state: Option<&RegionState>) -> u64 {
-    crate::cost::tokens_of(
+    crate::decision::cost::tokens_of(
         req.prompt.bytes,
-        crate::cost::tokens_per_byte(state, req.model.as_deref()),
+        crate::decision::cost::tokens_per_byte(state, req.model.as_deref()),
     )
 }
 
@@ -322,8 +322,8 @@ pub fn param(endpoint: Endpoint) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::prefix::PromptHasher;
-    use crate::request;
+    use crate::request::openai;
+    use crate::request::prefix::PromptHasher;
 
     #[test]
     fn the_models_are_the_cards_ids_and_a_huge_list_is_not_kept() {
@@ -492,7 +492,7 @@ mod tests {
             r#"{{"messages":[{{"role":"user","content":"{}"}}]{extra}}}"#,
             "x".repeat(bytes)
         );
-        request::parse(
+        openai::parse(
             Endpoint::ChatCompletions,
             body.as_bytes(),
             PromptHasher::counting_only(),

@@ -25,7 +25,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::config::BodyWaitAction;
-use crate::stream::Reply;
+use crate::shared::flow::Reply;
 
 /// Requests paused on their headers, by HTTP context id, with the time
 /// (ms) they paused.

@@ -19,7 +19,7 @@ use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqA
 use std::cell::Cell;
 use std::fmt;
 
-use crate::prefix::{PromptHasher, PromptPrefix};
+use crate::request::prefix::{PromptHasher, PromptPrefix};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
@@ -1393,8 +1393,8 @@ mod tests {
             PromptHasher::counting_only(),
         )
         .unwrap();
-        let tpb = crate::cost::PRIOR_TOKENS_PER_BYTE;
-        assert_eq!(crate::cost::tokens_of(r.prompt.bytes, tpb), 3);
+        let tpb = crate::decision::cost::PRIOR_TOKENS_PER_BYTE;
+        assert_eq!(crate::decision::cost::tokens_of(r.prompt.bytes, tpb), 3);
     }
 
     #[test]

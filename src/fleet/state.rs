@@ -7,14 +7,14 @@
 
 use std::collections::VecDeque;
 
-use crate::assess::{assess, Assessment, Signals};
-use crate::calibration::{RegionCalibration, Verdict};
 use crate::config::Config;
-use crate::ladder::Ladder;
-use crate::metrics::{CacheCapacity, EngineSample};
-use crate::snapshot::{RegionState, Snapshot, TunedWeights};
-use crate::tuning::{Fit, Observation, Tuner};
-use crate::usage::UsageReport;
+use crate::engines::metrics::{CacheCapacity, EngineSample};
+use crate::fleet::assess::{assess, Assessment, Signals};
+use crate::fleet::ladder::Ladder;
+use crate::fleet::snapshot::{RegionState, Snapshot, TunedWeights};
+use crate::learning::calibration::{RegionCalibration, Verdict};
+use crate::learning::tuning::{Fit, Observation, Tuner};
+use crate::learning::usage::UsageReport;
 
 #[derive(Debug, Clone)]
 struct Region {

@@ -1,0 +1,8 @@
+//! What the router believes each region's engines hold: the prefix
+//! directory, the session records, the stored Responses API answers, and the
+//! exchange that shares them between the deployment's Envoys.
+
+pub mod directory;
+pub mod exchange;
+pub mod sessions;
+pub mod stored_responses;

@@ -1,0 +1,8 @@
+//! What a client's request is: its OpenAI-style body parsed (`openai`), its
+//! prompt hashed into prefix blocks (`prefix`), checked against the regions'
+//! context limits (`limits`), and the router's wait for the body (`body_wait`).
+
+pub mod body_wait;
+pub mod limits;
+pub mod openai;
+pub mod prefix;
