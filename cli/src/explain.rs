@@ -5,7 +5,7 @@
 //! replayed into an in-memory prefix directory. No routing logic of its
 //! own: it hands the stream what Envoy would and prints what comes back.
 
-use crate::CliError;
+use crate::{read, CliError};
 use llm_geo_router::config::Config;
 use llm_geo_router::decision::cost::{Cost, Decision};
 use llm_geo_router::decision::migration::{KvAction, MigrationAction};
@@ -288,10 +288,6 @@ struct Session {
     key: String,
     /// The region that served its previous request, and when.
     last: Option<(usize, u64)>,
-}
-
-fn read(option: &str, path: &str) -> Result<Vec<u8>, CliError> {
-    std::fs::read(path).map_err(|e| CliError::Input(format!("--{option} {path}: cannot read: {e}")))
 }
 
 /// `near=3,mid=1` → per configured region; unnamed regions are 0.

@@ -41,6 +41,11 @@ pub enum CliError {
     Refused { output: String, message: String },
 }
 
+/// The file an option names, or why it cannot be read.
+pub fn read(option: &str, path: &str) -> Result<Vec<u8>, CliError> {
+    std::fs::read(path).map_err(|e| CliError::Input(format!("--{option} {path}: cannot read: {e}")))
+}
+
 #[derive(Parser, Debug)]
 #[command(
     name = BIN,

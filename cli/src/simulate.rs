@@ -6,7 +6,7 @@
 //! All simulation logic is in `llm_geo_router_sim`; this module reads the
 //! files, prints the results and writes the plots.
 
-use crate::CliError;
+use crate::{read, CliError};
 use llm_geo_router_sim::deploy::{self, Deployment};
 use llm_geo_router_sim::fleet::{Fleet, MAX_REPLICAS};
 use llm_geo_router_sim::geo::Source;
@@ -274,10 +274,6 @@ fn deployments(
     }
     deploy::check(given, fleet).map_err(|e| CliError::Usage(format!("--deployment {e}")))?;
     Ok(given.to_vec())
-}
-
-fn read(option: &str, path: &str) -> Result<Vec<u8>, CliError> {
-    std::fs::read(path).map_err(|e| CliError::Input(format!("--{option} {path}: cannot read: {e}")))
 }
 
 fn label(trace_path: &str) -> String {

@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use crate::fleet::Fleet;
+use engine_emulator::openai;
 use llm_geo_router::config::Config;
 use llm_geo_router::decision::cost::Reason;
 use llm_geo_router::fleet::view::View;
@@ -400,11 +401,22 @@ impl Envoy {
             return;
         };
         if let (true, Some((prompt, cached))) = (ok, usage) {
-            host.response_chunk = format!(
-                "data: {{\"id\":\"sim\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{{\"prompt_tokens\":{prompt},\"completion_tokens\":1,\"total_tokens\":{},\"prompt_tokens_details\":{{\"cached_tokens\":{cached}}}}}}}\n\ndata: [DONE]\n\n",
-                prompt + 1
-            )
-            .into_bytes();
+            // The answer's last chunk as the emulator's engines write it,
+            // cached tokens reported on every answer (SGLang's
+            // `--enable-cache-report`; vLLM's omits a 0).
+            let meta = openai::ResponseMeta {
+                id: "sim".to_string(),
+                created: 0,
+                model: "sim".to_string(),
+            };
+            let usage = openai::Usage {
+                prompt_tokens: usize::try_from(prompt).unwrap_or(usize::MAX),
+                completion_tokens: 1,
+                cached_tokens: usize::try_from(cached).unwrap_or(usize::MAX),
+                report: openai::CacheReport::SglangCacheReport,
+            };
+            host.response_chunk = openai::usage_chunk(openai::Kind::Chat, &meta, usage);
+            host.response_chunk.extend_from_slice(openai::SSE_DONE);
             let len = host.response_chunk.len();
             s.on_response_body(&self.router, host, len, true);
         }

@@ -335,10 +335,7 @@ pub fn decide(inp: &Inputs) -> Decision {
         return fallback(inp, Vec::new());
     };
     let mut costs = region_costs(inp, snap);
-    let allowed = |i: usize| {
-        inp.allowed
-            .is_none_or(|a| a.get(i).copied().unwrap_or(false))
-    };
+    let allowed = |i: usize| allowed(inp, i);
     // Release parity: a region on another release gets no new traffic,
     // unless no healthy region is on the expected one (a fleet-wide
     // mismatch is for rollback, not a reason to route nowhere).
@@ -441,6 +438,12 @@ pub fn decide(inp: &Inputs) -> Decision {
         costs,
         passed_over,
     }
+}
+
+/// Whether the residency pin allows region `i` (no pin: every region).
+fn allowed(inp: &Inputs, i: usize) -> bool {
+    inp.allowed
+        .is_none_or(|a| a.get(i).copied().unwrap_or(false))
 }
 
 /// The two costs compared when `region` is chosen over `from`.
@@ -779,10 +782,7 @@ fn holder(costs: &[Cost], eligible: impl Fn(&Cost) -> bool) -> Option<usize> {
 /// else the nearest allowed; else the nearest.
 fn fallback(inp: &Inputs, costs: Vec<Cost>) -> Decision {
     let cfg = inp.config;
-    let allowed = |i: usize| {
-        inp.allowed
-            .is_none_or(|a| a.get(i).copied().unwrap_or(false))
-    };
+    let allowed = |i: usize| allowed(inp, i);
     let known_healthy = |i: usize| inp.snapshot.is_none_or(|s| state_healthy(inp, s, i));
     let nearest = |ok: &dyn Fn(usize) -> bool| {
         let mut best: Option<usize> = None;

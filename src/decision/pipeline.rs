@@ -285,11 +285,14 @@ impl Router {
                         })
                     }
                     Some(why) if cfg.responses.holder_unavailable == HolderUnavailable::Reject => {
-                        let name = cfg.regions.get(h).map_or("?", |r| r.name.as_str());
-                        return Err(Refusal::HolderUnavailable(format!(
-                            "The response '{id}' is stored in region '{name}', which cannot \
-                             take requests now ({why}); no other region has it. Retry later."
-                        )));
+                        return Err(stored_where_unavailable(
+                            cfg,
+                            id,
+                            h,
+                            why,
+                            "is stored",
+                            "no other region has it. Retry later.",
+                        ));
                     }
                     Some(_) => {}
                 },
@@ -496,13 +499,15 @@ impl Router {
                     }
                 }
                 Some(why) if cfg.responses.holder_unavailable == HolderUnavailable::Reject => {
-                    let name = cfg.regions.get(h).map_or("?", |r| r.name.as_str());
-                    return Err(Refusal::HolderUnavailable(format!(
-                        "The response '{id}' named by previous_response_id is stored in region \
-                         '{name}', which cannot take requests now ({why}); it cannot be \
-                         continued in another region. Retry later, or start a new \
-                         conversation without previous_response_id."
-                    )));
+                    return Err(stored_where_unavailable(
+                        cfg,
+                        id,
+                        h,
+                        why,
+                        "named by previous_response_id is stored",
+                        "it cannot be continued in another region. Retry later, or start a \
+                         new conversation without previous_response_id.",
+                    ));
                 }
                 Some(_) => {}
             },
@@ -702,6 +707,23 @@ pub struct Written {
 /// that continues it; `None` when it can. Only what makes the region unable
 /// to serve counts (health, passive ejection, release parity, the
 /// residency pin, its context limit); load and the failback ramp do not.
+/// The refusal of a request for stored response `id` whose region `h`
+/// cannot take it (`why`), with what the client can do (`then`).
+fn stored_where_unavailable(
+    cfg: &Config,
+    id: &str,
+    h: usize,
+    why: &str,
+    what: &str,
+    then: &str,
+) -> Refusal {
+    let name = cfg.regions.get(h).map_or("?", |r| r.name.as_str());
+    Refusal::HolderUnavailable(format!(
+        "The response '{id}' {what} in region '{name}', which cannot take requests now \
+         ({why}); {then}"
+    ))
+}
+
 fn holder_unavailable(d: &Decision, h: usize, allowed: Option<&[bool]>) -> Option<&'static str> {
     if allowed.is_some_and(|a| !a.get(h).copied().unwrap_or(false)) {
         return Some("outside the request's data residency, or not serving its model");
@@ -900,6 +922,41 @@ mod tests {
 
     fn snap(c: &Config) -> Snapshot {
         Snapshot::all_healthy(c)
+    }
+
+    #[test]
+    fn a_stored_response_whose_region_is_unavailable_is_refused_in_one_wording() {
+        let c = cfg();
+        let text = |r: Refusal| match r {
+            Refusal::HolderUnavailable(m) => m,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            text(stored_where_unavailable(
+                &c,
+                "resp_1",
+                1,
+                "unhealthy",
+                "is stored",
+                "no other region has it. Retry later."
+            )),
+            "The response 'resp_1' is stored in region 'mid', which cannot take requests now \
+             (unhealthy); no other region has it. Retry later."
+        );
+        assert_eq!(
+            text(stored_where_unavailable(
+                &c,
+                "resp_2",
+                0,
+                "ejected",
+                "named by previous_response_id is stored",
+                "it cannot be continued in another region. Retry later, or start a new \
+                 conversation without previous_response_id."
+            )),
+            "The response 'resp_2' named by previous_response_id is stored in region 'near', \
+             which cannot take requests now (ejected); it cannot be continued in another \
+             region. Retry later, or start a new conversation without previous_response_id."
+        );
     }
 
     fn body(system: &str, turn: usize) -> Vec<u8> {
