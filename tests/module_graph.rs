@@ -32,16 +32,6 @@ fn module_of(path: &Path, src: &Path) -> String {
     parts.join("::")
 }
 
-/// The folders of `src/` (the roles).
-fn folders(src: &Path) -> BTreeSet<String> {
-    std::fs::read_dir(src)
-        .unwrap()
-        .flatten()
-        .filter(|e| e.path().is_dir())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect()
-}
-
 fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
     for entry in std::fs::read_dir(dir).unwrap().flatten() {
         let p = entry.path();
@@ -53,19 +43,22 @@ fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
     }
 }
 
-/// Every `crate::<module>` (or `crate::<folder>::<module>`) a file names
-/// outside its tests is an edge.
+/// Every `crate::<path>` a file names outside its tests is an edge to the
+/// longest prefix of that path that is a file (`crate::decision::cost::X`
+/// is `decision::cost`; `crate::config::regions::Region` is
+/// `config::regions` once `config` is a folder). A folder's `mod.rs` depends
+/// on the files it declares, since it re-exports them.
 fn graph() -> BTreeMap<String, BTreeSet<String>> {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let dirs = folders(&src);
     let mut files = Vec::new();
     rust_files(&src, &mut files);
-    let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let nodes: BTreeSet<String> = files.iter().map(|f| module_of(f, &src)).collect();
     let ident = |s: &str| -> String {
         s.chars()
             .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
             .collect()
     };
+    let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for f in files {
         let from = module_of(&f, &src);
         if from == "lib" {
@@ -76,19 +69,41 @@ fn graph() -> BTreeMap<String, BTreeSet<String>> {
         let code = text.split("#[cfg(test)]").next().unwrap_or("");
         let edges = g.entry(from.clone()).or_default();
         for (i, _) in code.match_indices("crate::") {
-            let rest = &code[i + 7..];
-            let mut name = ident(rest);
-            if dirs.contains(&name) {
-                let inner = rest.get(name.len()..).unwrap_or("");
-                if let Some(next) = inner.strip_prefix("::") {
-                    let m = ident(next);
-                    if !m.is_empty() {
-                        name = format!("{name}::{m}");
-                    }
+            let mut rest = &code[i + 7..];
+            let mut path = String::new();
+            let mut found = String::new();
+            loop {
+                let part = ident(rest);
+                if part.is_empty() {
+                    break;
+                }
+                if !path.is_empty() {
+                    path.push_str("::");
+                }
+                path.push_str(&part);
+                if nodes.contains(&path) {
+                    found = path.clone();
+                }
+                match rest.get(part.len()..).and_then(|r| r.strip_prefix("::")) {
+                    Some(next) => rest = next,
+                    None => break,
                 }
             }
-            if !name.is_empty() && name != from {
-                edges.insert(name);
+            if !found.is_empty() && found != from {
+                edges.insert(found);
+            }
+        }
+        if f.file_name().is_some_and(|n| n == "mod.rs") {
+            for line in code.lines() {
+                let l = line.trim_start();
+                let l = l.strip_prefix("pub ").unwrap_or(l);
+                let l = l.strip_prefix("pub(crate) ").unwrap_or(l);
+                if let Some(m) = l.strip_prefix("mod ") {
+                    let m = ident(m);
+                    if !m.is_empty() {
+                        edges.insert(format!("{from}::{m}"));
+                    }
+                }
             }
         }
     }
