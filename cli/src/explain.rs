@@ -212,12 +212,7 @@ pub fn run(a: Args) -> Result<String, CliError> {
     }
     host.request(&headers);
     let mut stream = RouterStream::new();
-    let mut view = View::new();
-    let mut flow = stream.on_request_headers(&shared, &mut host, &mut view, false);
-    if flow == Flow::Pause {
-        flow = stream.on_request_body(&shared, &mut host, &mut view, &body);
-    }
-    if let Flow::Reply(r) = flow {
+    if let Flow::Reply(r) = stream.on_whole_request(&shared, &mut host, &mut View::new(), &body) {
         let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
         let what = match v.pointer("/error/code").and_then(Value::as_str) {
             Some("invalid_residency") => "residency value not in residency.allowed",

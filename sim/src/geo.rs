@@ -324,11 +324,7 @@ impl Envoy {
             (&cfg.headers.tier, tier),
             (&cfg.headers.session, session),
         ]);
-        let mut guard = GuardStream::new();
-        let mut flow = guard.on_request_headers(&self.guard, host, &mut self.view, false);
-        if flow == Flow::Pause && guard.wants_body() {
-            flow = guard.on_request_body(&self.guard, host, body);
-        }
+        let flow = GuardStream::new().on_whole_request(&self.guard, host, &mut self.view, body);
         match flow {
             Flow::Reply(r) if r.status == u32::from(cfg.ladder.shed_status) => {
                 return Ok(Handled::Shed)
@@ -346,11 +342,7 @@ impl Envoy {
         let clamped_body = host.replaced_body.take();
         let body = clamped_body.as_deref().unwrap_or(body);
         let mut stream = RouterStream::new();
-        let mut flow = stream.on_request_headers(&self.router, host, &mut self.view, false);
-        if flow == Flow::Pause {
-            flow = stream.on_request_body(&self.router, host, &mut self.view, body);
-        }
-        if let Flow::Reply(r) = flow {
+        if let Flow::Reply(r) = stream.on_whole_request(&self.router, host, &mut self.view, body) {
             return Err(format!(
                 "the router refuses the request: {}",
                 String::from_utf8_lossy(&r.body)

@@ -56,15 +56,20 @@ pub fn request_header(name: &str) -> Option<String> {
     header_value(MapType::HttpRequestHeaders, name)
 }
 
-pub fn set_request_header(name: &str, value: Option<&str>) {
-    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value);
+pub fn set_request_header(name: &str, value: Option<&str>) -> bool {
+    hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value).is_ok()
 }
 
 pub fn add_response_header(name: &str, value: &str) {
     let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);
 }
 
+/// The buffered request body (`None`: the host could not read it; an
+/// empty body reads as empty).
 pub fn request_body(size: usize) -> Option<Vec<u8>> {
+    if size == 0 {
+        return Some(Vec::new());
+    }
     hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
         .ok()
         .flatten()
@@ -107,8 +112,8 @@ pub fn resume_request() -> bool {
 }
 
 /// Re-evaluate the route after changing the header it selects on.
-pub fn clear_route_cache() {
-    let _ = hostcalls::call_foreign_function("clear_route_cache", None);
+pub fn clear_route_cache() -> bool {
+    hostcalls::call_foreign_function("clear_route_cache", None).is_ok()
 }
 
 pub fn dispatch(
@@ -186,8 +191,8 @@ pub fn resolve_queue(vm_id: &str, name: &str) -> Option<u32> {
     hostcalls::resolve_shared_queue(vm_id, name).ok().flatten()
 }
 
-pub fn enqueue(queue: u32, value: &[u8]) {
-    let _ = hostcalls::enqueue_shared_queue(queue, Some(value));
+pub fn enqueue(queue: u32, value: &[u8]) -> bool {
+    hostcalls::enqueue_shared_queue(queue, Some(value)).is_ok()
 }
 
 pub fn dequeue(queue: u32) -> Option<Vec<u8>> {

@@ -103,8 +103,8 @@ impl StreamHost for Host<'_> {
     fn request_header(&mut self, name: &str) -> Option<String> {
         calls::request_header(name)
     }
-    fn set_request_header(&mut self, name: &str, value: Option<&str>) {
-        calls::set_request_header(name, value);
+    fn set_request_header(&mut self, name: &str, value: Option<&str>) -> bool {
+        calls::set_request_header(name, value)
     }
     fn add_response_header(&mut self, name: &str, value: &str) {
         calls::add_response_header(name, value);
@@ -112,16 +112,16 @@ impl StreamHost for Host<'_> {
     fn replace_request_body(&mut self, body: &[u8]) -> bool {
         calls::replace_request_body(self.body_size, body)
     }
-    fn clear_route_cache(&mut self) {
-        calls::clear_route_cache();
+    fn clear_route_cache(&mut self) -> bool {
+        calls::clear_route_cache()
     }
     fn set_filter_state(&mut self, key: &str, value: &[u8]) {
         calls::set_filter_state(key, value);
     }
-    fn enqueue(&mut self, _queue: &str, value: &[u8]) {
-        if let Some(id) = self.queue.and_then(Queue::resolve) {
-            calls::enqueue(id, value);
-        }
+    fn enqueue(&mut self, _queue: &str, value: &[u8]) -> bool {
+        self.queue
+            .and_then(Queue::resolve)
+            .is_some_and(|id| calls::enqueue(id, value))
     }
     fn property(&mut self, path: &[&str]) -> Option<Vec<u8>> {
         calls::property(path)

@@ -16,15 +16,14 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 
 use crate::cache::exchange::ExchangeStream;
-use crate::config::{BodyWaitAction, BodyWaitConfig, Config};
+use crate::config::{BodyWaitConfig, Config};
 use crate::fleet::view::View;
 use crate::request::body_wait::{self, BodyWait};
 use crate::roots::guard::{Guard, GuardStream};
 use crate::roots::probe::Probe;
 use crate::roots::router::{RouterShared, RouterStream};
 use crate::shared::flow::Flow;
-use crate::shared::host_api::Effects;
-use crate::shared::names::{Global, Stat, OBSERVATIONS_QUEUE};
+use crate::shared::names::{Global, OBSERVATIONS_QUEUE};
 use calls::log;
 use host_api::{define_stats, Callout, Host, Queue, Stats};
 
@@ -323,10 +322,9 @@ fn role_name(role: Role) -> &'static str {
     }
 }
 
-/// A filter's requests paused longer than `body_wait.timeout_ms` with no
-/// body callback: log the misconfiguration once, count each, and resume or
-/// answer it through its own context (the host defers the action until this
-/// callback returns).
+/// The core's verdict on a filter's requests paused too long for their
+/// body, carried out in each one's own context (the host defers the action
+/// until this callback returns).
 fn expire_body_waits(
     role: &str,
     waits: &RefCell<BodyWait>,
@@ -335,46 +333,41 @@ fn expire_body_waits(
     stat: Global,
     root_id: u32,
 ) {
-    if waits.borrow().is_empty() {
-        return;
-    }
-    let expired = waits.borrow_mut().expire(calls::now_ms(), cfg.timeout_ms);
+    let mut host = Host::new(stats);
+    let expired = waits.borrow_mut().on_tick(&mut host, role, stat, cfg);
     if expired.is_empty() {
         return;
     }
-    if let Some(msg) = waits
-        .borrow_mut()
-        .warning(role, cfg.timeout_ms, cfg.on_timeout)
-    {
-        log(LogLevel::Critical, &msg);
-    }
-    let mut host = Host::new(stats);
-    for id in expired {
+    for (id, flow) in expired {
         if !calls::set_effective_context(id) {
             continue;
         }
-        host.count(Stat::Global(stat), 1);
-        match cfg.on_timeout {
-            BodyWaitAction::PassThrough => {
+        match flow {
+            Flow::Continue => {
                 if calls::resume_request() {
                     waits.borrow_mut().resumed(id);
                 }
             }
-            BodyWaitAction::Reject => {
-                act(Flow::Reply(body_wait::reply()));
+            other => {
+                act(other);
             }
         }
     }
     calls::set_effective_context(root_id);
 }
 
-/// The body once complete, if the stream wants it; else what to tell Envoy
-/// meanwhile (go on without it, or wait for the rest).
-fn complete_body(wanted: bool, size: usize, end_of_stream: bool) -> Result<Vec<u8>, Action> {
+/// The body once complete, if the stream wants it (`None`: the host could
+/// not read it); else what to tell Envoy meanwhile (go on without it, or
+/// wait for the rest).
+fn complete_body(
+    wanted: bool,
+    size: usize,
+    end_of_stream: bool,
+) -> Result<Option<Vec<u8>>, Action> {
     match (wanted, end_of_stream) {
         (false, _) => Err(Action::Continue),
         (true, false) => Err(Action::Pause),
-        (true, true) => Ok(calls::request_body(size).unwrap_or_default()),
+        (true, true) => Ok(calls::request_body(size)),
     }
 }
 
@@ -432,21 +425,21 @@ impl HttpContext for GuardFilter {
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         // As in the router: a request the guard's tick resumed is not
         // touched again (its headers are no longer readable).
-        let mut waits = self.root.waits.borrow_mut();
-        waits.arrived(self.id);
-        if waits.was_resumed(self.id) {
+        if !self.root.waits.borrow_mut().arrived(self.id) {
             return Action::Continue;
         }
-        drop(waits);
         let body = match complete_body(self.stream.wants_body(), body_size, end_of_stream) {
             Ok(body) => body,
             Err(action) => return action,
         };
         let mut host = Host::new(&self.root.stats);
         host.body_size = body_size;
-        act(self
-            .stream
-            .on_request_body(&self.root.guard, &mut host, &body))
+        act(match body {
+            Some(body) => self
+                .stream
+                .on_request_body(&self.root.guard, &mut host, &body),
+            None => self.stream.on_body_unreadable(&mut host),
+        })
     }
 }
 
@@ -481,12 +474,9 @@ impl HttpContext for RouterFilter {
         // Envoy delivers the body: the pause was honoured as StopIteration,
         // or the guard resumed the request, whose headers the filter can no
         // longer read or set (it goes on unrouted).
-        let mut waits = self.root.waits.borrow_mut();
-        waits.arrived(self.id);
-        if waits.was_resumed(self.id) {
+        if !self.root.waits.borrow_mut().arrived(self.id) {
             return Action::Continue;
         }
-        drop(waits);
         let body = match complete_body(self.stream.wants_body(), body_size, end_of_stream) {
             Ok(body) => body,
             Err(action) => return action,
@@ -495,8 +485,15 @@ impl HttpContext for RouterFilter {
         let mut host = Host::new(&root.stats);
         host.queue = Some(&root.queue);
         let flow = VIEW.with(|v| {
-            self.stream
-                .on_request_body(&root.shared, &mut host, &mut v.borrow_mut(), &body)
+            let view = &mut v.borrow_mut();
+            match body {
+                Some(body) => self
+                    .stream
+                    .on_request_body(&root.shared, &mut host, view, &body),
+                None => self
+                    .stream
+                    .on_body_unreadable(&root.shared, &mut host, view),
+            }
         });
         act(flow)
     }

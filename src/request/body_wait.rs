@@ -20,12 +20,14 @@
 //! exposes its request headers to the filter (reading them fails), so the
 //! router cannot set the cluster header; Envoy's router has picked the route
 //! without it (the fallback to the nearest region). The filter lets such a
-//! request through untouched ([`BodyWait::take_resumed`]).
+//! request through untouched ([`BodyWait::arrived`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::config::BodyWaitAction;
-use crate::shared::flow::Reply;
+use crate::config::{BodyWaitAction, BodyWaitConfig};
+use crate::shared::flow::{Flow, Reply};
+use crate::shared::host_api::{Effects, Level};
+use crate::shared::names::{Global, Stat};
 
 /// Requests paused on their headers, by HTTP context id, with the time
 /// (ms) they paused.
@@ -47,9 +49,12 @@ impl BodyWait {
         self.paused.insert(id, now_ms);
     }
 
-    /// The request of context `id` got a body callback.
-    pub fn arrived(&mut self, id: u32) {
+    /// The request of context `id` got a body callback: whether its filter
+    /// handles it. Not one the tick resumed: its headers can no longer be
+    /// read or set, so it goes on untouched.
+    pub fn arrived(&mut self, id: u32) -> bool {
         self.paused.remove(&id);
+        !self.resumed.contains(&id)
     }
 
     /// The request of context `id` ended.
@@ -63,11 +68,6 @@ impl BodyWait {
         self.resumed.insert(id);
     }
 
-    /// Whether the request of context `id` was resumed by the guard.
-    pub fn was_resumed(&self, id: u32) -> bool {
-        self.resumed.contains(&id)
-    }
-
     /// How many requests are paused now.
     pub fn len(&self) -> usize {
         self.paused.len()
@@ -79,7 +79,7 @@ impl BodyWait {
 
     /// The requests paused for `timeout_ms` or longer, removed from the
     /// registry (each expires once). A timeout of 0 expires none.
-    pub fn expire(&mut self, now_ms: u64, timeout_ms: u64) -> Vec<u32> {
+    fn expire(&mut self, now_ms: u64, timeout_ms: u64) -> Vec<u32> {
         if timeout_ms == 0 {
             return Vec::new();
         }
@@ -95,13 +95,41 @@ impl BodyWait {
         expired
     }
 
-    /// The log line for the first expiry (then `None`: logged once).
-    pub fn warning(
+    /// The root's tick: each request paused for `cfg.timeout_ms` or longer
+    /// with what its filter does now, in its own context: `Continue` (the
+    /// host resumes it, unrouted, and reports [`BodyWait::resumed`]) or a
+    /// reply, as `cfg.on_timeout` says. Each is counted in `stat`; the
+    /// first expiry is logged, naming the missing Wasm config field.
+    pub fn on_tick(
         &mut self,
+        host: &mut dyn Effects,
         role: &str,
-        timeout_ms: u64,
-        action: BodyWaitAction,
-    ) -> Option<String> {
+        stat: Global,
+        cfg: &BodyWaitConfig,
+    ) -> Vec<(u32, Flow)> {
+        if self.paused.is_empty() {
+            return Vec::new();
+        }
+        let expired = self.expire(host.now_ms(), cfg.timeout_ms);
+        if expired.is_empty() {
+            return Vec::new();
+        }
+        if let Some(msg) = self.warning(role, cfg.timeout_ms, cfg.on_timeout) {
+            host.log(Level::Critical, &msg);
+        }
+        host.count(
+            Stat::Global(stat),
+            i64::try_from(expired.len()).unwrap_or(i64::MAX),
+        );
+        let flow = || match cfg.on_timeout {
+            BodyWaitAction::PassThrough => Flow::Continue,
+            BodyWaitAction::Reject => Flow::Reply(reply()),
+        };
+        expired.into_iter().map(|id| (id, flow())).collect()
+    }
+
+    /// The log line for the first expiry (then `None`: logged once).
+    fn warning(&mut self, role: &str, timeout_ms: u64, action: BodyWaitAction) -> Option<String> {
         if self.warned {
             return None;
         }
@@ -169,12 +197,50 @@ mod tests {
         assert!(w.is_empty());
         assert_eq!(w.expire(9000, 1000), Vec::<u32>::new());
         w.paused(4, 0);
-        w.arrived(4);
+        assert!(w.arrived(4));
         assert!(w.expire(9000, 1000).is_empty());
         w.resumed(5);
-        assert!(w.was_resumed(5));
+        assert!(
+            !w.arrived(5),
+            "a resumed request is not the filter's any more"
+        );
         w.done(5);
-        assert!(!w.was_resumed(5));
+        assert!(w.arrived(5));
+    }
+
+    #[test]
+    fn the_tick_counts_logs_once_and_answers_as_configured() {
+        use crate::shared::host_api::Recorder;
+        let mut host = Recorder {
+            now_ms: 5000,
+            ..Recorder::default()
+        };
+        let mut cfg = BodyWaitConfig {
+            timeout_ms: 1000,
+            on_timeout: BodyWaitAction::PassThrough,
+        };
+        let mut w = BodyWait::new();
+        w.paused(1, 3000);
+        w.paused(2, 4500);
+        let stat = Global::RouterBodyWaitTimeout;
+        assert_eq!(
+            w.on_tick(&mut host, "router", stat, &cfg),
+            vec![(1, Flow::Continue)]
+        );
+        assert_eq!(host.value(Stat::Global(stat)), 1);
+        assert_eq!(host.logs.len(), 1);
+        assert_eq!(host.logs[0].0, Level::Critical);
+        cfg.on_timeout = BodyWaitAction::Reject;
+        host.now_ms = 6000;
+        let expired = w.on_tick(&mut host, "router", stat, &cfg);
+        assert_eq!(expired.len(), 1);
+        let (2, Flow::Reply(r)) = &expired[0] else {
+            panic!("{expired:?}")
+        };
+        assert_eq!(r.status, 503);
+        assert_eq!(host.value(Stat::Global(stat)), 2);
+        assert_eq!(host.logs.len(), 1, "logged once");
+        assert!(w.on_tick(&mut host, "router", stat, &cfg).is_empty());
     }
 
     #[test]

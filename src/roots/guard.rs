@@ -337,10 +337,10 @@ impl GuardStream {
         // Downstream filters and the engine see the resolved tier, never the
         // client's claim; only the guard chooses the pool.
         if claimed.as_deref() != Some(tier) {
-            host.set_request_header(&cfg.headers.tier, Some(tier));
+            write_header(host, &cfg.headers.tier, Some(tier));
         }
         if host.request_header(&cfg.headers.pool).is_some() {
-            host.set_request_header(&cfg.headers.pool, None);
+            write_header(host, &cfg.headers.pool, None);
         }
         let path = host.request_header(":path").unwrap_or_default();
         let method = host.request_header(":method").unwrap_or_default();
@@ -407,7 +407,7 @@ impl GuardStream {
             ));
         }
         if policy.fallback {
-            host.set_request_header(&cfg.headers.pool, Some(POOL_FALLBACK));
+            write_header(host, &cfg.headers.pool, Some(POOL_FALLBACK));
             host.count(Stat::Tier(tier_index, TierStat::Fallback), 1);
         }
         if !needs_body(policy)
@@ -433,6 +433,44 @@ impl GuardStream {
     /// Whether the guard waits for the complete body.
     pub fn wants_body(&self) -> bool {
         self.waiting != Waiting::Nothing
+    }
+
+    /// A request whose body is already whole (the simulator, the CLI): its
+    /// headers, then its body if the guard waits for it.
+    pub fn on_whole_request(
+        &mut self,
+        guard: &Guard,
+        host: &mut dyn StreamHost,
+        view: &mut View,
+        body: &[u8],
+    ) -> Flow {
+        let flow = self.on_request_headers(guard, host, view, false);
+        if flow == Flow::Pause && self.wants_body() {
+            return self.on_request_body(guard, host, body);
+        }
+        flow
+    }
+
+    /// The host could not read the complete body the guard waited for: a
+    /// cap or an override it cannot check is refused (500
+    /// `body_unreadable`), never let through unchecked; counted in
+    /// `guard.body_unreadable`.
+    pub fn on_body_unreadable(&mut self, host: &mut dyn StreamHost) -> Flow {
+        if matches!(
+            std::mem::replace(&mut self.waiting, Waiting::Nothing),
+            Waiting::Nothing
+        ) {
+            return Flow::Continue;
+        }
+        host.count(Stat::Global(Global::GuardBodyUnreadable), 1);
+        Flow::Reply(Reply::error(
+            500,
+            "server_error",
+            "body_unreadable",
+            "the guard could not read the request body from the proxy",
+            None,
+            &[],
+        ))
     }
 
     /// The complete request body.
@@ -472,10 +510,7 @@ impl GuardStream {
                     }
                     Ok(Verdict::Rewrite { body, clamped }) => {
                         if host.replace_request_body(&body) {
-                            host.set_request_header(
-                                "content-length",
-                                Some(&body.len().to_string()),
-                            );
+                            write_header(host, "content-length", Some(&body.len().to_string()));
                             if clamped {
                                 host.count(Stat::Tier(tier_index, TierStat::MaxTokensClamped), 1);
                             }
@@ -538,6 +573,14 @@ fn operator_override(host: &mut dyn StreamHost, body: &[u8]) -> Flow {
             Some("level"),
             &[],
         )),
+    }
+}
+
+/// Write (or remove) a request header; a write the host refused is
+/// counted (`guard.header_write_failed`).
+fn write_header(host: &mut dyn StreamHost, name: &str, value: Option<&str>) {
+    if !host.set_request_header(name, value) {
+        host.count(Stat::Global(Global::GuardHeaderWriteFailed), 1);
     }
 }
 
@@ -832,6 +875,47 @@ mod tests {
             let (flow, _) = run(&g, &mut host, &headers("/v1/models", &[]), "");
             assert_eq!(flow, Flow::Continue);
             assert_eq!(host.value(Stat::Global(Global::Arrivals)), 1);
+        }
+
+        #[test]
+        fn a_body_the_host_cannot_read_is_refused_never_let_through_unchecked() {
+            let g = guard("");
+            // Level 3 caps free's max_tokens: the guard waits for the body.
+            let mut host = host_at_level(&g, 3);
+            let mut s = GuardStream::new();
+            host.request(&headers("/v1/chat/completions", &[]));
+            let flow = s.on_request_headers(&g, &mut host, &mut View::new(), false);
+            assert_eq!(flow, Flow::Pause);
+            assert_eq!(
+                code(&s.on_body_unreadable(&mut host)),
+                (500, "body_unreadable".into())
+            );
+            assert_eq!(host.value(Stat::Global(Global::GuardBodyUnreadable)), 1);
+            assert!(host.replaced_body.is_none());
+            // Level 0 reads no body: nothing to refuse, nothing counted.
+            let mut host = host_at_level(&g, 0);
+            let mut s = GuardStream::new();
+            host.request(&headers("/v1/chat/completions", &[]));
+            let flow = s.on_request_headers(&g, &mut host, &mut View::new(), false);
+            assert_eq!(flow, Flow::Continue);
+            assert_eq!(s.on_body_unreadable(&mut host), Flow::Continue);
+            assert_eq!(host.value(Stat::Global(Global::GuardBodyUnreadable)), 0);
+        }
+
+        #[test]
+        fn a_header_write_the_host_refuses_is_counted() {
+            let g = guard("");
+            let mut host = host_at_level(&g, 4);
+            host.refuse_header_writes = true;
+            let h = headers("/v1/chat/completions", &[("x-llm-tier", "paid")]);
+            let (flow, _) = run(&g, &mut host, &h, CHAT);
+            assert_eq!(flow, Flow::Continue);
+            // The tier (the client's claim replaced), the fallback pool and
+            // the clamped body's content-length.
+            assert_eq!(host.value(Stat::Global(Global::GuardHeaderWriteFailed)), 3);
+            host.refuse_header_writes = false;
+            run(&g, &mut host, &h, CHAT);
+            assert_eq!(host.value(Stat::Global(Global::GuardHeaderWriteFailed)), 3);
         }
 
         #[test]

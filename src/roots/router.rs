@@ -131,7 +131,7 @@ impl RouterStream {
         // removes them earlier too; this holds without that).
         for name in [&cfg.headers.cluster, &cfg.migration.header] {
             if host.request_header(name).is_some() {
-                host.set_request_header(name, None);
+                write_header(host, name, None);
             }
         }
         // Only the guard sets the pool (it removes any client value first).
@@ -154,10 +154,43 @@ impl RouterStream {
         self.endpoint.is_some()
     }
 
+    /// A request whose body is already whole (the simulator, the CLI, the
+    /// tests): its headers, then its body if the router waits for it.
+    pub fn on_whole_request(
+        &mut self,
+        shared: &RouterShared,
+        host: &mut dyn StreamHost,
+        view: &mut View,
+        body: &[u8],
+    ) -> Flow {
+        let flow = self.on_request_headers(shared, host, view, false);
+        if flow == Flow::Pause && self.wants_body() {
+            return self.on_request_body(shared, host, view, body);
+        }
+        flow
+    }
+
     /// The decision the router made for this request, once it has (none
     /// for a request sent to the default region uninterpreted).
     pub fn decision(&self) -> Option<&Routed> {
         self.decided.as_ref()
+    }
+
+    /// The host could not read the complete body the router waited for:
+    /// the request is routed as one the router does not read, and counted
+    /// in `router.body_unreadable` (not refused as an empty request: the
+    /// client sent one).
+    pub fn on_body_unreadable(
+        &mut self,
+        shared: &RouterShared,
+        host: &mut dyn StreamHost,
+        view: &mut View,
+    ) -> Flow {
+        if self.endpoint.take().is_none() {
+            return Flow::Continue;
+        }
+        host.count(Stat::Global(Global::RouterBodyUnreadable), 1);
+        self.route_unread(shared, host, view, None)
     }
 
     /// The complete request body.
@@ -237,7 +270,7 @@ impl RouterStream {
         host.count(Stat::RegionDecision(d.region, d.reason), 1);
         if let Some(kv) = &routed.kv {
             let from = cfg.regions.get(kv.from).map_or("", |r| r.name.as_str());
-            host.set_request_header(&cfg.migration.header, Some(&kv.header_value(from)));
+            write_header(host, &cfg.migration.header, Some(&kv.header_value(from)));
         }
         let mut text = routed.describe(cfg, fresh.as_ref().map_or(0, |f| f.level()));
         if self.fallback {
@@ -263,9 +296,9 @@ impl RouterStream {
         // Streams get the route with a first-byte deadline; a non-streamed
         // answer's first byte is its last, so it must not.
         if routed.stream {
-            host.set_request_header(&cfg.headers.stream, Some("true"));
+            write_header(host, &cfg.headers.stream, Some("true"));
         } else if host.request_header(&cfg.headers.stream).is_some() {
-            host.set_request_header(&cfg.headers.stream, None);
+            write_header(host, &cfg.headers.stream, None);
         }
         self.set_region(shared, host, d.region, true);
         // The fallback pool is other engines: their caches say nothing
@@ -307,8 +340,12 @@ impl RouterStream {
             }
             _ => &r.cluster,
         };
-        host.set_request_header(&cfg.headers.cluster, Some(cluster));
-        host.clear_route_cache();
+        // Both or the route does not change: counted once.
+        if !(host.set_request_header(&cfg.headers.cluster, Some(cluster))
+            && host.clear_route_cache())
+        {
+            host.count(Stat::Global(Global::RouterHeaderWriteFailed), 1);
+        }
         self.sent = Some(region);
         if inflight {
             host.count(Stat::Region(region, RegionStat::RqActive), 1);
@@ -514,7 +551,7 @@ impl RouterStream {
                                 hash: shared.router.responses.id_hash(&id),
                             },
                         );
-                        host.enqueue(OBSERVATIONS_QUEUE, &note);
+                        to_probe(host, &note);
                     }
                 }
                 host.count(Stat::Global(Global::RouterResponsesRecorded), 1);
@@ -546,7 +583,7 @@ impl RouterStream {
         }
         let report = usage.and_then(|u| self.decided.as_ref()?.usage_report(u, self.served?));
         match report {
-            Some(r) => host.enqueue(OBSERVATIONS_QUEUE, &r.encode()),
+            Some(r) => to_probe(host, &r.encode()),
             None if count_missing => host.count(Stat::Global(Global::RouterUsageMissing), 1),
             None => {}
         }
@@ -591,7 +628,7 @@ impl RouterStream {
         };
         p.observation.observed_ms = now.saturating_sub(p.routed_ms) as f32;
         if attempts <= 1 && self.served == Some(routed) {
-            host.enqueue(OBSERVATIONS_QUEUE, &p.observation.encode());
+            to_probe(host, &p.observation.encode());
         }
     }
 
@@ -695,7 +732,6 @@ fn served_region(
     named.or((attempts <= 1).then_some(routed))
 }
 
-/// An integer property (Envoy serialises them as 8 little-endian bytes).
 /// With the exchange on, what the directory write just made goes to the
 /// probe, for the deployment's other Envoys.
 fn share_placement(
@@ -717,7 +753,7 @@ fn share_placement(
                     blocks,
                     last,
                 });
-            host.enqueue(OBSERVATIONS_QUEUE, &note);
+            to_probe(host, &note);
         }
     }
     if let Some(w) = shared.router.written(learning, served) {
@@ -728,10 +764,28 @@ fn share_placement(
             tag: w.end.1 as u32,
             hashes: w.hashes,
         });
-        host.enqueue(OBSERVATIONS_QUEUE, &note);
+        to_probe(host, &note);
     }
 }
 
+/// Write (or remove) a request header the route depends on; a write the
+/// host refused is counted (`router.header_write_failed`): the request
+/// then goes where Envoy's route sends it without the write.
+fn write_header(host: &mut dyn StreamHost, name: &str, value: Option<&str>) {
+    if !host.set_request_header(name, value) {
+        host.count(Stat::Global(Global::RouterHeaderWriteFailed), 1);
+    }
+}
+
+/// Hand a message to the probe; one the host dropped is counted
+/// (`router.observation_dropped`).
+fn to_probe(host: &mut dyn StreamHost, message: &[u8]) {
+    if !host.enqueue(OBSERVATIONS_QUEUE, message) {
+        host.count(Stat::Global(Global::RouterObservationDropped), 1);
+    }
+}
+
+/// An integer property (Envoy serialises them as 8 little-endian bytes).
 fn u64_le(b: Vec<u8>) -> Option<u64> {
     Some(u64::from_le_bytes(b.get(..8)?.try_into().ok()?))
 }
@@ -840,12 +894,8 @@ mod tests {
         body: &str,
     ) -> (RouterStream, Flow) {
         let mut s = RouterStream::new();
-        let mut view = View::new();
         host.request(&h);
-        let mut flow = s.on_request_headers(sh, host, &mut view, false);
-        if flow == Flow::Pause {
-            flow = s.on_request_body(sh, host, &mut view, body.as_bytes());
-        }
+        let flow = s.on_whole_request(sh, host, &mut View::new(), body.as_bytes());
         (s, flow)
     }
 
@@ -888,6 +938,56 @@ mod tests {
             host.value(Stat::Region(0, RegionStat::UpstreamRqAnswered)),
             1
         );
+    }
+
+    #[test]
+    fn what_the_host_refuses_is_counted_and_an_unreadable_body_is_routed_unread() {
+        let sh = shared("");
+        let mut host = new_host(&sh);
+        // The cluster header and the route cache refused: counted once; the
+        // stream header's removal too.
+        host.refuse_header_writes = true;
+        let h = headers("/v1/chat/completions", &[("x-llm-stream", "true")]);
+        let (_, flow) = request(&sh, &mut host, h, STREAM);
+        assert_eq!(flow, Flow::Continue);
+        assert_eq!(host.value(Stat::Global(Global::RouterHeaderWriteFailed)), 2);
+        host.refuse_header_writes = false;
+        let (_, _) = request(&sh, &mut host, headers("/v1/chat/completions", &[]), CHAT);
+        assert_eq!(host.value(Stat::Global(Global::RouterHeaderWriteFailed)), 2);
+        // A TTFT observation the host drops: counted.
+        host.refuse_enqueue = true;
+        let (mut s, _) = request(&sh, &mut host, headers("/v1/chat/completions", &[]), STREAM);
+        engine_status(&mut host, Some(200));
+        s.on_response_headers(&sh, &mut host);
+        s.on_first_byte(&sh, &mut host);
+        assert_eq!(
+            host.value(Stat::Global(Global::RouterObservationDropped)),
+            1
+        );
+        // A body the host cannot read: routed as a request the router does
+        // not read, not refused as an empty one.
+        let mut s = RouterStream::new();
+        let mut view = View::new();
+        host.request(&headers("/v1/chat/completions", &[]));
+        assert_eq!(
+            s.on_request_headers(&sh, &mut host, &mut view, false),
+            Flow::Pause
+        );
+        let passthrough = host.value(Stat::Global(Global::RouterPassthrough));
+        assert_eq!(
+            s.on_body_unreadable(&sh, &mut host, &mut view),
+            Flow::Continue
+        );
+        assert_eq!(host.value(Stat::Global(Global::RouterBodyUnreadable)), 1);
+        assert_eq!(
+            host.value(Stat::Global(Global::RouterPassthrough)),
+            passthrough + 1
+        );
+        assert!(matches!(
+            host.request_header("x-llm-cluster"),
+            Some(Some("cn" | "cm"))
+        ));
+        assert_eq!(host.value(Stat::Global(Global::RouterInvalidRequest)), 0);
     }
 
     #[test]

@@ -36,16 +36,19 @@ pub trait Effects: SharedStore {
 pub trait StreamHost: Effects {
     /// A request header's value (names lowercase; pseudo-headers too).
     fn request_header(&mut self, name: &str) -> Option<String>;
-    /// Set (`Some`) or remove (`None`) a request header.
-    fn set_request_header(&mut self, name: &str, value: Option<&str>);
+    /// Set (`Some`) or remove (`None`) a request header; false when the
+    /// host refused.
+    fn set_request_header(&mut self, name: &str, value: Option<&str>) -> bool;
     fn add_response_header(&mut self, name: &str, value: &str);
     /// Replace the buffered request body; false when the host refused.
     fn replace_request_body(&mut self, body: &[u8]) -> bool;
-    /// Make Envoy choose the route again (after the cluster header changed).
-    fn clear_route_cache(&mut self);
+    /// Make Envoy choose the route again (after the cluster header changed);
+    /// false when the host refused.
+    fn clear_route_cache(&mut self) -> bool;
     fn set_filter_state(&mut self, key: &str, value: &[u8]);
-    /// Put a message on a shared queue (dropped when there is none).
-    fn enqueue(&mut self, queue: &str, value: &[u8]);
+    /// Put a message on a shared queue; false when it was dropped (no such
+    /// queue yet, or the host refused).
+    fn enqueue(&mut self, queue: &str, value: &[u8]) -> bool;
     /// A property of the stream (Envoy's attributes), as raw bytes.
     fn property(&mut self, path: &[&str]) -> Option<Vec<u8>>;
     /// The response's `:status`, once response headers are there.
@@ -114,6 +117,11 @@ pub struct Recorder {
     /// Clusters whose callouts the host refuses (as Envoy does for an
     /// unknown cluster).
     pub refuse_clusters: Vec<String>,
+    /// The host refuses request header writes and route-cache clears (as
+    /// Envoy does once a stream's headers are gone).
+    pub refuse_header_writes: bool,
+    /// The host drops queue messages (as when the queue is not registered).
+    pub refuse_enqueue: bool,
 }
 
 impl Recorder {
@@ -202,13 +210,17 @@ impl StreamHost for Recorder {
             .find(|(n, _)| n == name)
             .map(|(_, v)| v.clone())
     }
-    fn set_request_header(&mut self, name: &str, value: Option<&str>) {
+    fn set_request_header(&mut self, name: &str, value: Option<&str>) -> bool {
+        if self.refuse_header_writes {
+            return false;
+        }
         self.headers.retain(|(n, _)| n != name);
         if let Some(v) = value {
             self.headers.push((name.to_string(), v.to_string()));
         }
         self.request_headers
             .push((name.to_string(), value.map(str::to_string)));
+        true
     }
     fn add_response_header(&mut self, name: &str, value: &str) {
         self.response_headers
@@ -218,17 +230,25 @@ impl StreamHost for Recorder {
         self.replaced_body = Some(body.to_vec());
         true
     }
-    fn clear_route_cache(&mut self) {
+    fn clear_route_cache(&mut self) -> bool {
+        if self.refuse_header_writes {
+            return false;
+        }
         self.route_cache_cleared += 1;
+        true
     }
     fn set_filter_state(&mut self, key: &str, value: &[u8]) {
         self.filter_state.push((key.to_string(), value.to_vec()));
     }
-    fn enqueue(&mut self, queue: &str, value: &[u8]) {
+    fn enqueue(&mut self, queue: &str, value: &[u8]) -> bool {
+        if self.refuse_enqueue {
+            return false;
+        }
         self.queues
             .entry(queue.to_string())
             .or_default()
             .push_back(value.to_vec());
+        true
     }
     fn property(&mut self, path: &[&str]) -> Option<Vec<u8>> {
         self.properties.get(&path.join(".")).cloned()

@@ -74,6 +74,11 @@ pub enum Global {
     RouterContextRejected,
     RouterOutcomeUnattributed,
     RouterBodyWaitTimeout,
+    RouterBodyUnreadable,
+    GuardBodyUnreadable,
+    RouterHeaderWriteFailed,
+    GuardHeaderWriteFailed,
+    RouterObservationDropped,
     LadderLevel,
     LadderLevelChangedUnixS,
     LadderCapacityRatioPct,
@@ -105,7 +110,7 @@ pub enum Global {
 }
 
 impl Global {
-    pub const ALL: [Global; 38] = [
+    pub const ALL: [Global; 43] = [
         Global::Arrivals,
         Global::GuardLevel,
         Global::GuardInvalidRequest,
@@ -116,6 +121,11 @@ impl Global {
         Global::RouterContextRejected,
         Global::RouterOutcomeUnattributed,
         Global::RouterBodyWaitTimeout,
+        Global::RouterBodyUnreadable,
+        Global::GuardBodyUnreadable,
+        Global::RouterHeaderWriteFailed,
+        Global::GuardHeaderWriteFailed,
+        Global::RouterObservationDropped,
         Global::LadderLevel,
         Global::LadderLevelChangedUnixS,
         Global::LadderCapacityRatioPct,
@@ -159,6 +169,11 @@ impl Global {
             Global::RouterContextRejected => ("router.context_rejected", Counter),
             Global::RouterOutcomeUnattributed => ("router.outcome_unattributed", Counter),
             Global::RouterBodyWaitTimeout => ("router.body_wait_timeout", Counter),
+            Global::RouterBodyUnreadable => ("router.body_unreadable", Counter),
+            Global::GuardBodyUnreadable => ("guard.body_unreadable", Counter),
+            Global::RouterHeaderWriteFailed => ("router.header_write_failed", Counter),
+            Global::GuardHeaderWriteFailed => ("guard.header_write_failed", Counter),
+            Global::RouterObservationDropped => ("router.observation_dropped", Counter),
             Global::LadderLevel => ("ladder.level", Gauge),
             Global::LadderLevelChangedUnixS => ("ladder.level_changed_unix_s", Gauge),
             Global::LadderCapacityRatioPct => ("ladder.capacity_ratio_pct", Gauge),
