@@ -551,10 +551,17 @@ impl HttpContext for ExchangeFilter {
         host.queue = Some(&root.queue);
         // Only a complete body is read (one copy); until then only its size
         // is checked against the limit.
-        let body = end_of_stream.then(|| calls::request_body(body_size).unwrap_or_default());
-        act(self
-            .stream
-            .on_request_body(&root.cfg, &mut host, body_size, body.as_deref()))
+        if !end_of_stream {
+            return act(self
+                .stream
+                .on_request_body(&root.cfg, &mut host, body_size, None));
+        }
+        act(match calls::request_body(body_size) {
+            Some(body) => self
+                .stream
+                .on_request_body(&root.cfg, &mut host, body_size, Some(&body)),
+            None => self.stream.on_body_unreadable(&mut host),
+        })
     }
 }
 

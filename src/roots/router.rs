@@ -778,10 +778,10 @@ fn write_header(host: &mut dyn StreamHost, name: &str, value: Option<&str>) {
 }
 
 /// Hand a message to the probe; one the host dropped is counted
-/// (`router.observation_dropped`).
+/// (`queue.dropped`).
 fn to_probe(host: &mut dyn StreamHost, message: &[u8]) {
     if !host.enqueue(OBSERVATIONS_QUEUE, message) {
-        host.count(Stat::Global(Global::RouterObservationDropped), 1);
+        host.count(Stat::Global(Global::QueueDropped), 1);
     }
 }
 
@@ -960,10 +960,7 @@ mod tests {
         engine_status(&mut host, Some(200));
         s.on_response_headers(&sh, &mut host);
         s.on_first_byte(&sh, &mut host);
-        assert_eq!(
-            host.value(Stat::Global(Global::RouterObservationDropped)),
-            1
-        );
+        assert_eq!(host.value(Stat::Global(Global::QueueDropped)), 1);
         // A body the host cannot read: routed as a request the router does
         // not read, not refused as an empty one.
         let mut s = RouterStream::new();

@@ -52,6 +52,18 @@ impl ExchangeStream {
         Flow::Pause
     }
 
+    /// The host could not read the complete body: refused (503, so the
+    /// peer counts a failed send), never merged as an empty message.
+    pub fn on_body_unreadable(
+        &mut self,
+        host: &mut dyn crate::shared::host_api::StreamHost,
+    ) -> Flow {
+        if !std::mem::replace(&mut self.mine, false) {
+            return Flow::Continue;
+        }
+        refuse(host, 503, Refusal::Unreadable)
+    }
+
     /// The body so far (`size` bytes), complete when `end_of_stream`.
     pub fn on_request_body(
         &mut self,
@@ -85,7 +97,10 @@ impl ExchangeStream {
                 let mut queued = Vec::with_capacity(body.len() + 1);
                 queued.push(PEER_TAG);
                 queued.extend_from_slice(body);
-                host.enqueue(crate::shared::names::OBSERVATIONS_QUEUE, &queued);
+                if !host.enqueue(crate::shared::names::OBSERVATIONS_QUEUE, &queued) {
+                    use crate::shared::names::{Global, Stat};
+                    host.count(Stat::Global(Global::QueueDropped), 1);
+                }
                 Flow::Reply(Reply {
                     status: 204,
                     headers: Vec::new(),
@@ -173,4 +188,52 @@ fn refuse(host: &mut dyn crate::shared::host_api::StreamHost, status: u32, why: 
         headers: vec![("content-type", "text/plain".to_string())],
         body: format!("llm-geo-router exchange: refused: {why}\n").into_bytes(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::exchange::message::tests::cfg;
+    use crate::shared::host_api::Recorder;
+    use crate::shared::names::{Global, Stat};
+
+    fn posted(cfg: &Config, host: &mut Recorder, s: &mut ExchangeStream) {
+        let path = cfg.exchange.path.clone();
+        host.request(&[(":method", "POST"), (":path", &path)]);
+        assert_eq!(s.on_request_headers(cfg, host, false), Flow::Pause);
+    }
+
+    #[test]
+    fn an_unreadable_body_is_refused_and_a_dropped_message_counted() {
+        let cfg = cfg();
+        let mut host = Recorder::default();
+        let mut s = ExchangeStream::new();
+        posted(&cfg, &mut host, &mut s);
+        let Flow::Reply(r) = s.on_body_unreadable(&mut host) else {
+            panic!("not refused")
+        };
+        assert_eq!(r.status, 503);
+        assert_eq!(host.value(Stat::Global(Global::ExchangeRefused)), 1);
+        // Not the exchange's request: untouched.
+        assert_eq!(
+            ExchangeStream::new().on_body_unreadable(&mut host),
+            Flow::Continue
+        );
+        // A good message the queue drops: merged, answered, counted.
+        let msg = Message {
+            sender: 7,
+            sent_ms: 1,
+            groups: Vec::new(),
+        }
+        .encode(layout(&cfg), cfg.regions.len());
+        host.refuse_enqueue = true;
+        let mut s = ExchangeStream::new();
+        posted(&cfg, &mut host, &mut s);
+        let flow = s.on_request_body(&cfg, &mut host, msg.len(), Some(&msg));
+        assert!(
+            matches!(flow, Flow::Reply(ref r) if r.status == 204),
+            "{flow:?}"
+        );
+        assert_eq!(host.value(Stat::Global(Global::QueueDropped)), 1);
+    }
 }

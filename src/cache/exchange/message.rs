@@ -102,6 +102,8 @@ pub enum Refusal {
     TooLarge,
     Malformed(&'static str),
     ForeignLayout,
+    /// This Envoy could not read the body it buffered (not the peer's fault).
+    Unreadable,
 }
 
 impl std::fmt::Display for Refusal {
@@ -113,6 +115,7 @@ impl std::fmt::Display for Refusal {
                 f,
                 "another layout (region list, prefix.hash_seed, prefix.block_bytes or protocol version differ)"
             ),
+            Refusal::Unreadable => write!(f, "this Envoy could not read the body"),
         }
     }
 }
