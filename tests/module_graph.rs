@@ -15,8 +15,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 /// A file's module path under `src/`: `decision::cost` for
-/// `src/decision/cost.rs`, `decision` for its `mod.rs`, `config` for
-/// `src/config.rs`.
+/// `src/decision/cost.rs`, `decision` for its `mod.rs`, `config::regions`
+/// for `src/config/regions.rs`.
 fn module_of(path: &Path, src: &Path) -> String {
     let rel = path.strip_prefix(src).unwrap_or(path);
     let mut parts: Vec<String> = rel

@@ -105,7 +105,7 @@ def test_with_one_peer_killed_the_others_keep_routing_and_say_so(fleet_factory):
 
 
 def message(layout: int, sender: int, placement_hashes: list[int], region: int = 1) -> bytes:
-    """An exchange message in the plugin's layout (src/exchange.rs): one
+    """An exchange message in the plugin's layout (src/cache/exchange/message.rs): one
     group from `sender` with one placement."""
     body = struct.pack("<HQIIB", region, int(time.time() * 1000), 200, 7, len(placement_hashes))
     body += b"".join(struct.pack("<Q", h) for h in placement_hashes)

@@ -66,7 +66,7 @@ impl Default for DirectoryConfig {
     }
 }
 
-/// The exchange between the Envoys of one deployment (`src/exchange.rs`).
+/// The exchange between the Envoys of one deployment (`src/cache/exchange/`).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ExchangeConfig {
