@@ -1,7 +1,14 @@
 //! The three roots Envoy loads from the one module: the `guard` and `router`
 //! HTTP filters (a stream each per request) and the `probe` singleton
-//! service that keeps the shared data current.
+//! service that keeps the shared data current, with what it reads from the
+//! engines (`probe_engines`), its `prometheus` load source
+//! (`probe_prometheus`), its side of the peer exchange (`probe_exchange`)
+//! and what it publishes (`probe_publish`).
 
 pub mod guard;
 pub mod probe;
+pub mod probe_engines;
+pub mod probe_exchange;
+pub mod probe_prometheus;
+pub mod probe_publish;
 pub mod router;
