@@ -159,10 +159,10 @@ pub struct Callout {
 }
 
 impl CalloutResponse for Callout {
+    fn header_count(&mut self) -> usize {
+        self.num_headers
+    }
     fn status(&mut self) -> Option<u32> {
-        if self.num_headers == 0 {
-            return None;
-        }
         calls::call_response_header(":status").and_then(|s| s.parse().ok())
     }
     fn header(&mut self, name: &str) -> Option<String> {

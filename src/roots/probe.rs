@@ -355,7 +355,12 @@ impl Probe {
             return;
         };
         let now = host.now_ms();
-        let status = response.status();
+        // An answer without headers is a failed callout (timeout, reset):
+        // no status, whatever a stale `:status` read would give.
+        let status = match response.header_count() {
+            0 => None,
+            _ => response.status(),
+        };
         let ok = status.is_some_and(|s| (200..300).contains(&s));
         match kind {
             Kind::Health => {
@@ -575,6 +580,43 @@ pub(crate) mod tests {
     pub(crate) fn published(host: &Recorder) -> Snapshot {
         let (bytes, _) = host.store.map.get(SNAPSHOT_KEY).unwrap().clone();
         Snapshot::decode(&bytes).unwrap()
+    }
+
+    /// An answer with a `:status` to read but no headers, as Envoy hands a
+    /// root a reset or timed-out callout.
+    struct Headerless;
+    impl CalloutResponse for Headerless {
+        fn header_count(&mut self) -> usize {
+            0
+        }
+        fn status(&mut self) -> Option<u32> {
+            Some(200)
+        }
+        fn header(&mut self, _: &str) -> Option<String> {
+            None
+        }
+        fn body(&mut self, _: usize) -> Option<Vec<u8>> {
+            None
+        }
+    }
+
+    #[test]
+    fn a_callout_answered_without_headers_failed() {
+        let c = cfg("");
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        tick(&mut p, &mut host, T0 + 50);
+        let health = host
+            .callouts
+            .iter()
+            .find(|(_, c, path)| c == "cn" && path == "/health")
+            .map(|(t, _, _)| *t)
+            .unwrap();
+        p.on_callout_response(&mut host, health, &mut Headerless);
+        assert_eq!(
+            host.value(Stat::Region(0, RegionStat::HealthProbeFailure)),
+            1
+        );
     }
 
     #[test]

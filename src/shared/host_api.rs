@@ -59,7 +59,10 @@ pub trait StreamHost: Effects {
 
 /// A callout's answer, read lazily (each read is a host call).
 pub trait CalloutResponse {
-    /// `None` when the callout failed (timeout, reset, no such cluster).
+    /// How many headers the answer carries: none when the callout failed
+    /// (timeout, reset, no such cluster: Envoy hands the root no headers).
+    fn header_count(&mut self) -> usize;
+    /// The `:status` header, if there is one that parses.
     fn status(&mut self) -> Option<u32>;
     fn header(&mut self, name: &str) -> Option<String>;
     /// At most `max` bytes of the body.
@@ -304,6 +307,10 @@ pub struct Answer {
 }
 
 impl CalloutResponse for Answer {
+    fn header_count(&mut self) -> usize {
+        // `status: None` stands for a failed callout: no headers at all.
+        self.status.map_or(0, |_| 1 + self.headers.len())
+    }
     fn status(&mut self) -> Option<u32> {
         self.status
     }
