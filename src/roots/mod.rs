@@ -1,5 +1,6 @@
 //! The three roots Envoy loads from the one module: the `guard` and `router`
-//! HTTP filters (a stream each per request) and the `probe` singleton
+//! HTTP filters (a stream each per request; the router's answer side is
+//! `router_answer`) and the `probe` singleton
 //! service that keeps the shared data current, with what it reads from the
 //! engines (`probe_engines`), its `prometheus` load source
 //! (`probe_prometheus`), its side of the peer exchange (`probe_exchange`)
@@ -12,3 +13,4 @@ pub mod probe_exchange;
 pub mod probe_prometheus;
 pub mod probe_publish;
 pub mod router;
+pub mod router_answer;

@@ -19,16 +19,12 @@ use crate::config::{Config, InvalidRequests, StreamUsage};
 use crate::decision::cost::Reason;
 use crate::decision::pipeline::{Refusal, RouteInputs, Routed, Router, UnreadInputs};
 use crate::fleet::view::View;
-use crate::learning::outcome::{flags, Ending, VIA_UPSTREAM};
 use crate::learning::tuning::Observation;
 use crate::learning::usage::Tail;
 use crate::request::openai::{self, BodyKind, Endpoint, RequestError};
 use crate::shared::flow::{Flow, Reply};
 use crate::shared::host_api::StreamHost;
-use crate::shared::names::{
-    Global, RegionStat, Stat, ATTEMPTS_PROPERTY, CODE_DETAILS_PROPERTY, DECISION_FILTER_STATE,
-    HOST_REGION_PROPERTY, OBSERVATIONS_QUEUE, POOL_FALLBACK, RESPONSE_FLAGS_PROPERTY,
-};
+use crate::shared::names::{Global, RegionStat, Stat, DECISION_FILTER_STATE, POOL_FALLBACK};
 
 /// The router filter's per-configuration state (one per root context).
 #[derive(Debug)]
@@ -71,46 +67,46 @@ impl RouterShared {
 
 /// A streamed request's predicted terms, until its first byte arrives.
 #[derive(Debug)]
-struct Pending {
-    routed_ms: u64,
-    observation: Observation,
+pub(super) struct Pending {
+    pub(super) routed_ms: u64,
+    pub(super) observation: Observation,
 }
 
 /// The router on one request.
 #[derive(Debug, Default)]
 pub struct RouterStream {
     /// An inference request waiting for its body.
-    endpoint: Option<Endpoint>,
+    pub(super) endpoint: Option<Endpoint>,
     /// The region routed to (counted in flight there until the end).
-    routed: Option<usize>,
+    pub(super) routed: Option<usize>,
     /// The region the request was sent to, read or not (its outcome is
     /// the region's, unless Envoy or a filter answered in its place).
-    sent: Option<usize>,
+    pub(super) sent: Option<usize>,
     /// `rq_total` was counted for `sent`: at the response headers when an
     /// upstream answered or failed, at the end otherwise.
-    counted: bool,
+    pub(super) counted: bool,
     /// The response is a local reply that never concerned the region (no
     /// route, a direct response, another filter's refusal): neither
     /// counted nor labelled as the region's.
-    local: bool,
+    pub(super) local: bool,
     /// The region whose engine answered (its host served the last try),
     /// once a successful answer has started; `None` before, or when a
     /// retry went to a host of no configured region.
-    served: Option<usize>,
+    pub(super) served: Option<usize>,
     /// The answer's first bytes have been seen (what they teach is learnt).
-    started: bool,
+    pub(super) started: bool,
     /// The guard sent this request to the fallback pool.
-    fallback: bool,
+    pub(super) fallback: bool,
     /// The status of the response headers the client got, if any.
-    status: Option<u32>,
-    decision_header: Option<String>,
-    pending: Option<Pending>,
+    pub(super) status: Option<u32>,
+    pub(super) decision_header: Option<String>,
+    pub(super) pending: Option<Pending>,
     /// The decision made for this request, with every cost term.
-    decided: Option<Routed>,
+    pub(super) decided: Option<Routed>,
     /// The end of the answer, kept to read the engine's `usage` from.
-    tail: Option<Tail>,
+    pub(super) tail: Option<Tail>,
     /// The start of a stored Responses API answer, until its `id` is read.
-    head: Option<Head>,
+    pub(super) head: Option<Head>,
 }
 
 impl RouterStream {
@@ -422,350 +418,6 @@ impl RouterStream {
         }
         reject("invalid_request", &e.message, e.param)
     }
-
-    /// The response headers arrived (an engine's, or a local reply's).
-    pub fn on_response_headers(
-        &mut self,
-        shared: &RouterShared,
-        host: &mut dyn StreamHost,
-    ) -> Flow {
-        let Some(region) = self.sent else {
-            return Flow::Continue;
-        };
-        // Envoy answers in the region's place when no route matches, for a
-        // direct response, or for a filter after this one: that answer is
-        // not the region's. One property read; a second only for a reply
-        // that did not come from upstream (an upstream failure's is the
-        // region's).
-        let via_upstream = host
-            .property(&CODE_DETAILS_PROPERTY)
-            .is_some_and(|d| d == VIA_UPSTREAM.as_bytes());
-        self.local = !via_upstream
-            && host
-                .property(&RESPONSE_FLAGS_PROPERTY)
-                .and_then(u64_le)
-                .unwrap_or(0)
-                & flags::UPSTREAM_FAILURE
-                == 0;
-        if self.local {
-            self.pending = None;
-            self.tail = None;
-            self.head = None;
-            return Flow::Continue;
-        }
-        self.count_sent(host, region);
-        if let (Some(name), Some(value)) = (&shared.cfg.headers.decision, &self.decision_header) {
-            host.add_response_header(name, value);
-        }
-        self.status = host.response_status();
-        // Only a successful stream's first byte is a time to first
-        // token, and only a successful answer reports usage.
-        if !self.status.is_some_and(|s| (200..300).contains(&s)) {
-            self.pending = None;
-            self.tail = None;
-            self.head = None;
-        }
-        Flow::Continue
-    }
-
-    /// Count the request in the region's `rq_total`, once.
-    fn count_sent(&mut self, host: &mut dyn StreamHost, region: usize) {
-        if !std::mem::replace(&mut self.counted, true) {
-            host.count(Stat::Region(region, RegionStat::RqTotal), 1);
-        }
-    }
-
-    /// Whether the next response byte is news: the first of a stream whose
-    /// TTFT is measured, or of a successful answer whose serving region is
-    /// to learn the prompt. Every other chunk costs nothing.
-    pub fn awaiting_first_byte(&self) -> bool {
-        self.pending.is_some() || self.learns()
-    }
-
-    /// Whether response body chunks are wanted at all: the first byte of a
-    /// measured stream, or the end of an answer whose `usage` is read.
-    /// Otherwise a chunk costs nothing.
-    pub fn wants_response_body(&self) -> bool {
-        self.pending.is_some() || self.tail.is_some() || self.head.is_some() || self.learns()
-    }
-
-    /// A successful answer to a routed request has not started yet: its
-    /// first bytes will teach the directory.
-    fn learns(&self) -> bool {
-        !self.started
-            && self.status.is_some_and(|s| (200..300).contains(&s))
-            && self.decided.as_ref().is_some_and(|d| d.learning.is_some())
-    }
-
-    /// A response body chunk of `size` bytes passes (`end_of_stream`: the
-    /// last). Only the chunk's last bytes that can hold `usage` are read;
-    /// nothing is parsed before the end.
-    pub fn on_response_body(
-        &mut self,
-        shared: &RouterShared,
-        host: &mut dyn StreamHost,
-        size: usize,
-        end_of_stream: bool,
-    ) {
-        if size > 0 && !self.started {
-            self.on_first_byte(shared, host);
-        }
-        if size > 0 && self.head.is_some() {
-            self.read_head(shared, host, size);
-        }
-        let Some(tail) = &mut self.tail else {
-            return;
-        };
-        if size > 0 {
-            let n = Tail::wanted(size);
-            if let Some(end) = host.response_body(size - n, n) {
-                tail.push(size, &end);
-            }
-        }
-        if end_of_stream {
-            self.report_usage(shared, host, true);
-        }
-    }
-
-    /// A stored response's first bytes: once its `id` is read, record the
-    /// region that holds it (one shared-data write per response).
-    fn read_head(&mut self, shared: &RouterShared, host: &mut dyn StreamHost, size: usize) {
-        let (Some(head), Some(region)) = (&mut self.head, self.served) else {
-            return;
-        };
-        let n = head.wanted(size);
-        let id = match host.response_body(0, n) {
-            Some(bytes) => head.push(&bytes),
-            None => None,
-        };
-        if let Some(id) = id {
-            if let Some(r) = shared.cfg.regions.get(region) {
-                let now = host.now_ms();
-                shared.router.responses.record(host, &id, &r.name, now);
-                if shared.cfg.exchange.enabled() {
-                    if let Ok(region) = u16::try_from(region) {
-                        let note = crate::cache::exchange::encode_note(
-                            &crate::cache::exchange::Body::Response {
-                                region,
-                                at_ms: now,
-                                hash: shared.router.responses.id_hash(&id),
-                            },
-                        );
-                        to_probe(host, &note);
-                    }
-                }
-                host.count(Stat::Global(Global::RouterResponsesRecorded), 1);
-            }
-            self.head = None;
-        } else if head.exhausted() {
-            self.head = None;
-        }
-    }
-
-    /// The answer ended: the engine's `usage`, if it gave one, goes to the
-    /// probe with what the router believed; `missing` counts an answer
-    /// that ended without one.
-    fn report_usage(
-        &mut self,
-        shared: &RouterShared,
-        host: &mut dyn StreamHost,
-        count_missing: bool,
-    ) {
-        let Some(tail) = self.tail.take() else {
-            return;
-        };
-        let usage = tail.usage();
-        if let (Some(served), Some(learning)) = (
-            self.served,
-            self.decided.as_mut().and_then(|d| d.learning.as_mut()),
-        ) {
-            shared.router.note_intake(host, learning, served, usage);
-        }
-        let report = usage.and_then(|u| self.decided.as_ref()?.usage_report(u, self.served?));
-        match report {
-            Some(r) => to_probe(host, &r.encode()),
-            None if count_missing => host.count(Stat::Global(Global::RouterUsageMissing), 1),
-            None => {}
-        }
-    }
-
-    /// The first bytes of the answer arrived. A successful answer's engine
-    /// holds the prompt now: the region whose host served the last try is
-    /// recorded as holding it (the prefix directory, the session record).
-    /// A stream's observed TTFT goes to the probe when that region is the
-    /// one routed to and Envoy did not retry (a retry's first byte follows
-    /// a failed try: neither region's TTFT).
-    pub fn on_first_byte(&mut self, shared: &RouterShared, host: &mut dyn StreamHost) {
-        if std::mem::replace(&mut self.started, true) {
-            return;
-        }
-        let (Some(routed), true) = (
-            self.routed,
-            self.status.is_some_and(|s| (200..300).contains(&s)),
-        ) else {
-            return;
-        };
-        let attempts = host
-            .property(&ATTEMPTS_PROPERTY)
-            .and_then(u64_le)
-            .unwrap_or(1);
-        self.served = served_region(&shared.cfg, host, routed, attempts);
-        let now = host.now_ms();
-        if let (Some(served), Some(learning)) = (
-            self.served,
-            self.decided.as_mut().and_then(|d| d.learning.as_mut()),
-        ) {
-            if shared.router.learn(host, learning, served, now) > 0 {
-                share_placement(shared, host, learning, served);
-            }
-            if self.tail.is_none() {
-                // No usage to wait for: the prefill as believed.
-                shared.router.note_intake(host, learning, served, None);
-            }
-        }
-        let Some(mut p) = self.pending.take() else {
-            return;
-        };
-        p.observation.observed_ms = now.saturating_sub(p.routed_ms) as f32;
-        if attempts <= 1 && self.served == Some(routed) {
-            to_probe(host, &p.observation.encode());
-        }
-    }
-
-    /// The stream ended: outcome accounting and the TTFT report.
-    pub fn on_log(&mut self, shared: &RouterShared, host: &mut dyn StreamHost) {
-        // An answer that ended with trailers never saw `end_of_stream` in
-        // its body; a cancelled one has no usage (not counted missing).
-        if self.status.is_some_and(|s| (200..300).contains(&s)) {
-            self.report_usage(shared, host, false);
-        }
-        // The engine frees the prompt's blocks now, not at the first byte:
-        // its LRU recency starts here.
-        if let (Some(served), Some(learning)) = (
-            self.served,
-            self.decided.as_mut().and_then(|d| d.learning.as_mut()),
-        ) {
-            let now = host.now_ms();
-            if shared.router.finish(host, learning, served, now) > 0 {
-                share_placement(shared, host, learning, served);
-            }
-        }
-        if let Some(region) = self.routed.take() {
-            host.count(Stat::Region(region, RegionStat::RqActive), -1);
-        }
-        let Some(region) = self.sent.take() else {
-            return;
-        };
-        if self.local {
-            return;
-        }
-        // Ended before any response headers (the client left first): it
-        // was on its way to the region.
-        self.count_sent(host, region);
-        // The fallback pool is other engines: its outcomes say nothing about
-        // the region's own (Envoy's cluster stats show them).
-        if self.fallback {
-            return;
-        }
-        let outcome = ending(&shared.cfg, host, self.status).outcome(region);
-        if outcome.unattributed() {
-            host.count(Stat::Global(Global::RouterOutcomeUnattributed), 1);
-        }
-        for (i, t) in outcome.charges().into_iter().flatten() {
-            for (stat, n) in [
-                (RegionStat::UpstreamFailure, t.failures),
-                (RegionStat::UpstreamRqAnswered, t.answered),
-                (RegionStat::ClientCancelled, t.cancelled),
-            ] {
-                if n > 0 {
-                    host.count(Stat::Region(i, stat), i64::try_from(n).unwrap_or(i64::MAX));
-                }
-            }
-        }
-    }
-}
-
-/// How a routed request ended, from Envoy's stream info: two property
-/// reads, a third only after a retry (which region's host served it), a
-/// fourth only for a 5xx without an upstream flag (whose 5xx it was).
-fn ending(cfg: &Config, host: &mut dyn StreamHost, status: Option<u32>) -> Ending {
-    let mut e = Ending {
-        flags: host
-            .property(&RESPONSE_FLAGS_PROPERTY)
-            .and_then(u64_le)
-            .unwrap_or(0),
-        status,
-        via_upstream: None,
-        attempts: host
-            .property(&ATTEMPTS_PROPERTY)
-            .and_then(u64_le)
-            .map_or(1, |n| u32::try_from(n).unwrap_or(u32::MAX)),
-        host_region: None,
-    };
-    // Without a retry the try went to the routed region's own endpoints.
-    if e.attempts > 1 {
-        e.host_region = host
-            .property(&HOST_REGION_PROPERTY)
-            .and_then(|name| cfg.regions.iter().position(|r| r.name.as_bytes() == name));
-    }
-    if e.needs_details() {
-        e.via_upstream = host
-            .property(&CODE_DETAILS_PROPERTY)
-            .map(|d| d == VIA_UPSTREAM.as_bytes());
-    }
-    e
-}
-
-/// The region whose host served the last try of a request routed to
-/// `routed`: the one its endpoint metadata names (`llm_geo_router.region`);
-/// without metadata, `routed` when there was no retry (the region's own
-/// endpoints come first in its cluster), else unknown.
-fn served_region(
-    cfg: &Config,
-    host: &mut dyn StreamHost,
-    routed: usize,
-    attempts: u64,
-) -> Option<usize> {
-    let named = host
-        .property(&HOST_REGION_PROPERTY)
-        .and_then(|name| cfg.regions.iter().position(|r| r.name.as_bytes() == name));
-    named.or((attempts <= 1).then_some(routed))
-}
-
-/// With the exchange on, what the directory write just made goes to the
-/// probe, for the deployment's other Envoys.
-fn share_placement(
-    shared: &RouterShared,
-    host: &mut dyn StreamHost,
-    learning: &mut crate::decision::pipeline::Learning,
-    served: usize,
-) {
-    if !shared.cfg.exchange.enabled() {
-        return;
-    }
-    if let Some((hash, at_ms, (blocks, last))) = shared.router.session_written(learning) {
-        if let Ok(region) = u16::try_from(served) {
-            let note =
-                crate::cache::exchange::encode_note(&crate::cache::exchange::Body::Session {
-                    region,
-                    at_ms,
-                    hash,
-                    blocks,
-                    last,
-                });
-            to_probe(host, &note);
-        }
-    }
-    if let Some(w) = shared.router.written(learning, served) {
-        let note = crate::cache::exchange::encode_note(&crate::cache::exchange::Body::Placement {
-            region: w.region,
-            stamp: w.stamp,
-            blocks: w.end.0,
-            tag: w.end.1 as u32,
-            hashes: w.hashes,
-        });
-        to_probe(host, &note);
-    }
 }
 
 /// Write (or remove) a request header the route depends on; a write the
@@ -775,19 +427,6 @@ fn write_header(host: &mut dyn StreamHost, name: &str, value: Option<&str>) {
     if !host.set_request_header(name, value) {
         host.count(Stat::Global(Global::RouterHeaderWriteFailed), 1);
     }
-}
-
-/// Hand a message to the probe; one the host dropped is counted
-/// (`queue.dropped`).
-fn to_probe(host: &mut dyn StreamHost, message: &[u8]) {
-    if !host.enqueue(OBSERVATIONS_QUEUE, message) {
-        host.count(Stat::Global(Global::QueueDropped), 1);
-    }
-}
-
-/// An integer property (Envoy serialises them as 8 little-endian bytes).
-fn u64_le(b: Vec<u8>) -> Option<u64> {
-    Some(u64::from_le_bytes(b.get(..8)?.try_into().ok()?))
 }
 
 /// The region holding a stored response cannot take its follow-up: 503,
@@ -832,7 +471,12 @@ fn reject(code: &str, message: &str, param: Option<&str>) -> Flow {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::learning::outcome::{flags, VIA_UPSTREAM};
     use crate::shared::host_api::Recorder;
+    use crate::shared::names::{
+        ATTEMPTS_PROPERTY, CODE_DETAILS_PROPERTY, HOST_REGION_PROPERTY, OBSERVATIONS_QUEUE,
+        RESPONSE_FLAGS_PROPERTY,
+    };
 
     use crate::fleet::snapshot::Snapshot;
 
