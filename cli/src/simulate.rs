@@ -8,10 +8,10 @@
 
 use crate::{read, CliError};
 use llm_geo_router_sim::deploy::{self, Deployment};
-use llm_geo_router_sim::fleet::{Fleet, MAX_REPLICAS};
 use llm_geo_router_sim::geo::Source;
 use llm_geo_router_sim::policy::PolicyName;
 use llm_geo_router_sim::sim::Options;
+use llm_geo_router_sim::topology::{Topology, MAX_REPLICAS};
 use llm_geo_router_sim::workload::Workload;
 use llm_geo_router_sim::{plot, report, simulate_all, trace};
 use std::path::Path;
@@ -266,7 +266,7 @@ fn policy_list(given: &[Policies]) -> Vec<PolicyName> {
 /// global router in one of its regions), or the default three.
 fn deployments(
     given: &[Deployment],
-    fleet: &Fleet,
+    fleet: &Topology,
     work: &Workload,
 ) -> Result<Vec<Deployment>, CliError> {
     if given.is_empty() {
@@ -295,7 +295,7 @@ pub fn run(a: Args) -> Result<String, CliError> {
     let policies = policy_list(&a.policy);
     let fleet_path = a.fleet.as_str();
     let trace_path = a.trace.as_str();
-    let fleet = Fleet::parse(&read("fleet", fleet_path)?)
+    let fleet = Topology::parse(&read("fleet", fleet_path)?)
         .map_err(|e| CliError::Input(format!("--fleet {fleet_path}: {e}")))?;
     let fleet = match a.replicas {
         Some(n) if n > MAX_REPLICAS => {

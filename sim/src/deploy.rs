@@ -8,7 +8,7 @@
 //! - `global:<region>`: one instance in the named engine region. Every
 //!   request goes client → router → engine, so TTFT adds the client's round
 //!   trip to the router's region and the router region's round trip to the
-//!   engine's (`Fleet::region_rtt`). It knows what it routed: in-flight
+//!   engine's (`Topology::region_rtt`). It knows what it routed: in-flight
 //!   counts and prefixes of all traffic (it sees all of it).
 //! - `per-client-region`: one instance per client region, as the geo-router
 //!   is, each with only its own traffic: its own prefix tree, its own
@@ -18,8 +18,8 @@
 //! scrape: GORGO's queued tokens every `probe.tick_ms`, the plugin's probe
 //! tick; llm-d's waiting queues and KV usage every 50 ms, its own default.
 
-use crate::fleet::Fleet;
 use crate::policy::PolicyName;
+use crate::topology::Topology;
 use crate::workload::Workload;
 use std::fmt;
 
@@ -55,7 +55,7 @@ impl Deployment {
 
     /// The router's region, for `global`; an unknown region is an error
     /// that lists the fleet's regions.
-    pub fn router_region(&self, fleet: &Fleet) -> Result<Option<usize>, String> {
+    pub fn router_region(&self, fleet: &Topology) -> Result<Option<usize>, String> {
         match self {
             Deployment::Global(name) => fleet.region_index(name).map(Some).ok_or_else(|| {
                 let names: Vec<&str> = fleet.regions.iter().map(|r| r.name.as_str()).collect();
@@ -72,7 +72,7 @@ impl Deployment {
     /// region where one router would be closest to the trace's clients (the
     /// lowest round trip summed over every request from its client region;
     /// the first region on ties).
-    pub fn defaults(fleet: &Fleet, work: &Workload) -> Vec<Deployment> {
+    pub fn defaults(fleet: &Topology, work: &Workload) -> Vec<Deployment> {
         let mut per_client = vec![0u64; fleet.client_regions.len()];
         for p in &work.prepared {
             if let Some(n) = per_client.get_mut(p.client) {
@@ -111,7 +111,7 @@ impl fmt::Display for Deployment {
 }
 
 /// Refuses a deployment given twice or a `global` region the fleet lacks.
-pub fn check(deployments: &[Deployment], fleet: &Fleet) -> Result<(), String> {
+pub fn check(deployments: &[Deployment], fleet: &Topology) -> Result<(), String> {
     for (i, d) in deployments.iter().enumerate() {
         if deployments.iter().take(i).any(|o| o == d) {
             return Err(format!("'{d}' is given more than once"));

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use crate::fleet::Fleet;
+use crate::topology::Topology;
 use engine_emulator::openai;
 use llm_geo_router::config::Config;
 use llm_geo_router::decision::cost::Reason;
@@ -116,7 +116,7 @@ impl Source {
     }
 
     /// The `max_concurrency` the operator configures for `region`.
-    pub fn max_concurrency(self, region: &crate::fleet::Region) -> u32 {
+    pub fn max_concurrency(self, region: &crate::topology::Region) -> u32 {
         match self {
             Source::Scrape(Slots::Region) => region.slots(),
             Source::Scrape(Slots::Replica) | Source::Prometheus { .. } => region.max_concurrency,
@@ -130,7 +130,7 @@ impl Source {
 /// partial plugin configuration, everything but `regions`) merged on top.
 /// `capacity_rps` is always the region's (all its replicas).
 pub fn plugin_config(
-    fleet: &Fleet,
+    fleet: &Topology,
     client: usize,
     knowledge: Knowledge,
     mean_output_tokens: f64,
@@ -531,8 +531,8 @@ mod tests {
     use super::*;
     use llm_geo_router::config::LoadSource;
 
-    fn fleet() -> Fleet {
-        Fleet::parse(
+    fn fleet() -> Topology {
+        Topology::parse(
             br#"{"client_regions": ["na", "eu"], "regions": [
               {"name": "iad", "rtt_ms": {"na": 10, "eu": 80}, "max_concurrency": 20,
                "prefill_ms_per_token": 0.1, "decode_ms_per_token": 20, "cache_tokens": 100000},

@@ -3,7 +3,7 @@
 //! emulator's own model (`engine_emulator::model`) and the plugin's own core
 //! (`llm_geo_router`), so simulated and live numbers can be compared.
 //!
-//! `trace` and `fleet` are the input formats; `scenario` generates them;
+//! `trace` and `topology` (the `--fleet` file) are the input formats; `scenario` generates them;
 //! `workload` prepares a trace once for every policy; `sim` runs one policy
 //! (`geo` for the geo-router, `policy` for the baselines, with `llmd` the
 //! llm-d router and `mesh` the mesh default, `deploy` how a baseline is
@@ -12,7 +12,6 @@
 
 pub mod deploy;
 pub mod events;
-pub mod fleet;
 pub mod geo;
 pub mod llmd;
 pub mod mesh;
@@ -22,14 +21,15 @@ pub mod report;
 pub mod rng;
 pub mod scenario;
 pub mod sim;
+pub mod topology;
 pub mod trace;
 pub mod trie;
 pub mod workload;
 
 use deploy::Job;
-use fleet::Fleet;
 use serde_json::Value;
 use sim::{Options, Run};
+use topology::Topology;
 use workload::Workload;
 
 /// Runs each job (a policy and its deployment, `deploy::jobs`) on its own
@@ -38,7 +38,7 @@ use workload::Workload;
 /// `options.proxies` Envoys per client region reading the regions' load
 /// from `options.source` (`sim::run_options`).
 pub fn simulate_all(
-    fleet: &Fleet,
+    fleet: &Topology,
     work: &Workload,
     jobs: &[Job],
     overrides: Option<&Value>,

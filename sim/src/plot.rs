@@ -5,9 +5,9 @@
 //! title and a legend.
 
 use crate::deploy::Deployment;
-use crate::fleet::Fleet;
 use crate::policy::PolicyName;
 use crate::sim::Run;
+use crate::topology::Topology;
 use std::fmt::Write;
 
 const W: f64 = 820.0;
@@ -428,7 +428,7 @@ pub fn ttft_cdf(title: &str, runs: &[Run]) -> String {
     c.finish()
 }
 
-fn span_s(runs: &[&Run], fleet: &Fleet) -> f64 {
+fn span_s(runs: &[&Run], fleet: &Topology) -> f64 {
     let end = runs
         .iter()
         .map(|r| r.end_ms)
@@ -459,7 +459,7 @@ fn stack(panels: &[String]) -> String {
 
 /// Requests started per region per second over time, one panel (SVG) per
 /// run, on the same scales so they can be compared side by side.
-pub fn region_load(title: &str, fleet: &Fleet, runs: &[&Run]) -> String {
+pub fn region_load(title: &str, fleet: &Topology, runs: &[&Run]) -> String {
     let span = span_s(runs, fleet);
     let bucket_s = (span / 90.0).ceil().max(1.0);
     let buckets = (span / bucket_s).ceil().max(1.0) as usize;
@@ -524,7 +524,7 @@ pub fn region_load(title: &str, fleet: &Fleet, runs: &[&Run]) -> String {
 /// Requests at each region's engine (running + waiting) over its slots,
 /// sampled every `sim::SAMPLE_MS` over the middle half of the trace, one
 /// panel per run on the same scales; above 1, requests wait for a slot.
-pub fn region_occupancy(title: &str, fleet: &Fleet, runs: &[&Run]) -> String {
+pub fn region_occupancy(title: &str, fleet: &Topology, runs: &[&Run]) -> String {
     let series: Vec<Vec<Vec<(f64, f64)>>> = runs
         .iter()
         .map(|run| {
@@ -588,7 +588,7 @@ pub fn region_occupancy(title: &str, fleet: &Fleet, runs: &[&Run]) -> String {
 
 /// The geo-router's ladder level over time, one line per client region's
 /// Envoy.
-pub fn ladder(title: &str, fleet: &Fleet, run: &Run) -> String {
+pub fn ladder(title: &str, fleet: &Topology, run: &Run) -> String {
     let span = span_s(&[run], fleet);
     let x = Axis::linear(0.0, span, 8, "");
     let y = Axis {
@@ -637,7 +637,7 @@ pub fn ladder(title: &str, fleet: &Fleet, run: &Run) -> String {
 /// deployment of the baselines, the baseline with the lowest p95 TTFT (or,
 /// without a geo-router and with one deployment, the two best); the
 /// geo-router's ladder level.
-pub fn all(label: &str, fleet: &Fleet, runs: &[Run]) -> Vec<(&'static str, String)> {
+pub fn all(label: &str, fleet: &Topology, runs: &[Run]) -> Vec<(&'static str, String)> {
     let mut out = vec![(
         "ttft_cdf.svg",
         ttft_cdf(&format!("TTFT CDF: {label}"), runs),

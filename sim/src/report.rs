@@ -6,8 +6,8 @@
 //! counts every request whose first token reached its client; e2e every
 //! request completed.
 
-use crate::fleet::Fleet;
 use crate::sim::{Run, Status};
+use crate::topology::Topology;
 use crate::workload::Workload;
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -61,7 +61,7 @@ pub fn queued_share(run: &Run) -> Option<f64> {
 
 /// Per region (by name): its occupancy from `run.occupancy`, `None` without
 /// a sample (a span too short) or without slots.
-pub fn occupancy(fleet: &Fleet, run: &Run) -> BTreeMap<String, Option<Occupancy>> {
+pub fn occupancy(fleet: &Topology, run: &Run) -> BTreeMap<String, Option<Occupancy>> {
     fleet
         .regions
         .iter()
@@ -141,7 +141,7 @@ pub struct Summary {
     pub load_source: Option<String>,
 }
 
-pub fn summarize(fleet: &Fleet, work: &Workload, run: &Run) -> Summary {
+pub fn summarize(fleet: &Topology, work: &Workload, run: &Run) -> Summary {
     let mut last: HashMap<&str, usize> = HashMap::new();
     let mut session_moves = 0;
     for (req, rec) in work.requests.iter().zip(&run.records) {
@@ -214,7 +214,7 @@ pub fn summarize(fleet: &Fleet, work: &Workload, run: &Run) -> Summary {
 }
 
 /// Every request's outcome as one JSON object (`simulate --requests`).
-pub fn request_lines(fleet: &Fleet, work: &Workload, run: &Run) -> Vec<Value> {
+pub fn request_lines(fleet: &Topology, work: &Workload, run: &Run) -> Vec<Value> {
     work.requests
         .iter()
         .zip(&run.records)
@@ -412,8 +412,8 @@ mod tests {
     use crate::trace::TraceRequest;
 
     /// Two slots in near (10 ms from na), two in far.
-    fn fleet() -> Fleet {
-        Fleet::parse(
+    fn fleet() -> Topology {
+        Topology::parse(
             br#"{"client_regions": ["na"], "regions": [
               {"name": "near", "rtt_ms": {"na": 10}, "max_concurrency": 2,
                "prefill_ms_per_token": 0.5, "decode_ms_per_token": 10, "cache_tokens": 100000},
@@ -438,7 +438,7 @@ mod tests {
     /// B and C (10 s): C waits for A's slot until about 2.5 s. At 8 s: D,
     /// which waits for B's slot until about 10 s. The span is 8 s, the
     /// middle half 2-6 s: samples at 2, 3, 4 and 5 s.
-    fn hot_run() -> (Fleet, Workload, Run) {
+    fn hot_run() -> (Topology, Workload, Run) {
         let f = fleet();
         let trace = vec![
             req(0.0, "a", 250),

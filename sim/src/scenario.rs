@@ -27,8 +27,8 @@
 //! Requests are open-loop: a session's next turn is sent after the previous
 //! one's expected duration plus a think time, whatever the policy does.
 
-use crate::fleet::{Fleet, Outage, Region};
 use crate::rng::Rng;
+use crate::topology::{Outage, Region, Topology};
 use crate::trace::{mix, TraceRequest};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -82,7 +82,7 @@ impl Kind {
 }
 
 pub struct Scenario {
-    pub fleet: Fleet,
+    pub fleet: Topology,
     pub trace: Vec<TraceRequest>,
 }
 
@@ -202,7 +202,7 @@ impl Conversation<'_> {
 
 fn agentic(rng: &mut Rng) -> Scenario {
     let decode = 22.0;
-    let fleet = Fleet {
+    let fleet = Topology {
         client_regions: clients(),
         regions: regions([24, 24, 24], decode),
         outages: Vec::new(),
@@ -254,7 +254,7 @@ fn agentic(rng: &mut Rng) -> Scenario {
 /// user message each.
 fn short(rng: &mut Rng) -> Scenario {
     let decode = 18.0;
-    let fleet = Fleet {
+    let fleet = Topology {
         client_regions: clients(),
         regions: regions([32, 16, 16], decode),
         outages: Vec::new(),
@@ -303,7 +303,7 @@ fn short_request(rng: &mut Rng, t: f64, id: &str, systems: &[u32], mix: [f64; 3]
 /// questions behind one hot 3000-token system prompt.
 fn flash_crowd(rng: &mut Rng) -> Scenario {
     let decode = 18.0;
-    let fleet = Fleet {
+    let fleet = Topology {
         client_regions: clients(),
         regions: regions([32, 16, 16], decode),
         outages: Vec::new(),
@@ -350,7 +350,7 @@ fn flash_crowd(rng: &mut Rng) -> Scenario {
 /// population, is lost from 80 s to 170 s.
 fn region_loss(rng: &mut Rng) -> Scenario {
     let decode = 20.0;
-    let fleet = Fleet {
+    let fleet = Topology {
         client_regions: clients(),
         regions: regions([24, 24, 16], decode),
         outages: vec![Outage {
@@ -437,7 +437,7 @@ const INTER_REGION_RTT_MS: [(&str, &str, f64); 3] = [
 /// The fleet of e, f and g: iad (us-east-1, N. Virginia), fra
 /// (eu-central-1, Frankfurt), nrt (ap-northeast-1, Tokyo), with the round
 /// trips of [`CONTINENT_RTT_MS`].
-fn continents(engines: [Engines; 3], decode_ms: f64) -> Fleet {
+fn continents(engines: [Engines; 3], decode_ms: f64) -> Topology {
     let regions = ["iad", "fra", "nrt"]
         .into_iter()
         .zip(engines)
@@ -460,7 +460,7 @@ fn continents(engines: [Engines; 3], decode_ms: f64) -> Fleet {
             replicas: 1,
         })
         .collect();
-    Fleet {
+    Topology {
         client_regions: clients(),
         regions,
         outages: Vec::new(),
@@ -761,7 +761,7 @@ pub struct Figures {
     pub per_client: BTreeMap<String, usize>,
 }
 
-pub fn figures(fleet: &Fleet, trace: &[TraceRequest]) -> Figures {
+pub fn figures(fleet: &Topology, trace: &[TraceRequest]) -> Figures {
     // Prefix key → (its last segment's tokens, requests that sent it).
     let mut sent: HashMap<u64, (u64, u32)> = HashMap::new();
     let mut total = 0u64;
@@ -826,7 +826,7 @@ pub struct Load {
 
 /// The load offered by the requests with `window.0 <= t_ms <= window.1`
 /// (earlier requests count only for what they leave reusable).
-pub fn offered_load(fleet: &Fleet, trace: &[TraceRequest], window: (f64, f64)) -> Load {
+pub fn offered_load(fleet: &Topology, trace: &[TraceRequest], window: (f64, f64)) -> Load {
     let (from, to) = window;
     let mut seen: HashSet<u64> = HashSet::new();
     let (mut decode_tokens, mut total, mut reused) = (0u64, 0u64, 0u64);

@@ -14,17 +14,17 @@
 //! A baseline runs as its `Deployment` says (`deploy`). A router in another
 //! region than its client (`global:<region>`) puts itself on the path both
 //! ways: `rtt` above is then the client's round trip to the router's region
-//! plus that region's round trip to the engine's (`Fleet::region_rtt`), the
+//! plus that region's round trip to the engine's (`Topology::region_rtt`), the
 //! router decides when the request reaches it, and it counts a request out
 //! when the end of the answer passes it.
 
 use crate::deploy::{self, Deployment};
 use crate::events::EventQueue;
-use crate::fleet::Fleet;
 use crate::geo::{self, Callout, Envoy, Handled, Source, To};
 use crate::llmd;
 use crate::policy::{Ask, Baseline, PolicyName, View};
 use crate::rng::Rng;
+use crate::topology::Topology;
 use crate::trace::{self, mix};
 use crate::workload::Workload;
 use engine_emulator::config::Mode as EngineMode;
@@ -412,7 +412,7 @@ pub(crate) fn least_request(rng: &mut Rng, active: &[usize]) -> usize {
 }
 
 struct Sim<'a> {
-    fleet: &'a Fleet,
+    fleet: &'a Topology,
     work: &'a Workload,
     policy: PolicyName,
     /// As run (the geo-router: always per client region, or the oracle).
@@ -494,7 +494,7 @@ pub fn mean_output_tokens(work: &Workload) -> f64 {
 /// geo-router; its `probe.tick_ms` is also the scrape period of a deployed
 /// (not oracle) GORGO.
 pub fn run(
-    fleet: &Fleet,
+    fleet: &Topology,
     work: &Workload,
     policy: PolicyName,
     deployment: &Deployment,
@@ -510,7 +510,7 @@ pub fn run(
 /// (counting from 0) goes to its Envoy `n mod proxies`. Baselines ignore
 /// `proxies`.
 pub fn run_with(
-    fleet: &Fleet,
+    fleet: &Topology,
     work: &Workload,
     policy: PolicyName,
     deployment: &Deployment,
@@ -533,7 +533,7 @@ pub fn run_with(
 /// from what it last scraped, one round trip from the client region's
 /// nearest engine region away (where it, or the query front end, runs).
 pub fn run_options(
-    fleet: &Fleet,
+    fleet: &Topology,
     work: &Workload,
     policy: PolicyName,
     deployment: &Deployment,
@@ -550,7 +550,7 @@ pub fn run_options(
 impl<'a> Sim<'a> {
     /// A run set up, its first events queued.
     fn new(
-        fleet: &'a Fleet,
+        fleet: &'a Topology,
         work: &'a Workload,
         policy: PolicyName,
         deployment: &Deployment,
@@ -1616,12 +1616,12 @@ mod tests {
     use crate::geo::Slots;
     use crate::trace::TraceRequest;
 
-    fn fleet(extra: &str) -> Fleet {
+    fn fleet(extra: &str) -> Topology {
         fleet_with(2, extra)
     }
 
-    fn fleet_with(slots: u32, extra: &str) -> Fleet {
-        Fleet::parse(
+    fn fleet_with(slots: u32, extra: &str) -> Topology {
+        Topology::parse(
             format!(
                 r#"{{"client_regions": ["na", "eu"], "regions": [
               {{"name": "near", "rtt_ms": {{"na": 10, "eu": 120}}, "max_concurrency": {slots},
@@ -1835,7 +1835,7 @@ mod tests {
     #[test]
     fn a_global_router_adds_the_round_trip_to_its_region() {
         // near–far 100 ms; eu is 120 ms from near, 10 ms from far.
-        let f = Fleet::parse(
+        let f = Topology::parse(
             br#"{"client_regions": ["na", "eu"], "regions": [
               {"name": "near", "rtt_ms": {"na": 10, "eu": 120}, "max_concurrency": 2,
                "prefill_ms_per_token": 0.5, "decode_ms_per_token": 10, "cache_tokens": 100000,
@@ -2097,8 +2097,8 @@ mod tests {
     }
 
     /// One region of `replicas` engines with 2 slots each, 20 ms from na.
-    fn replicated(replicas: u32) -> Fleet {
-        Fleet::parse(
+    fn replicated(replicas: u32) -> Topology {
+        Topology::parse(
             format!(
                 r#"{{"client_regions": ["na"], "regions": [
               {{"name": "only", "rtt_ms": {{"na": 20}}, "max_concurrency": 2, "replicas": {replicas},
@@ -2126,7 +2126,7 @@ mod tests {
             .collect()
     }
 
-    fn geo_sim<'a>(f: &'a Fleet, w: &'a Workload, source: Source) -> Sim<'a> {
+    fn geo_sim<'a>(f: &'a Topology, w: &'a Workload, source: Source) -> Sim<'a> {
         let options = Options {
             proxies: 1,
             source,

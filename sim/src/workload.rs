@@ -6,7 +6,7 @@
 //! and answer), and the segments as interned ids for the baselines' prefix
 //! trees.
 
-use crate::fleet::Fleet;
+use crate::topology::Topology;
 use crate::trace::{self, TraceRequest};
 use engine_emulator::model::{Prompt, DEFAULT_BLOCK_TOKENS};
 use engine_emulator::openai::{self, Kind};
@@ -41,7 +41,7 @@ pub struct Workload {
 
 impl Workload {
     /// Checks the trace against the fleet and prepares each request.
-    pub fn new(fleet: &Fleet, requests: Vec<TraceRequest>) -> Result<Workload, String> {
+    pub fn new(fleet: &Topology, requests: Vec<TraceRequest>) -> Result<Workload, String> {
         let mut ids: HashMap<String, u32> = HashMap::new();
         let mut prepared = Vec::with_capacity(requests.len());
         let answers = answers(&requests);

@@ -1,4 +1,4 @@
-//! The fleet file (JSON): where clients are, the engine regions with their
+//! The topology file (JSON; `--fleet`, `fleet.json` by convention): where clients are, the engine regions with their
 //! round trips from each client region, their engine figures, optionally
 //! the round trips between engine regions (for a router deployed in one
 //! region: `sim::Deployment::Global`), and (an extension for scenario d)
@@ -13,7 +13,7 @@ pub const MAX_REPLICAS: u32 = 64;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Fleet {
+pub struct Topology {
     /// Where requests come from; one router (Envoy) per client region.
     pub client_regions: Vec<String>,
     pub regions: Vec<Region>,
@@ -46,7 +46,7 @@ pub struct Region {
     /// engine regions (its own name: within the region, default 0). The
     /// matrix is symmetric: a pair may be given on either side, or on both
     /// with the same value. A pair given on neither side is estimated
-    /// (`Fleet::region_rtt`).
+    /// (`Topology::region_rtt`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub region_rtt_ms: BTreeMap<String, f64>,
 }
@@ -74,10 +74,10 @@ pub struct Outage {
     pub to_ms: f64,
 }
 
-impl Fleet {
+impl Topology {
     /// Parses and validates; the error names the field.
-    pub fn parse(bytes: &[u8]) -> Result<Fleet, String> {
-        let f: Fleet =
+    pub fn parse(bytes: &[u8]) -> Result<Topology, String> {
+        let f: Topology =
             serde_json::from_slice(bytes).map_err(|e| format!("not a fleet description: {e}"))?;
         f.validate()?;
         Ok(f)
@@ -210,7 +210,7 @@ impl Fleet {
     /// pods are, so the region's total may move by a slot or two) and of its
     /// prefix cache. `replicas` 1 gives the fleet back unchanged where it has
     /// one engine per region.
-    pub fn split_replicas(&self, replicas: u32) -> Result<Fleet, String> {
+    pub fn split_replicas(&self, replicas: u32) -> Result<Topology, String> {
         if !(1..=MAX_REPLICAS).contains(&replicas) {
             return Err(format!("replicas: {replicas} must be 1 to {MAX_REPLICAS}"));
         }
@@ -288,7 +288,7 @@ mod tests {
 
     #[test]
     fn parses_the_documented_format() {
-        let f = Fleet::parse(OK.as_bytes()).unwrap();
+        let f = Topology::parse(OK.as_bytes()).unwrap();
         assert_eq!(f.rtt(1, 0), 82.0);
         assert_eq!(f.client_index("eu"), Some(1));
         assert_eq!(f.outages.len(), 1);
@@ -296,7 +296,8 @@ mod tests {
 
     #[test]
     fn errors_name_the_field() {
-        let bad = |from: &str, to: &str| Fleet::parse(OK.replace(from, to).as_bytes()).unwrap_err();
+        let bad =
+            |from: &str, to: &str| Topology::parse(OK.replace(from, to).as_bytes()).unwrap_err();
         assert!(bad(r#""eu": 82"#, r#""xx": 82"#)
             .starts_with("regions[0].rtt_ms: has no round trip for client region \"eu\""));
         assert!(bad(r#""max_concurrency": 24"#, r#""max_concurrency": 0"#)
@@ -316,8 +317,8 @@ mod tests {
         );
     }
 
-    fn three(extra_iad: &str, extra_fra: &str) -> Fleet {
-        Fleet::parse(
+    fn three(extra_iad: &str, extra_fra: &str) -> Topology {
+        Topology::parse(
             format!(
                 r#"{{"client_regions": ["na", "eu", "ap"], "regions": [
                 {{"name": "iad", "rtt_ms": {{"na": 37, "eu": 95, "ap": 210}}, "max_concurrency": 1,
@@ -361,7 +362,7 @@ mod tests {
             r#", "region_rtt_ms": {"iad": 85}"#,
         );
         assert_eq!(f.region_rtt(1, 0), 85.0);
-        let e = Fleet::parse(
+        let e = Topology::parse(
             &serde_json::to_vec(&{
                 let mut f = three(r#", "region_rtt_ms": {"fra": 85}"#, "");
                 f.regions[1].region_rtt_ms.insert("iad".into(), 90.0);
@@ -380,7 +381,7 @@ mod tests {
 
     #[test]
     fn a_region_splits_into_alike_replicas() {
-        let f = Fleet::parse(OK.as_bytes()).unwrap();
+        let f = Topology::parse(OK.as_bytes()).unwrap();
         assert_eq!(f.regions[0].replicas, 1);
         // Written without replicas while there is one.
         let text = serde_json::to_string(&f).unwrap();
@@ -394,7 +395,7 @@ mod tests {
             (3, 8, 200_000, 24)
         );
         assert_eq!(
-            Fleet::parse(&serde_json::to_vec(&three).unwrap()),
+            Topology::parse(&serde_json::to_vec(&three).unwrap()),
             Ok(three.clone())
         );
         // Rounded to whole slots, alike: 24 / 5 is 4.8, 5 each.
@@ -413,7 +414,8 @@ mod tests {
             600_000
         );
         assert!(f.split_replicas(0).unwrap_err().contains("must be 1 to 64"));
-        let bad = |from: &str, to: &str| Fleet::parse(OK.replace(from, to).as_bytes()).unwrap_err();
+        let bad =
+            |from: &str, to: &str| Topology::parse(OK.replace(from, to).as_bytes()).unwrap_err();
         let mc = r#""max_concurrency": 24"#;
         assert!(bad(mc, r#""max_concurrency": 24, "replicas": 0"#)
             .starts_with("regions[0].replicas: 0 must be 1 to 64"));
