@@ -1,16 +1,16 @@
 //! The router filter on one request: wait for an inference request's body,
 //! route it (`decision::pipeline`), set the cluster header and clear the route cache;
 //! send everything else to the default region untouched; remove any
-//! client-sent cluster header. When a successful answer's first bytes
-//! arrive, it reads from Envoy which region's host served the last try and
-//! charges to that region, and to no other, what the answer teaches: the
-//! prompt's prefix and the session (the directory), the stored response's
-//! id and the engine's `usage`. A refused, failed or unattributable answer
-//! teaches nothing. For a stream answered on the first try by the region
-//! routed to, it reports the observed TTFT with the predicted cost terms to
-//! the probe, which tunes the cost. When the request ends it reads from
-//! Envoy how, and charges the outcome to the region whose engine had it
-//! (`outcome`).
+//! client-sent cluster header. The same stream on the answer is in
+//! `roots::router_answer`: when a successful answer's first bytes arrive,
+//! it reads from Envoy which region's host served the last try and charges
+//! to that region, and to no other, what the answer teaches: the prompt's
+//! prefix and the session (the directory), the stored response's id and the
+//! engine's `usage`. A refused, failed or unattributable answer teaches
+//! nothing. For a stream answered on the first try by the region routed to,
+//! it reports the observed TTFT with the predicted cost terms to the probe,
+//! which tunes the cost. When the request ends it reads from Envoy how, and
+//! charges the outcome to the region whose engine had it (`outcome`).
 
 use std::rc::Rc;
 
