@@ -1,7 +1,14 @@
-//! Where a request goes: one expected time to first token per region
-//! (`cost`), the router's decision pipeline around it (`pipeline`), and
-//! whether a conversation's KV state is fetched or recomputed (`migration`).
+//! Where a request goes. The decision over explicit inputs: what it reads
+//! (`inputs`), engine tokens per byte (`tokens`), one expected time to
+//! first token per region (`cost`), the load guard (`load_guard`), and the
+//! choice of region and its reason (`choice`); the router's decision
+//! pipeline around it (`pipeline`); and whether a conversation's KV state
+//! is fetched or recomputed (`migration`).
 
+pub mod choice;
 pub mod cost;
+pub mod inputs;
+pub mod load_guard;
 pub mod migration;
 pub mod pipeline;
+pub mod tokens;

@@ -12,8 +12,11 @@ use crate::cache::directory::{Directory, Keep, Lookup, Lru, RecentIntake};
 use crate::cache::sessions::{SessionEntry, Sessions};
 use crate::cache::stored_responses::ResponseMap;
 use crate::config::{Config, HolderUnavailable};
-use crate::decision::cost::{self, Decision, Weights};
+use crate::decision::choice;
+use crate::decision::cost::{self, Decision};
+use crate::decision::inputs::{Inputs, Weights};
 use crate::decision::migration::{self, KvAction};
+use crate::decision::tokens;
 use crate::fleet::snapshot::Snapshot;
 use crate::learning::tuning::Observation;
 use crate::request::limits::{self, Exceeded};
@@ -252,7 +255,7 @@ impl Router {
     ) -> Result<Placed, Refusal> {
         let allowed = residency(cfg, inp.residency)?;
         let weights = Weights::in_force(cfg, inp.snapshot);
-        let d = cost::decide(&cost::Inputs {
+        let d = choice::decide(&Inputs {
             config: cfg,
             snapshot: inp.snapshot,
             snapshot_index: inp.snapshot_index,
@@ -260,7 +263,7 @@ impl Router {
             inflight: inp.inflight,
             prompt_tokens: 0,
             prompt_bytes: 0,
-            tokens_per_byte: cost::PRIOR_TOKENS_PER_BYTE,
+            tokens_per_byte: tokens::PRIOR_TOKENS_PER_BYTE,
             model: None,
             first_block: None,
             allowed: allowed.as_deref(),
@@ -410,7 +413,7 @@ impl Router {
                         Some(st) => match (st.cache_free_tokens, st.cache_horizon_ms) {
                             (Some(free), _) => Keep::Lru(Lru {
                                 free_tokens: free,
-                                tokens_per_block: cost::tokens_per_byte(Some(st), model)
+                                tokens_per_block: tokens::tokens_per_byte(Some(st), model)
                                     * block_bytes,
                                 clock: clocks.get(i).map_or(&[], Vec::as_slice),
                             }),
@@ -464,9 +467,9 @@ impl Router {
         // conversation's first turns together.
         let first_block = req.prompt.first_block.or(session.map(|s| s.hash));
         let weights = Weights::in_force(cfg, inp.snapshot);
-        let fleet_tpb = cost::fleet_tokens_per_byte(inp.snapshot, model);
-        let prompt_tokens = cost::tokens_of(req.prompt.bytes, fleet_tpb);
-        let mut decision = cost::decide(&cost::Inputs {
+        let fleet_tpb = tokens::fleet_tokens_per_byte(inp.snapshot, model);
+        let prompt_tokens = tokens::tokens_of(req.prompt.bytes, fleet_tpb);
+        let mut decision = choice::decide(&Inputs {
             config: cfg,
             snapshot: inp.snapshot,
             snapshot_index: inp.snapshot_index,
