@@ -10,7 +10,7 @@ use crate::llmd::LlmD;
 use crate::mesh::MeshDefault;
 use crate::trace::fnv1a64;
 use crate::trie::Trie;
-use llm_geo_router::decision::cost::rendezvous;
+use llm_geo_router::decision::choice::rendezvous;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PolicyName {

@@ -1,7 +1,19 @@
-//! Where a request goes: one expected time to first token per region
-//! (`cost`), the router's decision pipeline around it (`pipeline`), and
-//! whether a conversation's KV state is fetched or recomputed (`migration`).
+//! Where a request goes. The decision over explicit inputs: what it reads
+//! (`inputs`), engine tokens per byte (`tokens`), one expected time to
+//! first token per region (`cost`), the load guard (`load_guard`), and the
+//! choice of region and its reason (`choice`). The router's decision
+//! pipeline around it: one request end to end (`pipeline`), a request
+//! whose body is not read (`placement`), the decision header (`header`),
+//! and what a served request teaches (`recording`). Whether a
+//! conversation's KV state is fetched or recomputed (`migration`).
 
+pub mod choice;
 pub mod cost;
+pub mod header;
+pub mod inputs;
+pub mod load_guard;
 pub mod migration;
 pub mod pipeline;
+pub mod placement;
+pub mod recording;
+pub mod tokens;

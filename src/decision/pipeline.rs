@@ -7,15 +7,21 @@
 //! tells a region that it holds the prompt. The `router` filter, the
 //! `explain` CLI, the simulator and the benchmarks all run these same
 //! functions; only the host layer gathers their inputs from Envoy.
+//!
+//! Around it, apart: where a request goes whose body is not read
+//! (`placement`), the decision header (`header`), and what a served
+//! request teaches (`recording`).
 
 use crate::cache::directory::{Directory, Keep, Lookup, Lru, RecentIntake};
 use crate::cache::sessions::{SessionEntry, Sessions};
 use crate::cache::stored_responses::ResponseMap;
 use crate::config::{Config, HolderUnavailable};
-use crate::decision::cost::{self, Decision, Weights};
+use crate::decision::choice;
+use crate::decision::cost::{self, Decision};
+use crate::decision::inputs::{Inputs, Weights};
 use crate::decision::migration::{self, KvAction};
+use crate::decision::tokens;
 use crate::fleet::snapshot::Snapshot;
-use crate::learning::tuning::Observation;
 use crate::request::limits::{self, Exceeded};
 use crate::request::openai::{self, Endpoint, RequestError};
 use crate::request::prefix::{Checkpoint, PromptHasher};
@@ -74,100 +80,39 @@ pub struct Routed {
     pub store_response: bool,
 }
 
-/// What the directory believed a region held, in the router's unit
-/// (canonical bytes), and how old that belief was.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct Belief {
-    pub routed_ms: u64,
-    pub prompt_bytes: u64,
-    /// Bytes of the prompt believed held there (within its cache horizon).
-    pub believed_bytes: u64,
-    /// When that was last served there: the oldest stamp of its directory
-    /// entries read as held (or the session record that credited it).
-    pub held_ms: Option<u64>,
-    /// The newest stamp of an entry there that its horizon set aside.
-    pub cut_ms: Option<u64>,
-    pub model: Option<String>,
-}
-
 /// The lookups a decision made, kept until the region that served the
 /// request is known: then that region is recorded as holding the prompt,
 /// and its belief checked against the engine's `usage`.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Learning {
-    checkpoints: Vec<Checkpoint>,
-    lookup: Lookup,
-    session: Option<SessionEntry>,
+    pub(super) checkpoints: Vec<Checkpoint>,
+    pub(super) lookup: Lookup,
+    pub(super) session: Option<SessionEntry>,
     /// The prompt as the session record names it: blocks, last block's hash.
-    prefix: (u32, u64),
+    pub(super) prefix: (u32, u64),
     /// The region the session record credited with the whole previous
     /// prompt, and when it served it.
-    session_credit: Option<(usize, u64)>,
-    block_bytes: u64,
-    routed_ms: u64,
-    prompt_bytes: u64,
-    model: Option<String>,
+    pub(super) session_credit: Option<(usize, u64)>,
+    pub(super) block_bytes: u64,
+    pub(super) routed_ms: u64,
+    pub(super) prompt_bytes: u64,
+    pub(super) model: Option<String>,
     /// Recorded already (`Router::learn` writes once).
-    recorded: bool,
+    pub(super) recorded: bool,
     /// When it was recorded (the answer's first bytes); 0: not yet.
-    served_ms: u64,
+    pub(super) served_ms: u64,
     /// Engine tokens per byte the decision used, and whether some region's
     /// cache is modelled (its prefills then go to `RecentIntake`).
-    tokens_per_byte: f64,
-    modelled: bool,
+    pub(super) tokens_per_byte: f64,
+    pub(super) modelled: bool,
     /// Noted in `RecentIntake` already.
-    intake_noted: bool,
+    pub(super) intake_noted: bool,
     /// Restamped at the answer's end already (`Router::finish`).
-    finished: bool,
+    pub(super) finished: bool,
     /// When `finish` restamped the chain.
-    finished_ms: u64,
+    pub(super) finished_ms: u64,
     /// `learn` wrote the session record.
-    session_written: bool,
-}
-
-impl Learning {
-    /// What the decision believed `region` held.
-    pub fn belief(&self, region: usize) -> Belief {
-        let held_ms = match self.session_credit {
-            Some((r, at_ms)) if r == region => Some(at_ms),
-            _ => self.lookup.oldest_hit_ms(region),
-        };
-        Belief {
-            routed_ms: self.routed_ms,
-            prompt_bytes: self.prompt_bytes,
-            believed_bytes: u64::from(self.lookup.cached_blocks.get(region).copied().unwrap_or(0))
-                * self.block_bytes,
-            held_ms,
-            cut_ms: self.lookup.cut_ms(region),
-            model: self.model.clone(),
-        }
-    }
-}
-
-impl Routed {
-    /// The report for the probe once the engine's `usage` is known, for the
-    /// region whose engine gave it (`served`), against what the decision
-    /// believed that region held.
-    pub fn usage_report(
-        &self,
-        usage: crate::learning::usage::Usage,
-        served: usize,
-    ) -> Option<crate::learning::usage::UsageReport> {
-        let b = self.learning.as_ref()?.belief(served);
-        let clamp = |v: u64| u32::try_from(v).unwrap_or(u32::MAX - 1);
-        Some(crate::learning::usage::UsageReport {
-            region: u16::try_from(served).ok()?,
-            routed_ms: b.routed_ms,
-            prompt_bytes: clamp(b.prompt_bytes),
-            believed_bytes: clamp(b.believed_bytes),
-            held_ms: b.held_ms.unwrap_or(0),
-            cut_ms: b.cut_ms.unwrap_or(0),
-            served_ms: self.learning.as_ref().map_or(0, |l| l.served_ms),
-            prompt_tokens: clamp(usage.prompt_tokens),
-            cached_tokens: usage.cached_tokens.map(clamp),
-            model: b.model,
-        })
-    }
+    pub(super) session_written: bool,
 }
 
 /// Why a request is not routed.
@@ -195,7 +140,7 @@ pub enum Refusal {
 
 /// The residency pin's mask for the header's value, if one was sent; an
 /// unknown value is refused rather than routed somewhere it may not go.
-fn residency(cfg: &Config, value: Option<&str>) -> Result<Option<Vec<bool>>, Refusal> {
+pub(super) fn residency(cfg: &Config, value: Option<&str>) -> Result<Option<Vec<bool>>, Refusal> {
     let Some(value) = value else {
         return Ok(None);
     };
@@ -211,112 +156,7 @@ fn residency(cfg: &Config, value: Option<&str>) -> Result<Option<Vec<bool>>, Ref
     }
 }
 
-/// What the host knows about a request whose body the router does not
-/// read (`/v1/embeddings`, `/v1/models`, `/v1/responses/{id}`, a body it
-/// will not interpret, ...).
-#[derive(Debug, Clone, Copy)]
-pub struct UnreadInputs<'a> {
-    pub residency: Option<&'a str>,
-    pub snapshot: Option<&'a Snapshot>,
-    pub snapshot_index: &'a [Option<usize>],
-    pub inflight: &'a [f64],
-    pub now_ms: u64,
-    /// The stored response the path names (`/v1/responses/{id}...`).
-    pub response_id: Option<&'a str>,
-}
-
-/// Where an unread request goes, and why (the decision header's reason).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Placed {
-    pub region: usize,
-    /// `response` (the stored response's region), `default` (the
-    /// configured `default_region`, routable with a free slot), else the
-    /// cost's reason (`rtt`, `load`, `pin`, `fallback`, ...).
-    pub reason: &'static str,
-    /// The path names a stored response this Envoy has no record of.
-    pub unknown_response: bool,
-}
-
 impl Router {
-    /// Place a request without reading its body: the stored response's
-    /// region for `/v1/responses/{id}` paths; otherwise the best routable
-    /// region by round trip and load (no prompt, no directory), the
-    /// configured `default_region` preferred while it is a candidate with
-    /// a free slot. Never an unhealthy, ejected or release-mismatched
-    /// region while another can take it.
-    pub fn place(
-        &self,
-        cfg: &Config,
-        store: &mut dyn SharedStore,
-        inp: &UnreadInputs,
-    ) -> Result<Placed, Refusal> {
-        let allowed = residency(cfg, inp.residency)?;
-        let weights = Weights::in_force(cfg, inp.snapshot);
-        let d = cost::decide(&cost::Inputs {
-            config: cfg,
-            snapshot: inp.snapshot,
-            snapshot_index: inp.snapshot_index,
-            cached_blocks: &[],
-            inflight: inp.inflight,
-            prompt_tokens: 0,
-            prompt_bytes: 0,
-            tokens_per_byte: cost::PRIOR_TOKENS_PER_BYTE,
-            model: None,
-            first_block: None,
-            allowed: allowed.as_deref(),
-            fits: limits::Check::ALL_FIT.fits,
-            weights,
-            now_ms: inp.now_ms,
-        });
-        let mut unknown_response = false;
-        if let Some(id) = inp.response_id {
-            let holder = self
-                .responses
-                .lookup(store, id, inp.now_ms)
-                .and_then(|n| cfg.regions.iter().position(|r| r.name == n));
-            match holder {
-                None => unknown_response = true,
-                Some(h) => match holder_unavailable(&d, h, allowed.as_deref()) {
-                    None => {
-                        return Ok(Placed {
-                            region: h,
-                            reason: cost::Reason::Response.as_str(),
-                            unknown_response,
-                        })
-                    }
-                    Some(why) if cfg.responses.holder_unavailable == HolderUnavailable::Reject => {
-                        return Err(stored_where_unavailable(
-                            cfg,
-                            id,
-                            h,
-                            why,
-                            "is stored",
-                            "no other region has it. Retry later.",
-                        ));
-                    }
-                    Some(_) => {}
-                },
-            }
-        }
-        let preferred = cfg.default_region.as_ref().and_then(|name| {
-            let i = cfg.regions.iter().position(|r| &r.name == name)?;
-            let c = d.costs.get(i)?;
-            (c.candidate && c.wait_ms <= 0.0).then_some(i)
-        });
-        Ok(match preferred {
-            Some(i) => Placed {
-                region: i,
-                reason: "default",
-                unknown_response,
-            },
-            None => Placed {
-                region: d.region,
-                reason: d.reason.as_str(),
-                unknown_response,
-            },
-        })
-    }
-
     pub fn new(cfg: &Config) -> Router {
         Router {
             dir: Directory::new(cfg),
@@ -410,7 +250,7 @@ impl Router {
                         Some(st) => match (st.cache_free_tokens, st.cache_horizon_ms) {
                             (Some(free), _) => Keep::Lru(Lru {
                                 free_tokens: free,
-                                tokens_per_block: cost::tokens_per_byte(Some(st), model)
+                                tokens_per_block: tokens::tokens_per_byte(Some(st), model)
                                     * block_bytes,
                                 clock: clocks.get(i).map_or(&[], Vec::as_slice),
                             }),
@@ -463,25 +303,25 @@ impl Router {
         // Short prompts have no full block: the session key keeps a
         // conversation's first turns together.
         let first_block = req.prompt.first_block.or(session.map(|s| s.hash));
-        let weights = Weights::in_force(cfg, inp.snapshot);
-        let fleet_tpb = cost::fleet_tokens_per_byte(inp.snapshot, model);
-        let prompt_tokens = cost::tokens_of(req.prompt.bytes, fleet_tpb);
-        let mut decision = cost::decide(&cost::Inputs {
-            config: cfg,
-            snapshot: inp.snapshot,
-            snapshot_index: inp.snapshot_index,
-            cached_blocks: &lookup.cached_blocks,
-            inflight: inp.inflight,
-            prompt_tokens,
-            prompt_bytes: req.prompt.bytes,
-            tokens_per_byte: fleet_tpb,
-            model,
-            first_block,
-            allowed: allowed.as_deref(),
-            fits: limits.fits,
-            weights,
-            now_ms: inp.now_ms,
-        });
+        let fleet_tpb = tokens::fleet_tokens_per_byte(inp.snapshot, model);
+        let prompt_tokens = tokens::tokens_of(req.prompt.bytes, fleet_tpb);
+        let (mut decision, weights) = cost_decision(
+            cfg,
+            inp.snapshot,
+            inp.snapshot_index,
+            inp.inflight,
+            inp.now_ms,
+            &Prompt {
+                cached_blocks: &lookup.cached_blocks,
+                tokens: prompt_tokens,
+                bytes: req.prompt.bytes,
+                tokens_per_byte: fleet_tpb,
+                model,
+                first_block,
+                allowed: allowed.as_deref(),
+                fits: limits.fits,
+            },
+        );
         let mut unknown_response = false;
         match holder {
             Some((_, None)) => unknown_response = true,
@@ -547,169 +387,80 @@ impl Router {
             store_response: inp.endpoint == Endpoint::Responses && req.store,
         })
     }
+}
 
-    /// The answer to a routed request has started, from `served`'s engine
-    /// (the region whose host served the last try): it now holds the
-    /// prompt. Records the prefix and the session there, once; returns the
-    /// shared-data calls made.
-    pub fn learn(
-        &self,
-        store: &mut dyn SharedStore,
-        learning: &mut Learning,
-        served: usize,
-        now_ms: u64,
-    ) -> u32 {
-        if std::mem::replace(&mut learning.recorded, true) {
-            return 0;
-        }
-        learning.served_ms = now_ms;
-        let mut calls = self.dir.record(
-            store,
-            &mut learning.lookup,
-            &learning.checkpoints,
-            served,
-            now_ms,
-            learning.prefix,
-        );
-        if let Some(s) = learning.session {
-            let n = self
-                .sessions
-                .record(store, s, served, now_ms, learning.prefix);
-            learning.session_written = n > 0;
-            calls += n;
-        }
-        calls
-    }
+/// What the cost reads of a request besides the fleet: its prompt, and
+/// where it may go.
+pub(super) struct Prompt<'a> {
+    /// Per configured region: blocks of the prompt it holds.
+    pub cached_blocks: &'a [u32],
+    /// Its tokens, estimated fleet-wide at `tokens_per_byte`.
+    pub tokens: u64,
+    /// Bytes of canonical prompt text.
+    pub bytes: u64,
+    pub tokens_per_byte: f64,
+    pub model: Option<&'a str>,
+    /// Rendezvous key for ties.
+    pub first_block: Option<u64>,
+    /// The residency pin (and the regions serving the model), if any.
+    pub allowed: Option<&'a [bool]>,
+    /// Per configured region (bit i): whether the request fits its context
+    /// limit.
+    pub fits: u64,
+}
 
-    /// The answer at `served` ended: where its cache is modelled, the
-    /// prompt's chain is restamped now, since an engine frees a request's
-    /// blocks (and starts their LRU recency) when it ends, and its decode
-    /// pinned them until then; aged from the first byte, a long answer's
-    /// prefix was believed evicted by intake it was safe from. Once;
-    /// returns the calls made.
-    pub fn finish(
-        &self,
-        store: &mut dyn SharedStore,
-        learning: &mut Learning,
-        served: usize,
-        now_ms: u64,
-    ) -> u32 {
-        if !learning.modelled
-            || !learning.recorded
-            || learning.served_ms == 0
-            || now_ms <= learning.served_ms
-            || std::mem::replace(&mut learning.finished, true)
-        {
-            return 0;
+impl<'a> Prompt<'a> {
+    /// A request whose body is not read: no prompt, no model, and every
+    /// region able to take it by its context limit.
+    pub(super) fn unread(allowed: Option<&'a [bool]>) -> Self {
+        Prompt {
+            cached_blocks: &[],
+            tokens: 0,
+            bytes: 0,
+            tokens_per_byte: tokens::PRIOR_TOKENS_PER_BYTE,
+            model: None,
+            first_block: None,
+            allowed,
+            fits: limits::Check::ALL_FIT.fits,
         }
-        learning.lookup.refresh_all(served);
-        learning.finished_ms = now_ms;
-        self.dir.record(
-            store,
-            &mut learning.lookup,
-            &learning.checkpoints,
-            served,
-            now_ms,
-            learning.prefix,
-        )
-    }
-
-    /// The session record `learn` wrote, as news for the other Envoys:
-    /// (session hash, stamp, prompt end). Once.
-    pub fn session_written(&self, learning: &mut Learning) -> Option<(u64, u64, (u32, u64))> {
-        if !std::mem::replace(&mut learning.session_written, false) {
-            return None;
-        }
-        let s = learning.session?;
-        Some((s.hash, learning.served_ms, learning.prefix))
-    }
-
-    /// What the last `learn` or `finish` wrote at `served`, as news for
-    /// the other Envoys of the deployment (the exchange): the checkpoints
-    /// written, their stamp and the prompt's end. `None` when nothing was
-    /// written.
-    pub fn written(&self, learning: &Learning, served: usize) -> Option<Written> {
-        let hashes: Vec<u64> = learning
-            .checkpoints
-            .get(learning.lookup.written_from..)?
-            .iter()
-            .map(|c| c.hash)
-            .collect();
-        let stamp = if learning.finished {
-            learning.finished_ms
-        } else {
-            learning.served_ms
-        };
-        if hashes.is_empty() || stamp == 0 {
-            return None;
-        }
-        Some(Written {
-            region: u16::try_from(served).ok()?,
-            stamp,
-            end: learning.prefix,
-            hashes,
-        })
-    }
-
-    /// This Envoy's prefill of the prompt at `served` (recorded by
-    /// `learn`), for the regions whose caches are modelled: the engine's
-    /// own count where the answer reported it (`usage`), else the prompt
-    /// less what was believed held there. Once; returns the calls made.
-    pub fn note_intake(
-        &self,
-        store: &mut dyn SharedStore,
-        learning: &mut Learning,
-        served: usize,
-        usage: Option<crate::learning::usage::Usage>,
-    ) -> u32 {
-        if !learning.modelled
-            || learning.served_ms == 0
-            || std::mem::replace(&mut learning.intake_noted, true)
-        {
-            return 0;
-        }
-        let tokens = match usage {
-            Some(crate::learning::usage::Usage {
-                prompt_tokens,
-                cached_tokens: Some(c),
-            }) => prompt_tokens.saturating_sub(c) as f64,
-            _ => {
-                let b = learning.belief(served);
-                b.prompt_bytes.saturating_sub(b.believed_bytes) as f64 * learning.tokens_per_byte
-            }
-        };
-        let Ok(region) = u16::try_from(served) else {
-            return 0;
-        };
-        let tokens = tokens.round().clamp(0.0, f64::from(u32::MAX)) as u32;
-        RecentIntake::note(
-            store,
-            region,
-            learning.routed_ms,
-            learning.served_ms,
-            tokens,
-        )
     }
 }
 
-/// The directory entries one write stamped: `region` holds each
-/// checkpoint of `hashes` as of `stamp`, as part of a prompt ending at
-/// `end` (blocks, last block's hash).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Written {
-    pub region: u16,
-    pub stamp: u64,
-    pub end: (u32, u64),
-    pub hashes: Vec<u64>,
+/// The cost's decision for `prompt` over the host's view of the fleet, with
+/// the weights in force (the snapshot's, tuned by the probe, else the
+/// configured ones), which it returns too. `route` and `place` both decide
+/// through it.
+pub(super) fn cost_decision(
+    cfg: &Config,
+    snapshot: Option<&Snapshot>,
+    snapshot_index: &[Option<usize>],
+    inflight: &[f64],
+    now_ms: u64,
+    prompt: &Prompt,
+) -> (Decision, Weights) {
+    let weights = Weights::in_force(cfg, snapshot);
+    let decision = choice::decide(&Inputs {
+        config: cfg,
+        snapshot,
+        snapshot_index,
+        cached_blocks: prompt.cached_blocks,
+        inflight,
+        prompt_tokens: prompt.tokens,
+        prompt_bytes: prompt.bytes,
+        tokens_per_byte: prompt.tokens_per_byte,
+        model: prompt.model,
+        first_block: prompt.first_block,
+        allowed: prompt.allowed,
+        fits: prompt.fits,
+        weights,
+        now_ms,
+    });
+    (decision, weights)
 }
 
-/// Why region `h`, which holds a stored response, cannot take the request
-/// that continues it; `None` when it can. Only what makes the region unable
-/// to serve counts (health, passive ejection, release parity, the
-/// residency pin, its context limit); load and the failback ramp do not.
 /// The refusal of a request for stored response `id` whose region `h`
 /// cannot take it (`why`), with what the client can do (`then`).
-fn stored_where_unavailable(
+pub(super) fn stored_where_unavailable(
     cfg: &Config,
     id: &str,
     h: usize,
@@ -724,7 +475,15 @@ fn stored_where_unavailable(
     ))
 }
 
-fn holder_unavailable(d: &Decision, h: usize, allowed: Option<&[bool]>) -> Option<&'static str> {
+/// Why region `h`, which holds a stored response, cannot take the request
+/// that continues it; `None` when it can. Only what makes the region unable
+/// to serve counts (health, passive ejection, release parity, the
+/// residency pin, its context limit); load and the failback ramp do not.
+pub(super) fn holder_unavailable(
+    d: &Decision,
+    h: usize,
+    allowed: Option<&[bool]>,
+) -> Option<&'static str> {
     if allowed.is_some_and(|a| !a.get(h).copied().unwrap_or(false)) {
         return Some("outside the request's data residency, or not serving its model");
     }
@@ -737,32 +496,6 @@ fn holder_unavailable(d: &Decision, h: usize, allowed: Option<&[bool]>) -> Optio
         return Some("the request exceeds its context limit");
     }
     None
-}
-
-/// `v` as `format!("{v:.1}")` writes it, without the formatting machinery
-/// (the decision text is built for every request). Values within a hair of
-/// a rounding tie, and large or non-finite ones, take the exact path.
-fn push_one_decimal(s: &mut String, v: f64) {
-    let tenths = v * 10.0;
-    let frac = tenths - tenths.trunc();
-    if !(tenths.is_finite() && tenths.abs() < 1e15) || ((frac.abs() - 0.5).abs() < 1e-6) {
-        s.push_str(&format!("{v:.1}"));
-        return;
-    }
-    if v.is_sign_negative() {
-        s.push('-');
-    }
-    let t = tenths.round().abs() as u64;
-    push_u64(s, t / 10);
-    s.push('.');
-    push_u64(s, t % 10);
-}
-
-fn push_u64(s: &mut String, n: u64) {
-    let mut buf = [0u8; 20];
-    for d in crate::shared::store::decimal(n, &mut buf) {
-        s.push(char::from(*d));
-    }
 }
 
 /// The fetch-or-recompute decision when the request leaves the region that
@@ -839,78 +572,13 @@ fn kv_action(cfg: &Config, d: &Decision, rtt_ms: &[f64], utilization: &[f64]) ->
     Some(KvAction { plan, from, tokens })
 }
 
-impl Routed {
-    /// The decision header's value: region, reason, every cost term, the
-    /// runner-up, the ladder level and any migration.
-    pub fn describe(&self, cfg: &Config, level: u8) -> String {
-        let d = &self.decision;
-        let name = |i: usize| cfg.regions.get(i).map_or("?", |r| r.name.as_str());
-        let mut s = String::with_capacity(192);
-        s.push_str("region=");
-        s.push_str(name(d.region));
-        s.push_str("; reason=");
-        s.push_str(d.reason.as_str());
-        if let Some(c) = d.costs.get(d.region) {
-            for (label, v) in [
-                ("; ttft_ms=", c.total_ms),
-                ("; rtt_ms=", c.rtt_ms),
-                ("; prefill_ms=", c.prefill_ms),
-                ("; wait_ms=", c.queue_ms - c.load_ms),
-                ("; load_ms=", c.load_ms),
-            ] {
-                s.push_str(label);
-                push_one_decimal(&mut s, v);
-            }
-            s.push_str("; cached_tokens=");
-            push_u64(&mut s, c.cached_tokens);
-        }
-        if let Some(p) = &d.passed_over {
-            s.push_str("; passed_over=");
-            s.push_str(name(p.region));
-            s.push_str("; passed_over_wait_ms=");
-            push_one_decimal(&mut s, p.wait_ms);
-            s.push_str("; move_ms=");
-            push_one_decimal(&mut s, p.move_ms);
-        }
-        if let Some((i, c)) = d.runner_up.and_then(|i| d.costs.get(i).map(|c| (i, c))) {
-            s.push_str("; runner_up=");
-            s.push_str(name(i));
-            s.push_str("; runner_up_ttft_ms=");
-            push_one_decimal(&mut s, c.total_ms);
-        }
-        s.push_str("; level=");
-        push_u64(&mut s, u64::from(level));
-        if let Some(kv) = &self.kv {
-            s.push_str("; kv_action=");
-            s.push_str(&kv.header_value(name(kv.from)).replace("; ", ","));
-        }
-        s
-    }
-
-    /// The terms predicted for the chosen region, unweighted, for tuning;
-    /// `observed_ms` is filled in when the first byte arrives.
-    pub fn observation(&self) -> Option<Observation> {
-        let d = &self.decision;
-        let c = d.costs.get(d.region)?;
-        Some(Observation {
-            region: u16::try_from(d.region).ok()?,
-            rtt_ms: c.rtt_ms as f32,
-            queue_ms: c.wait_ms as f32,
-            uncached_tokens: u32::try_from(c.prompt_tokens.saturating_sub(c.cached_tokens))
-                .unwrap_or(u32::MAX),
-            prefill_ms: c.prefill_ms as f32,
-            observed_ms: 0.0,
-        })
-    }
-}
-
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::decision::cost::Reason;
     use crate::shared::store::MemoryStore;
 
-    fn cfg() -> Config {
+    pub(crate) fn cfg() -> Config {
         Config::parse(
             br#"{"regions":[
               {"name":"near","cluster":"cn","capacity_rps":5,"rtt_ms":5,"max_concurrency":8,"prefill_ms_per_token":0.2},
@@ -920,7 +588,7 @@ mod tests {
         .unwrap()
     }
 
-    fn snap(c: &Config) -> Snapshot {
+    pub(crate) fn snap(c: &Config) -> Snapshot {
         Snapshot::all_healthy(c)
     }
 
@@ -959,7 +627,7 @@ mod tests {
         );
     }
 
-    fn body(system: &str, turn: usize) -> Vec<u8> {
+    pub(crate) fn body(system: &str, turn: usize) -> Vec<u8> {
         serde_json::to_vec(&serde_json::json!({
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": format!("turn {turn}")}],
             "stream": true
@@ -1042,73 +710,6 @@ mod tests {
     }
 
     #[test]
-    fn what_a_request_teaches_goes_to_the_region_that_served_it() {
-        let c = cfg();
-        let s = snap(&c);
-        let router = Router::new(&c);
-        let mut store = MemoryStore::default();
-        let system = "a long shared document for the whole conversation. ".repeat(200);
-        let b = body(&system, 0);
-        let mut inp = RouteInputs {
-            endpoint: Endpoint::ChatCompletions,
-            body: &b,
-            session_header: Some("s1"),
-            residency: None,
-            snapshot: Some(&s),
-            snapshot_index: &[Some(0), Some(1)],
-            inflight: &[0.0, 0.0],
-            now_ms: 1000,
-            fallback: false,
-        };
-        let cached = |store: &mut MemoryStore, at: u64| {
-            let b = body(&system, 9);
-            let inp = RouteInputs {
-                body: &b,
-                session_header: None,
-                now_ms: at,
-                ..inp
-            };
-            let r = router.route(&c, store, &inp).unwrap();
-            r.decision
-                .costs
-                .iter()
-                .map(|c| c.cached_tokens)
-                .collect::<Vec<_>>()
-        };
-        // Routed to near (closest), never answered (refused, failed):
-        // nobody is believed to hold it.
-        let first = router.route(&c, &mut store, &inp).unwrap();
-        assert_eq!(first.decision.region, 0);
-        assert_eq!(cached(&mut store, 2000), vec![0, 0]);
-        // Routed to near, retried by Envoy and answered by mid: mid holds
-        // it, near does not.
-        inp.now_ms = 3000;
-        let mut second = router.route(&c, &mut store, &inp).unwrap();
-        assert_eq!(second.decision.region, 0);
-        let learning = second.learning.as_mut().unwrap();
-        router.learn(&mut store, learning, 1, 3500);
-        let held = cached(&mut store, 4000);
-        assert_eq!(held[0], 0, "{held:?}");
-        assert!(held[1] > 1000, "{held:?}");
-        // The session record names mid too, and the usage report is mid's,
-        // against what was believed of mid (nothing, at decision time).
-        inp.now_ms = 5000;
-        let third = router.route(&c, &mut store, &inp).unwrap();
-        assert_eq!(third.decision.region, 1, "the conversation follows mid");
-        let usage = crate::learning::usage::Usage {
-            prompt_tokens: 3000,
-            cached_tokens: Some(0),
-        };
-        let report = second.usage_report(usage, 1).unwrap();
-        assert_eq!((report.region, report.believed_bytes), (1, 0));
-        // The fallback pool's engines are other ones: nothing to learn.
-        inp.fallback = true;
-        let pooled = router.route(&c, &mut store, &inp).unwrap();
-        assert!(pooled.learning.is_none());
-        assert!(pooled.usage_report(usage, 1).is_none());
-    }
-
-    #[test]
     fn a_prompt_no_region_can_take_is_refused_before_any_shared_data_call() {
         let c = cfg();
         let mut s = snap(&c);
@@ -1161,47 +762,6 @@ mod tests {
         inp.snapshot = Some(&s);
         inp.fallback = true;
         assert!(router.route(&c, &mut store, &inp).is_ok());
-    }
-}
-
-#[cfg(test)]
-mod format_tests {
-    use super::push_one_decimal;
-
-    #[test]
-    fn one_decimal_is_what_format_writes() {
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut values = vec![
-            0.0,
-            -0.0,
-            0.05,
-            0.15,
-            0.25,
-            0.35,
-            0.45,
-            1.25,
-            2.5,
-            99.95,
-            123.456,
-            -7.25,
-            1e14,
-            1e16,
-            f64::INFINITY,
-            f64::NAN,
-        ];
-        for _ in 0..200_000 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let v = (x % 10_000_000) as f64 / 997.0;
-            values.push(v);
-            values.push((x % 100_000) as f64 / 20.0);
-        }
-        for v in values {
-            let mut s = String::new();
-            push_one_decimal(&mut s, v);
-            assert_eq!(s, format!("{v:.1}"), "{v:e}");
-        }
     }
 }
 

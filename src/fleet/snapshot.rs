@@ -93,7 +93,7 @@ pub struct RegionState {
     pub ramp: f64,
     /// Engine tokens per byte of the router's canonical prompt text,
     /// measured from the engine's `usage.prompt_tokens`; absent: not yet
-    /// measured (4 bytes per token, `cost::PRIOR_TOKENS_PER_BYTE`, is used).
+    /// measured (4 bytes per token, `tokens::PRIOR_TOKENS_PER_BYTE`, is used).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_byte: Option<f64>,
     /// The same per model the requests named (a few at most).

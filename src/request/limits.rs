@@ -181,11 +181,11 @@ fn kind_of(v: &Value) -> &'static str {
 ///
 /// With the region's tokens per byte as the cost uses them: measured from
 /// its engine's `usage.prompt_tokens` (for the request's model, where
-/// measured), else 4 bytes per token ([`crate::decision::cost::PRIOR_TOKENS_PER_BYTE`]).
+/// measured), else 4 bytes per token ([`crate::decision::tokens::PRIOR_TOKENS_PER_BYTE`]).
 pub fn prompt_tokens(req: &InferenceRequest, state: Option<&RegionState>) -> u64 {
-    crate::decision::cost::tokens_of(
+    crate::decision::tokens::tokens_of(
         req.prompt.bytes,
-        crate::decision::cost::tokens_per_byte(state, req.model.as_deref()),
+        crate::decision::tokens::tokens_per_byte(state, req.model.as_deref()),
     )
 }
 

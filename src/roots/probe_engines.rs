@@ -431,7 +431,7 @@ vllm:num_requests_running{model_name=\"m\"} 8.0\nvllm:num_requests_waiting{model
         let snap = published(&host);
         assert!(!snap.regions[0].metrics_ok && snap.regions[0].load_unknown);
         let decide = |snap: &Snapshot| {
-            crate::decision::cost::decide(&crate::decision::cost::Inputs {
+            crate::decision::choice::decide(&crate::decision::inputs::Inputs {
                 config: &c,
                 snapshot: Some(snap),
                 snapshot_index: &[Some(0), Some(1)],
@@ -444,7 +444,7 @@ vllm:num_requests_running{model_name=\"m\"} 8.0\nvllm:num_requests_waiting{model
                 first_block: Some(7),
                 allowed: None,
                 fits: u64::MAX,
-                weights: crate::decision::cost::Weights::configured(&c),
+                weights: crate::decision::inputs::Weights::configured(&c),
                 now_ms: T0 + 3000,
             })
         };

@@ -106,7 +106,7 @@ impl Probe {
             Global::LadderCapacityRps,
             snap.capacity_rps.round() as u64,
         );
-        let w_queue = crate::decision::cost::Weights::in_force(&self.cfg, Some(snap)).w_queue;
+        let w_queue = crate::decision::inputs::Weights::in_force(&self.cfg, Some(snap)).w_queue;
         g(
             host,
             Global::TuningWQueueMilli,
@@ -141,7 +141,7 @@ impl Probe {
             );
             let tpb = r
                 .tokens_per_byte
-                .unwrap_or(crate::decision::cost::PRIOR_TOKENS_PER_BYTE);
+                .unwrap_or(crate::decision::tokens::PRIOR_TOKENS_PER_BYTE);
             rg(
                 host,
                 RegionStat::TokensPerKib,
