@@ -175,3 +175,45 @@ fn only_the_host_layer_uses_proxy_wasm_and_no_core_module_uses_the_host() {
         }
     }
 }
+
+/// The layout the architecture is read from: no folder under `src/` holds
+/// more than 12 files, at most 8 files sit directly in `src/`, and no file
+/// runs past 800 lines before its `#[cfg(test)]` tests (issue 29).
+#[test]
+fn folders_stay_small_and_files_short() {
+    const FOLDER_FILES: usize = 12;
+    const TOP_FILES: usize = 8;
+    const LINES_BEFORE_TESTS: usize = 800;
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut per_folder: BTreeMap<std::path::PathBuf, usize> = BTreeMap::new();
+    let mut problems = Vec::new();
+    for f in &files {
+        let folder = f.parent().unwrap().to_path_buf();
+        *per_folder.entry(folder).or_default() += 1;
+        let text = std::fs::read_to_string(f).unwrap();
+        let before_tests = text
+            .lines()
+            .position(|l| l.trim_start() == "#[cfg(test)]")
+            .unwrap_or_else(|| text.lines().count());
+        if before_tests > LINES_BEFORE_TESTS {
+            problems.push(format!(
+                "{} runs {before_tests} lines before its tests (at most {LINES_BEFORE_TESTS})",
+                f.strip_prefix(&src).unwrap().display()
+            ));
+        }
+    }
+    for (folder, n) in &per_folder {
+        let (limit, name) = if *folder == src {
+            (TOP_FILES, "src/".to_string())
+        } else {
+            let rel = folder.strip_prefix(&src).unwrap().display().to_string();
+            (FOLDER_FILES, format!("src/{rel}/"))
+        };
+        if *n > limit {
+            problems.push(format!("{name} holds {n} files (at most {limit})"));
+        }
+    }
+    assert!(problems.is_empty(), "layout: {}", problems.join("; "));
+}
