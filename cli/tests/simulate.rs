@@ -44,15 +44,31 @@ fn ok(args: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
-/// A fresh directory for one test.
-fn scratch(name: &str) -> PathBuf {
+/// A fresh directory for one test, removed when the test ends (passed
+/// or failed: the guard drops while a panic unwinds).
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn scratch(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!(
         "llm-geo-router-sim-test-{}-{name}",
         std::process::id()
     ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    Scratch(dir)
 }
 
 fn s(p: &Path) -> &str {
