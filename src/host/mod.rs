@@ -3,11 +3,11 @@
 //! `router` (HTTP filters on the client listener) and `exchange` (HTTP
 //! filter on the peers' listener). Each callback is handed to the core's state
 //! machine ([`crate::roots::guard::GuardStream`], [`crate::roots::router::RouterStream`],
-//! [`crate::roots::probe::Probe`]) with a [`host_api::Host`] that carries out what
+//! [`crate::roots::probe::Probe`]) with a [`adapters::Host`] that carries out what
 //! it asks; this layer decides nothing itself.
 
+mod adapters;
 mod calls;
-mod host_api;
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -24,8 +24,8 @@ use crate::roots::probe::Probe;
 use crate::roots::router::{RouterShared, RouterStream};
 use crate::shared::flow::Flow;
 use crate::shared::names::{Global, OBSERVATIONS_QUEUE};
+use adapters::{define_stats, Callout, Host, Queue, Stats};
 use calls::log;
-use host_api::{define_stats, Callout, Host, Queue, Stats};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
