@@ -36,8 +36,9 @@ pub(super) fn holds_prompt(costs: &[Cost], prompt_tokens: u64) -> bool {
 /// * A prompt no region holds (a new conversation, whose later turns will
 ///   follow it, or one held everywhere alike), the placement bound: marked
 ///   when, with this request, its occupancy would exceed `(1 + ε)` times
-///   its fair share (by `max_concurrency`) of all candidates' occupancy and
-///   `floor × max_concurrency` (`placement_epsilon` / `_floor`).
+///   its fair share (by `max_concurrency`) of all candidates' occupancy,
+///   `floor × max_concurrency` (`placement_epsilon` / `_floor`) and one
+///   request.
 /// * A held prompt that a room region holds as much of is not marked: it
 ///   goes by its cost. A share bound for it paid nothing (A/B in
 ///   docs/ROUTING.md, "What each rule is worth").
@@ -65,7 +66,10 @@ pub(super) fn apply_load_guard(inp: &Inputs, costs: &mut [Cost], held: bool) {
         .enumerate()
         .map(|(i, c)| {
             let fair = total_load * slots(i) / total_slots;
-            let bound = ((1.0 + e) * fair).max(f * slots(i));
+            // At least one request: a region with nothing in flight is
+            // within its share however few slots it has (a floor of a
+            // quarter of 3 slots would keep it from every new prompt).
+            let bound = ((1.0 + e) * fair).max(f * slots(i)).max(1.0);
             !held && c.candidate && c.occupancy + 1.0 > bound
         })
         .collect();
@@ -232,6 +236,24 @@ mod tests {
         s.regions[0].running = 2.0;
         let d = decide(&inputs(&c, &s, &[0, 0, 0], None));
         assert_eq!((d.region, d.reason), (0, Reason::Rtt));
+    }
+
+    #[test]
+    fn a_small_idle_region_takes_a_new_conversation() {
+        // near has 3 slots (a small replica), mid and far 64: on an idle
+        // fleet its fair share of one request is 3/131 and the floor a
+        // quarter of 3 slots, both below one request; an idle region with
+        // a free slot is never over its share (issue 45, item 9).
+        for slots in [1, 2, 3] {
+            let mut c = cfg();
+            for (r, n) in c.regions.iter_mut().zip([slots, 64, 64]) {
+                r.max_concurrency = n;
+            }
+            let s = snap(&c);
+            let d = decide(&inputs(&c, &s, &[0, 0, 0], None));
+            assert_eq!((d.region, d.reason), (0, Reason::Rtt), "{slots} slots");
+            assert!(d.costs.iter().all(|c| !c.over_bound), "{slots} slots");
+        }
     }
 
     #[test]
