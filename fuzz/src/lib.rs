@@ -141,7 +141,7 @@ fn check_accepted(endpoint: Endpoint, data: &[u8], req: &InferenceRequest) {
         && c.blocks <= p.blocks
         && p.block_hash(c.blocks as usize - 1) == Some(c.hash)));
     for tpb in [0.0, 2.0, 0.25, 1e300, -1.0, f64::NAN] {
-        let _ = llm_geo_router::decision::tokens::tokens_of(req.prompt.bytes, tpb);
+        let _ = llm_geo_router::fleet::tokens::tokens_of(req.prompt.bytes, tpb);
     }
 
     // On an accepted body every member's span is exactly its JSON value,

@@ -17,8 +17,8 @@
 //!   where a region holds the prompt.
 
 use crate::decision::inputs::{region_slots, Inputs};
-use crate::decision::tokens::{tokens_of, tokens_per_byte};
 use crate::fleet::snapshot::{RegionState, Snapshot};
+use crate::fleet::tokens::{tokens_of, tokens_per_byte};
 
 /// Why a region was chosen, for counters and the decision header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -17,7 +17,7 @@ pub struct Inputs<'a> {
     /// Per configured region: this Envoy's in-flight requests now.
     pub inflight: &'a [f64],
     /// The prompt's tokens, estimated fleet-wide (see
-    /// [`tokens_per_byte`](crate::decision::tokens::tokens_per_byte)).
+    /// [`tokens_per_byte`](crate::fleet::tokens::tokens_per_byte)).
     pub prompt_tokens: u64,
     /// Bytes of canonical prompt text (each region's estimate is made
     /// from them with its own tokens per byte).

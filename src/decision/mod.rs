@@ -1,5 +1,5 @@
 //! Where a request goes. The decision over explicit inputs: what it reads
-//! (`inputs`), engine tokens per byte (`tokens`), one expected time to
+//! (`inputs`), one expected time to
 //! first token per region (`cost`), the load guard (`load_guard`), and the
 //! choice of region and its reason (`choice`). The router's decision
 //! pipeline around it: one request end to end (`pipeline`), a request
@@ -16,4 +16,3 @@ pub mod migration;
 pub mod pipeline;
 pub mod placement;
 pub mod recording;
-pub mod tokens;

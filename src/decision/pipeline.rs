@@ -20,9 +20,9 @@ use crate::decision::choice;
 use crate::decision::cost::{self, Decision};
 use crate::decision::inputs::{Inputs, Weights};
 use crate::decision::migration::{self, KvAction};
-use crate::decision::tokens;
 use crate::fleet::snapshot::Snapshot;
-use crate::request::limits::{self, Exceeded};
+use crate::fleet::tokens;
+use crate::request::limits::{self, EngineRefusal, Exceeded};
 use crate::request::openai::{self, Endpoint, RequestError};
 use crate::request::prefix::{Checkpoint, PromptHasher};
 use crate::shared::store::SharedStore;
@@ -105,6 +105,11 @@ pub struct Learning {
     /// cache is modelled (its prefills then go to `RecentIntake`).
     pub(super) tokens_per_byte: f64,
     pub(super) modelled: bool,
+    /// The request continues a stored response (`previous_response_id`):
+    /// the engine prefills a history the router never saw, so its usage
+    /// and time to first token say nothing about this prompt's bytes or
+    /// what the directory believed, and are not reported for learning.
+    pub(super) history_unseen: bool,
     /// Noted in `RecentIntake` already.
     pub(super) intake_noted: bool,
     /// Restamped at the answer's end already (`Router::finish`).
@@ -122,14 +127,11 @@ pub enum Refusal {
     Invalid(RequestError),
     /// The residency value is not allow-listed: always 400.
     UnknownResidency(String),
-    /// No allowed region can take the request by its context limit: 400
-    /// `context_length_exceeded`, `message` in the words of the engine of
-    /// the region that came closest, `error_type` the OpenAI `type` its
-    /// clients expect; `param` the prompt's field.
+    /// Every allowed region's engine is sure to refuse the output the
+    /// request asks for (`limits::refuses_output`): 400 as the engine of
+    /// the region with the largest limit answers it.
     ContextLength {
-        message: String,
-        error_type: &'static str,
-        param: &'static str,
+        refusal: EngineRefusal,
         exceeded: Exceeded,
     },
     /// The stored response the request continues (`previous_response_id`)
@@ -194,10 +196,16 @@ impl Router {
                 .regions
                 .get(exceeded.region)
                 .map_or(crate::engines::metrics::EngineKind::Vllm, |r| r.engine);
+            let state = inp
+                .snapshot
+                .and_then(|s| s.region_at(inp.snapshot_index, exceeded.region));
             return Err(Refusal::ContextLength {
-                message: limits::refusal_message(engine, &exceeded, cfg.context.margin),
-                error_type: limits::refusal_type(engine),
-                param: limits::param(inp.endpoint),
+                refusal: limits::refusal(
+                    engine,
+                    &exceeded,
+                    limits::output_param(inp.endpoint, &req),
+                    limits::prompt_tokens(&req, state),
+                ),
                 exceeded,
             });
         }
@@ -369,6 +377,7 @@ impl Router {
             served_ms: 0,
             tokens_per_byte: fleet_tpb,
             modelled,
+            history_unseen: req.previous_response_id.is_some(),
             intake_noted: false,
             finished: false,
             finished_ms: 0,
@@ -576,6 +585,7 @@ fn kv_action(cfg: &Config, d: &Decision, rtt_ms: &[f64], utilization: &[f64]) ->
 pub(super) mod tests {
     use super::*;
     use crate::decision::cost::Reason;
+    use crate::shared::openai_error::Code;
     use crate::shared::store::MemoryStore;
 
     pub(crate) fn cfg() -> Config {
@@ -710,13 +720,17 @@ pub(super) mod tests {
     }
 
     #[test]
-    fn a_prompt_no_region_can_take_is_refused_before_any_shared_data_call() {
+    fn an_output_no_engine_takes_is_refused_and_a_long_prompt_goes_to_the_largest_limit() {
         let c = cfg();
         let mut s = snap(&c);
         s.regions[0].max_model_len = Some(4096);
         s.regions[1].max_model_len = Some(8192);
         let router = Router::new(&c);
         let mut store = MemoryStore::default();
+        // About 12,500 tokens estimated: beyond both limits, but only the
+        // engine counts a prompt's tokens. Not refused at the edge: the
+        // region with the largest limit takes it and its engine judges
+        // (issue 45, items 1 and 2).
         let b = body(&"long ".repeat(10_000), 0);
         let mut inp = RouteInputs {
             endpoint: Endpoint::ChatCompletions,
@@ -729,21 +743,26 @@ pub(super) mod tests {
             now_ms: 1000,
             fallback: false,
         };
+        let r = router.route(&c, &mut store, &inp).unwrap();
+        assert_eq!((r.decision.region, r.decision.reason), (1, Reason::Context));
+        // max_tokens above every limit: vLLM refuses it whatever the
+        // prompt, and so does the edge, in vLLM's words.
+        let b = br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":9000}"#;
+        inp.body = b;
+        let mut store = MemoryStore::default();
         match router.route(&c, &mut store, &inp) {
-            Err(Refusal::ContextLength {
-                message,
-                error_type,
-                param,
-                exceeded,
-            }) => {
+            Err(Refusal::ContextLength { refusal, exceeded }) => {
                 assert_eq!(
-                    (param, exceeded.region, exceeded.limit),
-                    ("messages", 1, 8192)
+                    (exceeded.region, exceeded.limit, exceeded.output),
+                    (1, 8192, 9000)
                 );
-                assert_eq!(error_type, "invalid_request_error");
-                assert!(
-                    message.starts_with("This model's maximum context length is 8192 tokens. However, your request has about 12"),
-                    "{message}"
+                assert_eq!(
+                    (refusal.error_type, refusal.param, refusal.code),
+                    ("BadRequestError", "max_tokens", Code::Status(400))
+                );
+                assert_eq!(
+                    refusal.message,
+                    "max_tokens=9000 cannot be greater than max_model_len=8192. Please request fewer output tokens. (parameter=max_tokens, value=9000)"
                 );
             }
             other => panic!("{other:?}"),
@@ -752,7 +771,7 @@ pub(super) mod tests {
             store.map.is_empty(),
             "nothing recorded for a refused request"
         );
-        // mid can take it: routed there, for its context.
+        // mid can take that output: routed there, for its context.
         let mut roomy = s.clone();
         roomy.regions[1].max_model_len = Some(32768);
         inp.snapshot = Some(&roomy);

@@ -57,7 +57,8 @@ impl Routed {
         usage: crate::learning::usage::Usage,
         served: usize,
     ) -> Option<crate::learning::usage::UsageReport> {
-        let b = self.learning.as_ref()?.belief(served);
+        let learning = self.learning.as_ref().filter(|l| !l.history_unseen)?;
+        let b = learning.belief(served);
         let clamp = |v: u64| u32::try_from(v).unwrap_or(u32::MAX - 1);
         Some(crate::learning::usage::UsageReport {
             region: u16::try_from(served).ok()?,
@@ -66,7 +67,7 @@ impl Routed {
             believed_bytes: clamp(b.believed_bytes),
             held_ms: b.held_ms.unwrap_or(0),
             cut_ms: b.cut_ms.unwrap_or(0),
-            served_ms: self.learning.as_ref().map_or(0, |l| l.served_ms),
+            served_ms: learning.served_ms,
             prompt_tokens: clamp(usage.prompt_tokens),
             cached_tokens: usage.cached_tokens.map(clamp),
             model: b.model,
@@ -76,6 +77,9 @@ impl Routed {
     /// The terms predicted for the chosen region, unweighted, for tuning;
     /// `observed_ms` is filled in when the first byte arrives.
     pub fn observation(&self) -> Option<Observation> {
+        if self.learning.as_ref().is_some_and(|l| l.history_unseen) {
+            return None;
+        }
         let d = &self.decision;
         let c = d.costs.get(d.region)?;
         Some(Observation {

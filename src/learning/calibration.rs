@@ -10,10 +10,12 @@
 //! held, how old that belief was, and the engine's `cached_tokens`. From
 //! them, per region:
 //!
-//! - **tokens per byte**: decayed sums of the engine's `prompt_tokens` over
-//!   the router's prompt bytes (prompts of at least [`CALIBRATE_MIN_BYTES`],
-//!   so the chat template's own tokens do not dominate), overall and per
-//!   model (at most [`MODELS_MAX`] models per region);
+//! - **tokens per byte**: the median of the last 15 reports' engine
+//!   `prompt_tokens` over the router's prompt bytes (prompts of at least
+//!   [`CALIBRATE_MIN_BYTES`], so the chat template's own tokens do not
+//!   dominate), overall and per model (at most [`MODELS_MAX`] models per
+//!   region). A request that continued a stored response is not reported:
+//!   its `prompt_tokens` count a history the router never saw;
 //! - **cache capacity**: prefix caches evict the least recently used
 //!   blocks, so what decides whether a prefix survives is how many tokens
 //!   the engine took in since it was last used, not the wall time. The
@@ -47,8 +49,6 @@ use crate::learning::usage::UsageReport;
 
 /// Prompts shorter than this do not calibrate tokens per byte.
 pub const CALIBRATE_MIN_BYTES: u32 = 256;
-/// Weight of a new report in the decayed sums and the reliability.
-const ALPHA: f64 = 0.1;
 const RELIABILITY_ALPHA: f64 = 0.25;
 /// Models calibrated per region; others use the region's overall figure.
 pub const MODELS_MAX: usize = 8;
@@ -58,26 +58,40 @@ const REFUTED_BELOW: f64 = 0.9;
 /// few tokens in any tokenizer; garbage is ignored).
 const TPB_RANGE: (f64, f64) = (0.01, 4.0);
 
-/// Decayed ratio of two sums.
+/// The median of the last [`RATIOS_KEPT`] reports' tokens per byte. A
+/// median, not a byte-weighted mean: one long prompt of unusual text (a
+/// table of digits, a code dump) must not set the figure every other
+/// prompt is estimated with; with three reports or more, no single report
+/// moves it past its neighbours.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Ratio {
-    tokens: f64,
-    bytes: f64,
+    ring: [f64; RATIOS_KEPT],
+    len: usize,
+    next: usize,
 }
+
+/// Reports the tokens-per-byte median is taken over.
+const RATIOS_KEPT: usize = 15;
 
 impl Ratio {
     fn add(&mut self, tokens: f64, bytes: f64) {
-        if self.bytes == 0.0 {
-            // The first sample is taken whole.
-            *self = Ratio { tokens, bytes };
-            return;
+        if let Some(slot) = self.ring.get_mut(self.next) {
+            *slot = tokens / bytes;
         }
-        self.tokens = self.tokens * (1.0 - ALPHA) + ALPHA * tokens;
-        self.bytes = self.bytes * (1.0 - ALPHA) + ALPHA * bytes;
+        self.next = (self.next + 1) % RATIOS_KEPT;
+        self.len = (self.len + 1).min(RATIOS_KEPT);
     }
 
     fn value(&self) -> Option<f64> {
-        (self.bytes > 0.0).then(|| self.tokens / self.bytes)
+        let mut kept = self.ring;
+        let kept = kept.get_mut(..self.len)?;
+        kept.sort_by(f64::total_cmp);
+        let mid = self.len / 2;
+        match self.len {
+            0 => None,
+            n if n % 2 == 1 => kept.get(mid).copied(),
+            _ => Some((kept.get(mid - 1)? + kept.get(mid)?) / 2.0),
+        }
     }
 }
 
@@ -336,6 +350,31 @@ mod tests {
             cached_tokens: cached,
             model: None,
         }
+    }
+
+    #[test]
+    fn no_single_report_sets_tokens_per_byte() {
+        // Prose at 0.2 tokens a byte, then one 200 KB table of digits at
+        // 0.5 (issue 45, item 2): under a byte-weighted mean the table
+        // set the figure every later prose prompt was estimated with.
+        let mut c = RegionCalibration::default();
+        for i in 0..5 {
+            let mut r = report(1 + i, 0, 0, None);
+            (r.prompt_bytes, r.prompt_tokens) = (5_000, 1_000);
+            c.on_report(&r);
+        }
+        let mut digits = report(10, 0, 0, None);
+        (digits.prompt_bytes, digits.prompt_tokens) = (200_000, 100_000);
+        c.on_report(&digits);
+        assert_eq!(c.tokens_per_byte(), Some(0.2));
+        // A change of traffic that lasts moves it: a majority of the last
+        // 15 reports.
+        for i in 0..8 {
+            let mut r = report(20 + i, 0, 0, None);
+            (r.prompt_bytes, r.prompt_tokens) = (4_000, 2_000);
+            c.on_report(&r);
+        }
+        assert_eq!(c.tokens_per_byte(), Some(0.5));
     }
 
     #[test]

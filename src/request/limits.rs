@@ -1,15 +1,19 @@
 //! Context limits at the edge: what a region's engine says its context
 //! limit is (in its `/v1/models`: vLLM's and SGLang's `max_model_len`,
 //! llama.cpp's `meta.n_ctx`), the router's estimate of a request's prompt
-//! tokens, whether a region can take the request, and the 400 the router
-//! answers in the engine's own words when no allowed region can.
+//! tokens, which regions are candidates by their limit, and the 400 the
+//! router answers, in the engine's own words, type, `param` and code, for
+//! the one refusal it can be sure of.
 //!
-//! The estimate can be wrong both ways (the router counts bytes of its
-//! canonical prompt text, not the engine's tokens under its chat template),
-//! so a region is passed over only when the estimate lowered by
-//! `context.margin`, plus the output tokens the request asks for where the
-//! engine counts them, still exceeds its limit. A region whose limit is
-//! unknown takes everything.
+//! The router refuses only what every allowed region's engine is sure to
+//! refuse whatever the prompt: an output asked for above the limit
+//! ([`refuses_output`]). A prompt's length is the engine's to judge: the
+//! estimate counts bytes of the router's canonical prompt text, not the
+//! engine's tokens under its chat template, and is wrong both ways (digits
+//! take twice the tokens of prose), so it only prefers the regions it
+//! likely fits ([`fits`], lowered by `context.margin`), and when it fits
+//! none, the region with the largest limit takes the request and its
+//! engine answers. A region whose limit is unknown takes everything.
 
 use serde_json::Value;
 
@@ -17,6 +21,7 @@ use crate::config::Config;
 use crate::engines::metrics::EngineKind;
 use crate::fleet::snapshot::{RegionState, Snapshot};
 use crate::request::openai::{Endpoint, InferenceRequest};
+use crate::shared::openai_error::Code;
 
 /// Where a model card states the context limit, per engine family, as a
 /// path of keys (also how messages name it).
@@ -154,13 +159,29 @@ pub fn serving(
     )
 }
 
-/// Whether the engine refuses a request whose prompt and requested output
-/// together exceed its limit. vLLM and SGLang do; llama.cpp refuses only a
-/// prompt that fills the slot's context and stops generating when the
-/// context is full, so its output length is not the edge's to refuse.
+/// Whether the engine counts the requested output against its limit for a
+/// prompt it can take. SGLang does (prompt plus `max_new_tokens` must fit);
+/// vLLM 0.32 does not (it serves any prompt that leaves room for one
+/// token, cutting the output at the context with `finish_reason:
+/// "length"`), nor does llama.cpp (it stops when the slot is full).
 pub fn output_counts(engine: EngineKind) -> bool {
     match engine {
-        EngineKind::Vllm | EngineKind::Sglang => true,
+        EngineKind::Sglang => true,
+        EngineKind::Vllm | EngineKind::Llamacpp => false,
+    }
+}
+
+/// Whether the engine refuses `output` requested tokens whatever the
+/// prompt: the one context refusal the edge can be sure of, since it
+/// needs no token count. vLLM (0.32, and the earlier releases, which
+/// counted prompt plus output) refuses an output above `max_model_len`;
+/// SGLang, whose prompt plus output must stay below its context, an output
+/// of the whole context (a prompt has at least one token); llama.cpp
+/// never refuses an output length.
+pub fn refuses_output(engine: EngineKind, limit: u32, output: u64) -> bool {
+    match engine {
+        EngineKind::Vllm => output > u64::from(limit),
+        EngineKind::Sglang => output >= u64::from(limit),
         EngineKind::Llamacpp => false,
     }
 }
@@ -181,11 +202,11 @@ fn kind_of(v: &Value) -> &'static str {
 ///
 /// With the region's tokens per byte as the cost uses them: measured from
 /// its engine's `usage.prompt_tokens` (for the request's model, where
-/// measured), else 4 bytes per token ([`crate::decision::tokens::PRIOR_TOKENS_PER_BYTE`]).
+/// measured), else 4 bytes per token ([`crate::fleet::tokens::PRIOR_TOKENS_PER_BYTE`]).
 pub fn prompt_tokens(req: &InferenceRequest, state: Option<&RegionState>) -> u64 {
-    crate::decision::tokens::tokens_of(
+    crate::fleet::tokens::tokens_of(
         req.prompt.bytes,
-        crate::decision::tokens::tokens_per_byte(state, req.model.as_deref()),
+        crate::fleet::tokens::tokens_per_byte(state, req.model.as_deref()),
     )
 }
 
@@ -195,11 +216,13 @@ pub fn requested_output(req: &InferenceRequest) -> Option<u64> {
     req.max_completion_tokens.or(req.max_tokens)
 }
 
-/// Whether a region with context limit `limit` can take a prompt estimated
-/// at `estimate` tokens asking for `output` tokens. As the engines judge it
-/// (a prompt must leave room for one output token; with an explicit output
-/// length, prompt and output must fit), on the estimate lowered by
-/// `margin`.
+/// Whether a region with context limit `limit` is likely to take a prompt
+/// estimated at `estimate` tokens asking for `output` tokens (`None`: the
+/// output does not count there, see [`output_counts`]): the estimate
+/// lowered by `margin` leaves room for one output token, or for the
+/// output. Only a preference: the estimate counts bytes, not the engine's
+/// tokens, so a region it passes over still takes the request when no
+/// region is likely to, and the engine judges.
 pub fn fits(margin: f64, limit: Option<u32>, estimate: u64, output: Option<u64>) -> bool {
     let Some(limit) = limit else {
         return true;
@@ -208,19 +231,19 @@ pub fn fits(margin: f64, limit: Option<u32>, estimate: u64, output: Option<u64>)
     lowered.saturating_add(output.unwrap_or(1).max(1)) <= u64::from(limit)
 }
 
-/// A request no allowed region can take: the region with the largest
-/// limit (the one that came closest), that limit, the estimate there and
-/// the output asked for.
+/// A request every allowed region's engine refuses for the output it asks
+/// for ([`refuses_output`]): the region with the largest limit, that
+/// limit, and the output asked for.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Exceeded {
     pub region: usize,
     pub limit: u32,
-    pub estimate: u64,
-    pub output: Option<u64>,
+    pub output: u64,
 }
 
 /// The context check of one request: per configured region (bit i) whether
-/// it can take the request, and the refusal when no allowed region can.
+/// it is a candidate by its context, and the refusal when every allowed
+/// region's engine is sure to refuse.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Check {
     pub fits: u64,
@@ -236,8 +259,15 @@ impl Check {
 }
 
 /// Check a request against the regions' limits in the snapshot. `allowed`
-/// is the residency pin (per configured region). No allocation: a few
-/// multiplications per region.
+/// is the residency pin (per configured region).
+///
+/// A region whose engine is sure to refuse the output asked for is no
+/// candidate; when that is every allowed region, the request is refused
+/// at the edge ([`Exceeded`]). Otherwise the candidates are the regions
+/// the prompt estimate likely fits ([`fits`]); when it likely fits none
+/// allowed, the allowed regions with the largest limit (or an unknown one)
+/// stay candidates, and their engine answers: a prompt is never refused
+/// on an estimate. No allocation: a few multiplications per region.
 pub fn check(
     cfg: &Config,
     req: &InferenceRequest,
@@ -248,75 +278,116 @@ pub fn check(
     let requested = requested_output(req);
     let mut fits_mask = 0u64;
     let mut any_allowed_fits = false;
-    let mut closest: Option<Exceeded> = None;
-    for i in 0..cfg.regions.len().min(64) {
+    // The allowed regions not sure to refuse with the largest limit
+    // (`Some(None)`: unknown, larger than any).
+    let mut takers = 0u64;
+    let mut largest: Option<Option<u32>> = None;
+    let mut refused: Option<Exceeded> = None;
+    for (i, region) in cfg.regions.iter().enumerate().take(64) {
         let state = snapshot.region_at(snapshot_index, i);
         let limit = state.and_then(|s| s.max_model_len);
-        let estimate = prompt_tokens(req, state);
-        let output =
-            requested.filter(|_| cfg.regions.get(i).is_none_or(|r| output_counts(r.engine)));
-        let ok = fits(cfg.context.margin, limit, estimate, output);
         let is_allowed = allowed.is_none_or(|a| a.get(i).copied().unwrap_or(false));
-        if ok {
-            fits_mask |= 1 << i;
-            any_allowed_fits |= is_allowed;
-        } else if let Some(limit) = limit.filter(|_| is_allowed) {
-            if closest.is_none_or(|c| limit > c.limit) {
-                closest = Some(Exceeded {
+        let sure = limit
+            .zip(requested)
+            .filter(|&(l, o)| refuses_output(region.engine, l, o));
+        if let Some((limit, output)) = sure {
+            if is_allowed && refused.is_none_or(|r| limit > r.limit) {
+                refused = Some(Exceeded {
                     region: i,
                     limit,
-                    estimate,
                     output,
                 });
             }
+            continue;
+        }
+        let output = requested.filter(|_| output_counts(region.engine));
+        if fits(cfg.context.margin, limit, prompt_tokens(req, state), output) {
+            fits_mask |= 1 << i;
+            any_allowed_fits |= is_allowed;
+        }
+        if is_allowed {
+            let larger = match (largest, limit) {
+                (None, _) | (Some(Some(_)), None) => true,
+                (Some(None), _) => false,
+                (Some(Some(l)), Some(m)) => m > l,
+            };
+            if larger {
+                takers = 0;
+                largest = Some(limit);
+            }
+            if largest == Some(limit) {
+                takers |= 1 << i;
+            }
         }
     }
+    if largest.is_none() {
+        return Check {
+            fits: fits_mask,
+            exceeded: refused,
+        };
+    }
     Check {
-        fits: fits_mask,
-        exceeded: closest.filter(|_| !any_allowed_fits),
+        fits: if any_allowed_fits {
+            fits_mask
+        } else {
+            fits_mask | takers
+        },
+        exceeded: None,
     }
 }
 
-/// The refusal's OpenAI error `type`: `invalid_request_error`, except
-/// where the engine's clients look for its own (llama.cpp's
-/// `exceed_context_size_error`).
-pub fn refusal_type(engine: EngineKind) -> &'static str {
+/// The refused output's field, as the client named it.
+pub fn output_param(endpoint: Endpoint, req: &InferenceRequest) -> &'static str {
+    match (req.max_completion_tokens, endpoint) {
+        (Some(_), _) => "max_completion_tokens",
+        (None, Endpoint::Responses) => "max_output_tokens",
+        (None, _) => "max_tokens",
+    }
+}
+
+/// An engine's refusal as its clients see it: the OpenAI error's `type`,
+/// `param` and `code` (vLLM's `code` is the status number), and its
+/// message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineRefusal {
+    pub error_type: &'static str,
+    pub param: &'static str,
+    pub code: Code<'static>,
+    pub message: String,
+}
+
+/// The refusal of an output the region's engine is sure to refuse
+/// ([`refuses_output`]), in that engine's words, type, `param` and code:
+/// vLLM 0.32's, as wasm-tests/test_vllm.py checks against the real
+/// engine. SGLang's message states the prompt's tokens, which only the
+/// engine counts: the edge says it estimated them. (llama.cpp refuses no
+/// output length; were it asked, it answers as vLLM.)
+pub fn refusal(
+    engine: EngineKind,
+    e: &Exceeded,
+    param: &'static str,
+    estimate: u64,
+) -> EngineRefusal {
+    let (limit, m) = (e.limit, e.output);
     match engine {
-        EngineKind::Vllm | EngineKind::Sglang => "invalid_request_error",
-        EngineKind::Llamacpp => "exceed_context_size_error",
+        EngineKind::Vllm | EngineKind::Llamacpp => EngineRefusal {
+            error_type: "BadRequestError",
+            param,
+            code: Code::Status(400),
+            message: format!(
+                "{param}={m} cannot be greater than max_model_len={limit}. Please request fewer output tokens. (parameter={param}, value={m})"
+            ),
+        },
+        EngineKind::Sglang => EngineRefusal {
+            error_type: "invalid_request_error",
+            param,
+            code: Code::Text("context_length_exceeded"),
+            message: format!(
+                "Requested token count exceeds the model's maximum context length of {limit} tokens. You requested a total of about {} tokens: about {estimate} tokens from the input messages (estimated at the edge) and {m} tokens for the completion. Please reduce the number of tokens in the input messages or the completion to fit within the limit.",
+                estimate.saturating_add(m)
+            ),
+        },
     }
-}
-
-/// The refusal's message, in the words of the region's engine, saying that
-/// the count is the router's estimate. vLLM and SGLang each have two: the
-/// prompt alone is too long, or prompt plus requested output is; llama.cpp
-/// has one (it refuses on the prompt alone).
-pub fn refusal_message(engine: EngineKind, e: &Exceeded, margin: f64) -> String {
-    let (limit, n) = (e.limit, e.estimate);
-    let prompt_alone = !fits(margin, Some(limit), n, None);
-    match (engine, e.output.filter(|_| !prompt_alone)) {
-        (EngineKind::Vllm, None) => format!(
-            "This model's maximum context length is {limit} tokens. However, your request has about {n} input tokens (estimated at the edge). Please reduce the length of the input messages."
-        ),
-        (EngineKind::Vllm, Some(m)) => format!(
-            "'max_tokens' or 'max_completion_tokens' is too large: {m}. This model's maximum context length is {limit} tokens and your request has about {n} input tokens (estimated at the edge) ({m} > {limit} - {n})."
-        ),
-        (EngineKind::Sglang, None) => format!(
-            "The input (about {n} tokens, estimated at the edge) is longer than the model's context length ({limit} tokens)."
-        ),
-        (EngineKind::Sglang, Some(m)) => format!(
-            "Requested token count exceeds the model's maximum context length of {limit} tokens. You requested a total of about {} tokens: about {n} tokens from the input messages (estimated at the edge) and {m} tokens for the completion. Please reduce the number of tokens in the input messages or the completion to fit within the limit.",
-            n.saturating_add(m)
-        ),
-        (EngineKind::Llamacpp, _) => format!(
-            "request (about {n} tokens, estimated at the edge) exceeds the available context size ({limit} tokens), try increasing it"
-        ),
-    }
-}
-
-/// The OpenAI `param` a refusal names: the prompt's field.
-pub fn param(endpoint: Endpoint) -> &'static str {
-    endpoint.prompt_param()
 }
 
 #[cfg(test)]
@@ -509,7 +580,7 @@ mod tests {
     }
 
     #[test]
-    fn the_check_excludes_regions_and_refuses_only_when_none_allowed_fits() {
+    fn only_an_output_the_engines_refuse_whatever_the_prompt_is_refused() {
         let c = cfg();
         let idx = [Some(0), Some(1), Some(2)];
         // 40,000 bytes of canonical text ("user\n" + content + "\n"): 10,000
@@ -518,110 +589,128 @@ mod tests {
         assert_eq!(prompt_tokens(&req, None), 10_000);
         let s = snap(&c, [Some(4096), Some(32768), None]);
         let k = check(&c, &req, &s, &idx, None);
-        assert_eq!(k.fits, 0b110, "near cannot take it; far's limit is unknown");
+        assert_eq!(
+            k.fits, 0b110,
+            "near likely cannot take it; far's limit is unknown"
+        );
         assert_eq!(k.exceeded, None);
-        // Every limit known and too small: refused; the closest region is named.
+        // Every limit known and likely too small: never refused on an
+        // estimate; the region with the largest limit takes it.
         let s = snap(&c, [Some(4096), Some(8192), Some(2048)]);
         let k = check(&c, &req, &s, &idx, None);
-        assert_eq!(k.fits, 0);
+        assert_eq!((k.fits, k.exceeded), (0b010, None));
+        // A pin whose only region likely cannot take it: it goes there.
+        let s = snap(&c, [Some(4096), Some(32768), Some(32768)]);
+        let k = check(&c, &req, &s, &idx, Some(&[true, false, false]));
+        assert_eq!((k.fits & 0b001, k.exceeded), (0b001, None));
+        // vLLM 0.32 serves a prompt that fits whatever max_tokens asks
+        // (it cuts the answer at the context): 9,000 + 24,000 > 32,768,
+        // still a candidate. SGLang counts the output: far is passed over.
+        let long_answer = chat(39_994, r#","max_tokens":100,"max_completion_tokens":24000"#);
+        let k = check(&c, &long_answer, &s, &idx, None);
+        assert_eq!((k.fits, k.exceeded), (0b010, None));
+        // An output above every limit: vLLM refuses it whatever the
+        // prompt, SGLang from its whole context on; refused, naming the
+        // largest limit.
+        let s = snap(&c, [Some(4096), Some(8192), Some(8192)]);
+        let huge = chat(100, r#","max_tokens":8193"#);
+        let k = check(&c, &huge, &s, &idx, None);
         assert_eq!(
             k.exceeded,
             Some(Exceeded {
                 region: 1,
                 limit: 8192,
-                estimate: 10_000,
-                output: None
+                output: 8193
             })
         );
-        // A pin whose only region cannot take it: refused, though another could.
-        let s = snap(&c, [Some(4096), Some(32768), Some(32768)]);
-        let k = check(&c, &req, &s, &idx, Some(&[true, false, false]));
-        assert_eq!(k.exceeded.map(|e| (e.region, e.limit)), Some((0, 4096)));
-        assert!(check(&c, &req, &s, &idx, Some(&[true, true, false]))
-            .exceeded
-            .is_none());
-        // The requested output counts: 9,000 + 24,000 > 32,768.
-        let long_answer = chat(39_994, r#","max_tokens":100,"max_completion_tokens":24000"#);
-        let k = check(&c, &long_answer, &s, &idx, None);
-        assert_eq!(
-            k.exceeded.map(|e| (e.limit, e.output)),
-            Some((32768, Some(24000)))
-        );
+        // Exactly the limit: vLLM serves it (cut at the context), SGLang
+        // refuses it.
+        let k = check(&c, &chat(100, r#","max_tokens":8192"#), &s, &idx, None);
+        assert_eq!((k.fits, k.exceeded), (0b010, None));
+        // An unknown limit takes any output.
+        let s = snap(&c, [Some(4096), Some(8192), None]);
+        let k = check(&c, &huge, &s, &idx, None);
+        assert_eq!((k.fits, k.exceeded), (0b100, None));
         // A short prompt fits everywhere.
         let k = check(&c, &chat(100, ""), &s, &idx, None);
         assert_eq!((k.fits, k.exceeded), (0b111, None));
     }
 
     #[test]
-    fn a_llamacpp_region_counts_only_the_prompt() {
+    fn a_llamacpp_region_refuses_no_output_length() {
         let mut c = cfg();
         if let Some(r) = c.regions.get_mut(2) {
             r.engine = EngineKind::Llamacpp;
         }
         let idx = [Some(0), Some(1), Some(2)];
         let s = snap(&c, [Some(4096), Some(4096), Some(4096)]);
-        // 1,000 tokens of prompt and 8,000 asked for: vLLM and SGLang
-        // refuse it, llama.cpp serves it until its context is full.
+        // 8,000 tokens asked for: vLLM refuses it, llama.cpp serves it
+        // until its slot's context is full.
         let req = chat(3_994, r#","max_tokens":8000"#);
         let k = check(&c, &req, &s, &idx, None);
         assert_eq!((k.fits, k.exceeded), (0b100, None));
-        // A prompt that fills the slot's context: refused there too.
-        let req = chat(19_994, r#","max_tokens":1"#);
-        let k = check(&c, &req, &s, &idx, Some(&[false, false, true]));
-        assert_eq!(
-            k.exceeded,
-            Some(Exceeded {
-                region: 2,
-                limit: 4096,
-                estimate: 5_000,
-                output: None
-            })
-        );
+        let k = check(&c, &req, &s, &idx, Some(&[true, true, false]));
+        assert_eq!(k.exceeded.map(|e| (e.region, e.limit)), Some((0, 4096)));
     }
 
     #[test]
-    fn the_refusal_is_in_the_engines_words_with_an_estimate() {
+    fn the_refusal_is_the_engines_own() {
         let e = Exceeded {
             region: 0,
             limit: 4096,
-            estimate: 10_002,
-            output: None,
+            output: 5000,
         };
+        // vLLM 0.32's answer to max_tokens 5000 over max_model_len 4096,
+        // byte for byte as the real engine (wasm-tests/test_vllm.py).
         assert_eq!(
-            refusal_message(EngineKind::Vllm, &e, 0.1),
-            "This model's maximum context length is 4096 tokens. However, your request has about 10002 input tokens (estimated at the edge). Please reduce the length of the input messages."
+            refusal(EngineKind::Vllm, &e, "max_completion_tokens", 10),
+            EngineRefusal {
+                error_type: "BadRequestError",
+                param: "max_completion_tokens",
+                code: Code::Status(400),
+                message: "max_completion_tokens=5000 cannot be greater than max_model_len=4096. Please request fewer output tokens. (parameter=max_completion_tokens, value=5000)".into(),
+            }
         );
+        let r = refusal(EngineKind::Sglang, &e, "max_tokens", 10);
+        assert!(r.message.starts_with(
+            "Requested token count exceeds the model's maximum context length of 4096 tokens. You requested a total of about 5010 tokens"
+        ), "{}", r.message);
         assert_eq!(
-            refusal_message(EngineKind::Sglang, &e, 0.1),
-            "The input (about 10002 tokens, estimated at the edge) is longer than the model's context length (4096 tokens)."
+            (r.error_type, r.code),
+            (
+                "invalid_request_error",
+                Code::Text("context_length_exceeded")
+            )
         );
-        // The prompt fits, the output does not: the max_tokens wording.
-        let e = Exceeded {
-            limit: 32768,
-            output: Some(24000),
-            ..e
+        let parse = |endpoint, body: &str| {
+            openai::parse(endpoint, body.as_bytes(), PromptHasher::counting_only()).unwrap()
         };
+        let p = |endpoint, body: &str| output_param(endpoint, &parse(endpoint, body));
+        let m = r#""messages":[{"role":"user","content":"x"}]"#;
         assert_eq!(
-            refusal_message(EngineKind::Vllm, &e, 0.1),
-            "'max_tokens' or 'max_completion_tokens' is too large: 24000. This model's maximum context length is 32768 tokens and your request has about 10002 input tokens (estimated at the edge) (24000 > 32768 - 10002)."
-        );
-        assert!(refusal_message(EngineKind::Sglang, &e, 0.1).starts_with(
-            "Requested token count exceeds the model's maximum context length of 32768 tokens. You requested a total of about 34002 tokens"
-        ));
-        // A prompt too long on its own is said so, whatever max_tokens says.
-        let e = Exceeded { limit: 4096, ..e };
-        assert!(refusal_message(EngineKind::Vllm, &e, 0.1).starts_with("This model's maximum"));
-        // llama.cpp's one wording, its error type.
-        assert_eq!(
-            refusal_message(EngineKind::Llamacpp, &e, 0.1),
-            "request (about 10002 tokens, estimated at the edge) exceeds the available context size (4096 tokens), try increasing it"
+            p(
+                Endpoint::ChatCompletions,
+                &format!(r#"{{{m},"max_tokens":5}}"#)
+            ),
+            "max_tokens"
         );
         assert_eq!(
-            refusal_type(EngineKind::Llamacpp),
-            "exceed_context_size_error"
+            p(
+                Endpoint::ChatCompletions,
+                &format!(r#"{{{m},"max_tokens":5,"max_completion_tokens":6}}"#)
+            ),
+            "max_completion_tokens"
         );
-        assert_eq!(refusal_type(EngineKind::Vllm), "invalid_request_error");
-        assert_eq!(refusal_type(EngineKind::Sglang), "invalid_request_error");
-        assert_eq!(param(Endpoint::Completions), "prompt");
+        assert_eq!(
+            p(Endpoint::Completions, r#"{"prompt":"x","max_tokens":5}"#),
+            "max_tokens"
+        );
+        assert_eq!(
+            p(
+                Endpoint::Responses,
+                r#"{"input":"x","max_output_tokens":5}"#
+            ),
+            "max_output_tokens"
+        );
     }
 }

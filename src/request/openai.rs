@@ -756,7 +756,7 @@ mod tests {
             PromptHasher::counting_only(),
         )
         .unwrap();
-        let tpb = crate::decision::tokens::PRIOR_TOKENS_PER_BYTE;
-        assert_eq!(crate::decision::tokens::tokens_of(r.prompt.bytes, tpb), 3);
+        let tpb = crate::fleet::tokens::PRIOR_TOKENS_PER_BYTE;
+        assert_eq!(crate::fleet::tokens::tokens_of(r.prompt.bytes, tpb), 3);
     }
 }

@@ -142,8 +142,8 @@ pub fn check_body(
 ) -> Result<Verdict, RequestError> {
     let req = openai::parse(endpoint, body, PromptHasher::counting_only())?;
     if let Some(limit) = policy.max_prompt_tokens {
-        let tpb = crate::decision::tokens::fleet_tokens_per_byte(snapshot, req.model.as_deref());
-        let tokens = crate::decision::tokens::tokens_of(req.prompt.bytes, tpb);
+        let tpb = crate::fleet::tokens::fleet_tokens_per_byte(snapshot, req.model.as_deref());
+        let tokens = crate::fleet::tokens::tokens_of(req.prompt.bytes, tpb);
         if tokens > limit {
             return Ok(Verdict::PromptTooLong { tokens, limit });
         }

@@ -141,7 +141,7 @@ impl Probe {
             );
             let tpb = r
                 .tokens_per_byte
-                .unwrap_or(crate::decision::tokens::PRIOR_TOKENS_PER_BYTE);
+                .unwrap_or(crate::fleet::tokens::PRIOR_TOKENS_PER_BYTE);
             rg(
                 host,
                 RegionStat::TokensPerKib,

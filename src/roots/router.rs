@@ -22,6 +22,7 @@ use crate::decision::placement::UnreadInputs;
 use crate::fleet::view::View;
 use crate::learning::tuning::Observation;
 use crate::learning::usage::Tail;
+use crate::request::limits::EngineRefusal;
 use crate::request::openai::{self, BodyKind, Endpoint, RequestError};
 use crate::shared::flow::{Flow, Reply};
 use crate::shared::host_api::StreamHost;
@@ -244,16 +245,11 @@ impl RouterStream {
                 host.count(Stat::Global(Global::RouterResidencyRejected), 1);
                 return reject("invalid_residency", &msg, None);
             }
-            Err(Refusal::ContextLength {
-                message,
-                error_type,
-                param,
-                ..
-            }) => {
+            Err(Refusal::ContextLength { refusal, .. }) => {
                 // Refused here rather than shipped across the WAN to be
-                // refused by the engine, in the engine's own words.
+                // refused by the engine, as the engine answers it.
                 host.count(Stat::Global(Global::RouterContextRejected), 1);
-                return reject_context(error_type, &message, param);
+                return reject_context(&refusal);
             }
             Err(Refusal::HolderUnavailable(message)) => {
                 return holder_unavailable(host, &message, Some("previous_response_id"));
@@ -382,12 +378,7 @@ impl RouterStream {
             }
             Err(Refusal::HolderUnavailable(msg)) => return holder_unavailable(host, &msg, None),
             Err(Refusal::Invalid(e)) => return reject("invalid_request", &e.message, e.param),
-            Err(Refusal::ContextLength {
-                message,
-                error_type,
-                param,
-                ..
-            }) => return reject_context(error_type, &message, param),
+            Err(Refusal::ContextLength { refusal, .. }) => return reject_context(&refusal),
         };
         drop(inflight);
         if placed.unknown_response {
@@ -444,16 +435,15 @@ fn holder_unavailable(host: &mut dyn StreamHost, message: &str, param: Option<&s
     ))
 }
 
-/// A prompt no allowed region's context can take: 400
-/// `context_length_exceeded`, with the error `type` of the engine's
-/// family (`limits::refusal_type`).
-fn reject_context(error_type: &str, message: &str, param: &str) -> Flow {
-    Flow::Reply(Reply::error(
+/// An output every allowed region's engine is sure to refuse: 400 as that
+/// engine answers it (`limits::refusal`).
+fn reject_context(r: &EngineRefusal) -> Flow {
+    Flow::Reply(Reply::error_coded(
         400,
-        error_type,
-        "context_length_exceeded",
-        message,
-        Some(param),
+        r.error_type,
+        r.code,
+        &r.message,
+        Some(r.param),
         &[],
     ))
 }
@@ -986,6 +976,43 @@ mod tests {
     }
 
     #[test]
+    fn a_continued_responses_usage_teaches_nothing() {
+        // The engine counts the stored history in `input_tokens`; the
+        // router saw only the new input: no usage report, no TTFT
+        // observation (issue 45, item 2). A new Responses request reports.
+        let sh = shared("");
+        let mut host = new_host(&sh);
+        let completed = |id: &str| {
+            format!(
+                r#"{{"id":"{id}","object":"response","output":[],"usage":{{"input_tokens":1547,"input_tokens_details":{{"cached_tokens":1408}},"output_tokens":4,"total_tokens":1551}}}}"#
+            )
+        };
+        let sent = |host: &mut Recorder| -> Vec<Vec<u8>> {
+            host.queues
+                .remove(OBSERVATIONS_QUEUE)
+                .unwrap_or_default()
+                .into()
+        };
+        let first = format!(
+            r#"{{"model":"m","input":"{}"}}"#,
+            "a question about the harbour ledger. ".repeat(20)
+        );
+        let (mut s, _) = request(&sh, &mut host, headers("/v1/responses", &[]), &first);
+        answer(&mut s, &sh, &mut host, &completed("resp_7"));
+        let reports = sent(&mut host);
+        assert!(
+            reports
+                .iter()
+                .any(|m| m.first() == Some(&crate::learning::usage::REPORT_TAG)),
+            "{reports:?}"
+        );
+        host.next_stream();
+        let (mut s, _) = request(&sh, &mut host, headers("/v1/responses", &[]), FOLLOW);
+        answer(&mut s, &sh, &mut host, &completed("resp_8"));
+        assert_eq!(sent(&mut host), Vec::<Vec<u8>>::new());
+    }
+
+    #[test]
     fn what_an_answer_teaches_is_charged_to_the_region_that_served_it() {
         let sh = shared("");
         let mut host = new_host(&sh);
@@ -1192,7 +1219,7 @@ mod tests {
     }
 
     #[test]
-    fn a_prompt_beyond_every_regions_context_gets_the_engines_400() {
+    fn only_an_output_beyond_every_regions_context_gets_the_engines_400_at_the_edge() {
         let sh = shared("");
         let mut host = new_host(&sh);
         let mut snap = Snapshot::all_healthy(&sh.cfg);
@@ -1201,36 +1228,50 @@ mod tests {
         snap.regions[0].max_model_len = Some(4096);
         snap.regions[1].max_model_len = Some(4096);
         host.publish(&snap);
+        // About 10,000 tokens by the estimate: only the engine counts
+        // them, so the request goes to an engine, which judges (issue 45,
+        // item 2).
         let long = format!(r#"{{"prompt":"{}","max_tokens":16}}"#, "word ".repeat(8000));
-        let (s, f) = request(&sh, &mut host, headers("/v1/completions", &[]), &long);
+        let (_, f) = request(&sh, &mut host, headers("/v1/completions", &[]), &long);
+        assert_eq!(f, Flow::Continue);
+        assert!(host.request_header("x-llm-cluster").is_some());
+        assert_eq!(host.value(Stat::Global(Global::RouterContextRejected)), 0);
+        // An output above every region's limit: vLLM refuses it whatever
+        // the prompt; the edge answers as vLLM 0.32 does (issue 45, item 7).
+        host.next_stream();
+        let (s, f) = request(
+            &sh,
+            &mut host,
+            headers("/v1/completions", &[]),
+            r#"{"prompt":"hi","max_tokens":5000}"#,
+        );
         let Flow::Reply(r) = f else { panic!("{f:?}") };
         let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
         assert_eq!(r.status, 400);
-        assert_eq!(v["error"]["code"], "context_length_exceeded");
-        assert_eq!(v["error"]["type"], "invalid_request_error");
-        assert_eq!(v["error"]["param"], "prompt");
         assert_eq!(
-            v["error"]["message"],
-            "This model's maximum context length is 4096 tokens. However, your request has about 10000 input tokens (estimated at the edge). Please reduce the length of the input messages."
+            v,
+            serde_json::json!({"error": {
+                "message": "max_tokens=5000 cannot be greater than max_model_len=4096. Please request fewer output tokens. (parameter=max_tokens, value=5000)",
+                "type": "BadRequestError", "param": "max_tokens", "code": 400}})
         );
         assert_eq!(host.value(Stat::Global(Global::RouterContextRejected)), 1);
         assert!(s.decision().is_none());
         assert_eq!(host.request_header("x-llm-cluster"), None, "sent nowhere");
         assert_eq!(host.value(Stat::Region(0, RegionStat::RqTotal)), 0);
-        // A short prompt is routed as before.
+        // As many as the context: vLLM 0.32 serves it, cut at the context.
         host.next_stream();
         let (_, f) = request(
             &sh,
             &mut host,
             headers("/v1/completions", &[]),
-            r#"{"prompt":"hi"}"#,
+            r#"{"prompt":"hi","max_tokens":4096}"#,
         );
         assert_eq!(f, Flow::Continue);
         assert_eq!(host.request_header("x-llm-cluster"), Some(Some("cn")));
     }
 
     #[test]
-    fn llamacpp_regions_refuse_in_llamacpp_words_and_only_on_the_prompt() {
+    fn llamacpp_regions_are_never_refused_at_the_edge() {
         let mut c = (*shared("").cfg).clone();
         for r in &mut c.regions {
             r.engine = crate::engines::metrics::EngineKind::Llamacpp;
@@ -1244,29 +1285,18 @@ mod tests {
         snap.regions[0].max_model_len = Some(4096);
         snap.regions[1].max_model_len = Some(4096);
         host.publish(&snap);
-        let long = format!(r#"{{"prompt":"{}"}}"#, "word ".repeat(8000));
-        let (_, f) = request(&sh, &mut host, headers("/v1/completions", &[]), &long);
-        let Flow::Reply(r) = f else { panic!("{f:?}") };
-        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
-        assert_eq!(r.status, 400);
-        assert_eq!(v["error"]["type"], "exceed_context_size_error");
-        assert_eq!(v["error"]["code"], "context_length_exceeded");
-        assert_eq!(
-            v["error"]["message"],
-            "request (about 10000 tokens, estimated at the edge) exceeds the available context size (4096 tokens), try increasing it"
-        );
-        assert_eq!(host.value(Stat::Global(Global::RouterContextRejected)), 1);
-        // A short prompt asking for more output than the context holds:
-        // llama-server takes it (and stops when the context is full), so
-        // the edge does too. (vLLM's region would refuse it.)
-        let (_, f) = request(
-            &sh,
-            &mut host,
-            headers("/v1/completions", &[]),
-            r#"{"prompt":"hi","max_tokens":100000}"#,
-        );
-        assert_eq!(f, Flow::Continue);
-        assert_eq!(host.value(Stat::Global(Global::RouterContextRejected)), 1);
+        // llama-server refuses only a prompt that fills the slot, which
+        // only it counts; it takes any max_tokens and stops when the slot
+        // is full.
+        for body in [
+            format!(r#"{{"prompt":"{}"}}"#, "word ".repeat(8000)),
+            r#"{"prompt":"hi","max_tokens":100000}"#.to_string(),
+        ] {
+            host.next_stream();
+            let (_, f) = request(&sh, &mut host, headers("/v1/completions", &[]), &body);
+            assert_eq!(f, Flow::Continue);
+        }
+        assert_eq!(host.value(Stat::Global(Global::RouterContextRejected)), 0);
     }
 
     #[test]

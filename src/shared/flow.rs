@@ -1,7 +1,7 @@
 //! What the two HTTP filters have in common: the flow-control answer to
 //! each event, and local replies in the OpenAI error format.
 
-use crate::shared::openai_error;
+use crate::shared::openai_error::{self, Code};
 
 /// A reply the filter sends instead of forwarding the request.
 #[derive(Debug, Clone, PartialEq)]
@@ -17,6 +17,19 @@ impl Reply {
         status: u32,
         kind: &str,
         code: &str,
+        message: &str,
+        param: Option<&str>,
+        extra: &[(&'static str, String)],
+    ) -> Reply {
+        Reply::error_coded(status, kind, Code::Text(code), message, param, extra)
+    }
+
+    /// An OpenAI-style error whose `code` may be a number (vLLM's is the
+    /// HTTP status).
+    pub fn error_coded(
+        status: u32,
+        kind: &str,
+        code: Code<'_>,
         message: &str,
         param: Option<&str>,
         extra: &[(&'static str, String)],

@@ -14,11 +14,25 @@ struct Error<'a> {
     #[serde(rename = "type")]
     kind: &'a str,
     param: Option<&'a str>,
-    code: Option<&'a str>,
+    code: Option<Code<'a>>,
+}
+
+/// An error's `code`: OpenAI's and SGLang's are strings
+/// (`context_length_exceeded`); vLLM's is the HTTP status as a number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum Code<'a> {
+    Text(&'a str),
+    Status(u16),
 }
 
 /// An error body. `kind` is OpenAI's `type` (e.g. `invalid_request_error`).
-pub fn error_body(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> Vec<u8> {
+pub fn error_body(
+    message: &str,
+    kind: &str,
+    param: Option<&str>,
+    code: Option<Code<'_>>,
+) -> Vec<u8> {
     serde_json::to_vec(&Body {
         error: Error {
             message,
@@ -42,5 +56,11 @@ mod tests {
         assert_eq!(v["error"]["type"], "invalid_request_error");
         assert_eq!(v["error"]["param"], "messages");
         assert!(v["error"]["code"].is_null());
+        let b = super::error_body("m", "BadRequestError", None, Some(super::Code::Status(400)));
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["error"]["code"], 400);
+        let b = super::error_body("m", "x", None, Some(super::Code::Text("c")));
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["error"]["code"], "c");
     }
 }
