@@ -257,6 +257,106 @@ def start_llama(name: str, run_dir: Path, ctx: int = 16384, parallel: int = 4, p
     return Engine(name, port, proc, log_path, args)
 
 
+# vLLM 0.32's CPU build, installed once into a venv of its own outside the
+# repository by scripts/vllm-install (scripts/setup runs it), with a small
+# random-weight Llama over the same Llama-3 vocabulary.
+VLLM_INSTALL = ROOT / "scripts" / "vllm-install"
+# The model name the vLLM regions answer to (--served-model-name).
+VLLM_MODEL = "tiny-llama3"
+# vLLM's CPU build caches in blocks of this many tokens (its default there;
+# 16 on GPUs).
+VLLM_BLOCK = 128
+
+
+class VllmEngine(Engine):
+    """A vLLM server: its engine core runs in a child process of the API
+    server, in a process group of its own, so a kill takes the group."""
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+
+
+def vllm_install() -> tuple[Path, Path]:
+    """(the vLLM venv's python, the model folder), as scripts/vllm-install
+    reports them: at once from its cache, or after installing on a machine
+    where scripts/setup has not run."""
+    r = subprocess.run([str(VLLM_INSTALL)], capture_output=True, text=True, timeout=3600, cwd=ROOT)
+    if r.returncode != 0:
+        raise RuntimeError(f"scripts/vllm-install failed ({r.returncode}): {r.stderr[-2000:]}")
+    paths = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+    return Path(paths["VLLM_PYTHON"]), Path(paths["VLLM_TINY_MODEL"])
+
+
+def vllm_env(kv_space_gib: float = 1.0, store: bool = False) -> dict:
+    """The environment a vLLM CPU server needs here (docs/INSTALL.md): a KV
+    space of its own (its default takes 92 % of a NUMA node and dies), no
+    thread pinning to core 0, one OpenMP thread, no hub."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env.update({
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    })
+    if store:
+        env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
+    return env
+
+
+def launch_vllm(name: str, run_dir: Path, max_model_len: int = 4096, max_num_seqs: int = 8, port: int = 0,
+                kv_space_gib: float = 1.0, store: bool = False, extra: list | None = None) -> Engine:
+    """Starts a real vLLM OpenAI server on a loopback port serving the tiny
+    model as VLLM_MODEL, as the docs tell operators to run it (prefix
+    caching, prompt-token details), without waiting for it (start-up takes
+    30-45 s: start several, then wait_vllm each)."""
+    python, model = vllm_install()
+    port = port or free_port()
+    log_path = run_dir / f"vllm-{name}.log"
+    args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", VLLM_MODEL, "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--enforce-eager",
+            "--disable-uvicorn-access-log", *(extra or [])]
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=open(log_path, "w"), cwd=run_dir, env=vllm_env(kv_space_gib, store),
+                            start_new_session=True)
+    return VllmEngine(name, port, proc, log_path, args)
+
+
+def wait_vllm(engine: Engine, timeout: float = 240.0) -> Engine:
+    """Until the server's /health answers 200 (it refuses connections while
+    it loads)."""
+    try:
+        wait_http_ok(f"vllm {engine.name}", engine.proc, f"{engine.url}/health", engine.log_path,
+                     time.time() + timeout)
+    except RuntimeError:
+        stop_vllm(engine)
+        raise
+    return engine
+
+
+def stop_vllm(engine: Engine) -> None:
+    """SIGTERM to the server's process group (its engine core is a child
+    process), then SIGKILL after 20 s."""
+    if engine.proc.poll() is not None:
+        return
+    try:
+        os.killpg(engine.proc.pid, signal.SIGTERM)
+        engine.proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(engine.proc.pid, signal.SIGKILL)
+        engine.proc.wait(timeout=10)
+    except ProcessLookupError:
+        pass
+
+
 @dataclass
 class Envoy:
     proc: subprocess.Popen
@@ -754,7 +854,44 @@ class Fleet:
             peers = (self.exchange_ports[i], self.exchange_ports) if shared else None
             cfg = render_config(self.engines, free_port(), free_port(), overrides, peers=peers)
             self.envoys.append(start_envoy(self.run_dir, cfg, name=f"envoy{i}"))
-        deadline = time.time() + 30
+        self.wait_limits()
+        return self
+
+    def start_vllm(self, overrides: dict | None = None, envoys: int = 1, shared: bool = False,
+                   max_model_len: int = 4096, vllm: dict[str, dict] | None = None) -> "Fleet":
+        """Three real vLLM 0.32 regions (launch_vllm; `vllm` maps a region
+        to launch_vllm's keyword arguments for it) in place of the
+        emulators, then the Envoys with envoy/envoy.yaml's regions (every
+        `engine` is `vllm` there); ready once every Envoy's probe has every
+        region healthy and its context limit read."""
+        per = vllm or {}
+        launched = [launch_vllm(name, self.run_dir, **{"max_model_len": max_model_len, **per.get(name, {})})
+                    for name in DEMO_REGIONS]
+        try:
+            for e in launched:
+                self.engines[e.name] = wait_vllm(e)
+        except BaseException:
+            for e in launched:
+                stop_vllm(e)
+            raise
+        self.replicas = {n: [e] for n, e in self.engines.items()}
+        demo = plugin_config(yaml.safe_load(DEMO_CONFIG.read_text()))
+        regions = [{**r, "engine": "vllm"} for r in demo["regions"]]
+        overrides = {**(overrides or {}), "regions": regions}
+        if shared:
+            self.exchange_ports = [free_port() for _ in range(envoys)]
+        for i in range(envoys):
+            peers = (self.exchange_ports[i], self.exchange_ports) if shared else None
+            cfg = render_config(self.engines, free_port(), free_port(), overrides, peers=peers)
+            self.envoys.append(start_envoy(self.run_dir, cfg, name=f"envoy{i}"))
+        self.wait_limits()
+        return self
+
+    def wait_limits(self, timeout: float = 30.0) -> None:
+        """Until every Envoy's probe has every region healthy and its
+        context limit read (real engines on loopback: their round trips may
+        read 0 ms, so not wait_snapshot)."""
+        deadline = time.time() + timeout
         for e in self.envoys:
             while True:
                 s = e.stats(r"llm_geo_router\.region\.[a-z]+\.(healthy|max_model_len)$")
@@ -762,9 +899,8 @@ class Fleet:
                        for n in DEMO_REGIONS for k in ("healthy", "max_model_len")):
                     break
                 if time.time() > deadline:
-                    raise RuntimeError(f"llama-server regions not ready: {s}; see {e.log_path}")
+                    raise RuntimeError(f"regions not ready: {s}; see {e.log_path}")
                 time.sleep(0.1)
-        return self
 
     def wait_snapshot(self, envoy: Envoy, timeout: float = 20.0) -> None:
         """Until the probe has published and measured every region's RTT."""
