@@ -114,17 +114,19 @@ def scene_load(fleet: Fleet, region: str) -> None:
 
 
 def scene_context(fleet: Fleet) -> None:
-    heading(5, "a prompt far beyond the 4096-token context llama-server states (meta.n_ctx) is refused "
-               "at the edge, in the engine's words, and reaches no engine")
-    before = [engine_metrics(e)["llamacpp:prompt_tokens_total"] for e in fleet.engines.values()]
+    heading(5, "a prompt far beyond the 4096-token context llama-server states (meta.n_ctx): only the engine "
+               "counts its tokens, so the edge sends it on and llama-server refuses it in its own words")
+    rejected = [e.stat("wasmcustom.llm_geo_router.router.context_rejected") for e in fleet.envoys]
     r = show("a 60 KB prompt", chat([{"role": "user", "content": prose("long", 60000)}]))
     check(r.status == 400, f"over-context prompt: HTTP {r.status}")
     try:
-        note(f"error: {r.json()['error']}")
+        err = r.json()["error"]
+        note(f"llama-server's error: {err}")
+        check(err.get("type") == "exceed_context_size_error", f"not llama-server's refusal: {err}")
     except (ValueError, KeyError, TypeError):
         check(False, f"over-context prompt: no OpenAI error body: {r.body[:200]!r}")
-    after = [engine_metrics(e)["llamacpp:prompt_tokens_total"] for e in fleet.engines.values()]
-    check(after == before, f"an engine processed the refused prompt: {before} -> {after}")
+    after = [e.stat("wasmcustom.llm_geo_router.router.context_rejected") for e in fleet.envoys]
+    check(after == rejected, f"the edge refused a prompt on its estimate: {rejected} -> {after}")
 
 
 def main() -> int:

@@ -292,13 +292,13 @@ def vllm_install() -> tuple[Path, Path]:
     return Path(paths["VLLM_PYTHON"]), Path(paths["VLLM_TINY_MODEL"])
 
 
-def vllm_env(kv_space_gib: float = 1.0, store: bool = False) -> dict:
+def vllm_env(kv_space_gib: int = 1, store: bool = False) -> dict:
     """The environment a vLLM CPU server needs here (docs/INSTALL.md): a KV
     space of its own (its default takes 92 % of a NUMA node and dies), no
     thread pinning to core 0, one OpenMP thread, no hub."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env.update({
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
+        "VLLM_CPU_KVCACHE_SPACE": str(int(kv_space_gib)),  # whole GiB: vLLM parses an int
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
@@ -311,7 +311,7 @@ def vllm_env(kv_space_gib: float = 1.0, store: bool = False) -> dict:
 
 
 def launch_vllm(name: str, run_dir: Path, max_model_len: int = 4096, max_num_seqs: int = 8, port: int = 0,
-                kv_space_gib: float = 1.0, store: bool = False, extra: list | None = None) -> Engine:
+                kv_space_gib: int = 1, store: bool = False, extra: list | None = None) -> Engine:
     """Starts a real vLLM OpenAI server on a loopback port serving the tiny
     model as VLLM_MODEL, as the docs tell operators to run it (prefix
     caching, prompt-token details), without waiting for it (start-up takes

@@ -193,7 +193,11 @@ def test_load_moves_away_from_a_region_whose_engine_defers_requests(llama):
     finally:
         load.close()
     print("idle:", idle, "loaded:", loaded, "busy:", busy_region, "waiting:", waiting)
-    assert idle.get(busy_region, 0) >= 4, idle
+    # Idle, the cost sends the short cold prompts to one region (equal
+    # round trips; the rendezvous tie-break on a shared key), not a spread
+    # (an even split would be 8 each; the probe's round trips may reorder
+    # the regions once during the run).
+    assert idle.get(busy_region, 0) >= 12, idle
     assert busy_region not in loaded, loaded
 
 
@@ -215,19 +219,24 @@ def test_a_prompt_the_engine_refused_is_never_believed_cached(llama):
         assert r.route.get("reason") != "cache" and r.route.get("cached_tokens", "0") == "0", (attempt, r.route)
 
 
-def test_an_over_context_prompt_is_refused_at_the_edge(llama):
+def test_an_over_context_prompt_is_the_engines_to_refuse(llama):
     # llama-server's /v1/models states each slot's context (meta.n_ctx):
-    # the probe reads it, and a prompt far beyond it is refused by the router
-    # in the engine family's words, without reaching any engine.
+    # the probe reads it. A prompt far beyond it by the router's estimate
+    # is still the engine's to judge (only the engine counts its tokens):
+    # one engine refuses it, in its own words, and the edge refuses
+    # nothing (issue 45, item 2).
     for n in harness.DEMO_REGIONS:
         assert stat(llama.envoy, f"region.{n}.max_model_len") == 4096
-    before = {n: engine_metrics(e)["llamacpp:prompt_tokens_total"] for n, e in llama.engines.items()}
     rejected = stat(llama.envoy, "router.context_rejected")
     r = request(llama.port, "POST", "/v1/chat/completions",
                 {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": prose("long", 60000)}]})
     assert r.status == 400, r.body[:300]
     err = r.json()["error"]
-    assert err["type"] == "exceed_context_size_error" or err.get("code") == "context_length_exceeded", err
-    assert stat(llama.envoy, "router.context_rejected") == rejected + 1
-    after = {n: engine_metrics(e)["llamacpp:prompt_tokens_total"] for n, e in llama.engines.items()}
-    assert after == before, (before, after)
+    assert err["type"] == "exceed_context_size_error" and err["n_prompt_tokens"] > 4096, err
+    assert r.route.get("region") in harness.DEMO_REGIONS, r.route
+    assert stat(llama.envoy, "router.context_rejected") == rejected
+    # Nor any max_tokens: llama-server stops when the slot is full.
+    r = request(llama.port, "POST", "/v1/chat/completions",
+                {"model": MODEL, "max_tokens": 100000, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status == 200, r.body[:300]
+    assert stat(llama.envoy, "router.context_rejected") == rejected

@@ -758,7 +758,7 @@ pub(super) mod tests {
                 );
                 assert_eq!(
                     (refusal.error_type, refusal.param, refusal.code),
-                    ("BadRequestError", "max_tokens", Code::Status(400))
+                    ("BadRequestError", Some("max_tokens"), Code::Status(400))
                 );
                 assert_eq!(
                     refusal.message,

@@ -346,21 +346,35 @@ pub fn output_param(endpoint: Endpoint, req: &InferenceRequest) -> &'static str 
 }
 
 /// An engine's refusal as its clients see it: the OpenAI error's `type`,
-/// `param` and `code` (vLLM's `code` is the status number), and its
-/// message.
+/// `param` and `code` (vLLM's and SGLang's `code` is the status number),
+/// its message, and whether the body is SGLang's flat one.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineRefusal {
     pub error_type: &'static str,
-    pub param: &'static str,
+    pub param: Option<&'static str>,
     pub code: Code<'static>,
     pub message: String,
+    pub flat: bool,
+}
+
+impl EngineRefusal {
+    /// The body the engine answers with.
+    pub fn body(&self) -> Vec<u8> {
+        let make = if self.flat {
+            crate::shared::openai_error::flat_error_body
+        } else {
+            crate::shared::openai_error::error_body
+        };
+        make(&self.message, self.error_type, self.param, Some(self.code))
+    }
 }
 
 /// The refusal of an output the region's engine is sure to refuse
 /// ([`refuses_output`]), in that engine's words, type, `param` and code:
 /// vLLM 0.32's, as wasm-tests/test_vllm.py checks against the real
-/// engine. SGLang's message states the prompt's tokens, which only the
-/// engine counts: the edge says it estimated them. (llama.cpp refuses no
+/// engine; SGLang's flat body, as the emulator's SGLang mode has it. SGLang's
+/// message states the prompt's tokens, which only the engine counts: the
+/// edge says it estimated them. (llama.cpp refuses no
 /// output length; were it asked, it answers as vLLM.)
 pub fn refusal(
     engine: EngineKind,
@@ -372,16 +386,18 @@ pub fn refusal(
     match engine {
         EngineKind::Vllm | EngineKind::Llamacpp => EngineRefusal {
             error_type: "BadRequestError",
-            param,
+            param: Some(param),
             code: Code::Status(400),
+            flat: false,
             message: format!(
                 "{param}={m} cannot be greater than max_model_len={limit}. Please request fewer output tokens. (parameter={param}, value={m})"
             ),
         },
         EngineKind::Sglang => EngineRefusal {
-            error_type: "invalid_request_error",
-            param,
-            code: Code::Text("context_length_exceeded"),
+            error_type: "BadRequestError",
+            param: None,
+            code: Code::Status(400),
+            flat: true,
             message: format!(
                 "Requested token count exceeds the model's maximum context length of {limit} tokens. You requested a total of about {} tokens: about {estimate} tokens from the input messages (estimated at the edge) and {m} tokens for the completion. Please reduce the number of tokens in the input messages or the completion to fit within the limit.",
                 estimate.saturating_add(m)
@@ -666,21 +682,21 @@ mod tests {
             refusal(EngineKind::Vllm, &e, "max_completion_tokens", 10),
             EngineRefusal {
                 error_type: "BadRequestError",
-                param: "max_completion_tokens",
+                param: Some("max_completion_tokens"),
                 code: Code::Status(400),
                 message: "max_completion_tokens=5000 cannot be greater than max_model_len=4096. Please request fewer output tokens. (parameter=max_completion_tokens, value=5000)".into(),
+                flat: false,
             }
         );
         let r = refusal(EngineKind::Sglang, &e, "max_tokens", 10);
         assert!(r.message.starts_with(
             "Requested token count exceeds the model's maximum context length of 4096 tokens. You requested a total of about 5010 tokens"
         ), "{}", r.message);
+        let body: Value = serde_json::from_slice(&r.body()).unwrap();
         assert_eq!(
-            (r.error_type, r.code),
-            (
-                "invalid_request_error",
-                Code::Text("context_length_exceeded")
-            )
+            body,
+            serde_json::json!({"object": "error", "message": r.message, "type": "BadRequestError",
+                               "param": null, "code": 400})
         );
         let parse = |endpoint, body: &str| {
             openai::parse(endpoint, body.as_bytes(), PromptHasher::counting_only()).unwrap()

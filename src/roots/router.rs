@@ -438,14 +438,7 @@ fn holder_unavailable(host: &mut dyn StreamHost, message: &str, param: Option<&s
 /// An output every allowed region's engine is sure to refuse: 400 as that
 /// engine answers it (`limits::refusal`).
 fn reject_context(r: &EngineRefusal) -> Flow {
-    Flow::Reply(Reply::error_coded(
-        400,
-        r.error_type,
-        r.code,
-        &r.message,
-        Some(r.param),
-        &[],
-    ))
+    Flow::Reply(Reply::json_status(400, r.body()))
 }
 
 fn reject(code: &str, message: &str, param: Option<&str>) -> Flow {

@@ -21,25 +21,21 @@ impl Reply {
         param: Option<&str>,
         extra: &[(&'static str, String)],
     ) -> Reply {
-        Reply::error_coded(status, kind, Code::Text(code), message, param, extra)
-    }
-
-    /// An OpenAI-style error whose `code` may be a number (vLLM's is the
-    /// HTTP status).
-    pub fn error_coded(
-        status: u32,
-        kind: &str,
-        code: Code<'_>,
-        message: &str,
-        param: Option<&str>,
-        extra: &[(&'static str, String)],
-    ) -> Reply {
         let mut headers = vec![("content-type", "application/json".to_string())];
         headers.extend_from_slice(extra);
         Reply {
             status,
             headers,
-            body: openai_error::error_body(message, kind, param, Some(code)),
+            body: openai_error::error_body(message, kind, param, Some(Code::Text(code))),
+        }
+    }
+
+    /// `status` with a JSON body already made (an engine's own error).
+    pub fn json_status(status: u32, body: Vec<u8>) -> Reply {
+        Reply {
+            status,
+            headers: vec![("content-type", "application/json".to_string())],
+            body,
         }
     }
 

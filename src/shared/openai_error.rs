@@ -26,6 +26,35 @@ pub enum Code<'a> {
     Status(u16),
 }
 
+/// SGLang's flat error body (its `ErrorResponse` outside the Responses
+/// API): `{"object": "error", "message", "type", "param", "code"}`.
+pub fn flat_error_body(
+    message: &str,
+    kind: &str,
+    param: Option<&str>,
+    code: Option<Code<'_>>,
+) -> Vec<u8> {
+    #[derive(Serialize)]
+    struct Flat<'a> {
+        object: &'static str,
+        #[serde(flatten)]
+        error: Error<'a>,
+    }
+    serde_json::to_vec(&Flat {
+        object: "error",
+        error: Error {
+            message,
+            kind,
+            param,
+            code,
+        },
+    })
+    .unwrap_or_else(|_| {
+        br#"{"object":"error","message":"error","type":"server_error","param":null,"code":null}"#
+            .to_vec()
+    })
+}
+
 /// An error body. `kind` is OpenAI's `type` (e.g. `invalid_request_error`).
 pub fn error_body(
     message: &str,
@@ -62,5 +91,13 @@ mod tests {
         let b = super::error_body("m", "x", None, Some(super::Code::Text("c")));
         let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
         assert_eq!(v["error"]["code"], "c");
+        let b =
+            super::flat_error_body("m", "BadRequestError", None, Some(super::Code::Status(400)));
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"object": "error", "message": "m", "type": "BadRequestError",
+                               "param": null, "code": 400})
+        );
     }
 }

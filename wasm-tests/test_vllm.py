@@ -1,0 +1,234 @@
+"""The plugin in front of the engine most of its users run: three regions of
+real vLLM 0.32 (its CPU build from PyPI, installed by scripts/vllm-install,
+serving a random-weight Llama over the real Llama-3 vocabulary with a
+4,096-token context, prefix caching and prompt-token details on, as
+docs/INSTALL.md tells operators to run it), behind envoy/envoy.yaml with
+every region's `engine` set to `vllm`.
+
+The regions sit on loopback, so their round trips are alike: what decides
+is what each engine holds and how loaded it is, read from vLLM's own
+`/metrics`, `/v1/models` and usage reports. Every figure the tests compare
+the plugin with is the engine's own."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+
+import harness
+from harness import request
+
+MODEL = harness.VLLM_MODEL
+BLOCK = harness.VLLM_BLOCK
+LIMIT = 4096
+SEQS = 4
+# The probe as shipped (a 1 s tick, a 1 s timeout).
+PROBE: dict = {}
+
+
+def stat(envoy, name: str) -> int:
+    return envoy.stat("wasmcustom.llm_geo_router." + name)
+
+
+def wait_stat(envoy, name: str, predicate, timeout: float = 20.0) -> int:
+    deadline = time.time() + timeout
+    value = None
+    while time.time() < deadline:
+        value = stat(envoy, name)
+        if predicate(value):
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{name} stayed at {value}")
+
+
+def vllm_metrics(engine: harness.Engine) -> dict[str, float]:
+    """vLLM's own /metrics: each sample by name (labels dropped, values of
+    one name summed), and cache_config_info's labels under "cache_config"."""
+    with urllib.request.urlopen(f"{engine.url}/metrics", timeout=20) as r:
+        text = r.read().decode()
+    out: dict = {}
+    for line in text.splitlines():
+        m = re.match(r"^(vllm:[a-z_]+)(\{[^}]*\})? (\S+)$", line)
+        if not m:
+            continue
+        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+        if m.group(1) == "vllm:cache_config_info":
+            out["cache_config"] = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+    return out
+
+
+def direct(engine: harness.Engine, path: str, body: dict) -> harness.Response:
+    """The same request straight to the engine, bypassing Envoy."""
+    return request(engine.port, "POST", path, body, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    """Three vLLM regions (SEQS sequences each, so requests wait past
+    them) and one Envoy, for the whole module (each engine takes 30-60 s
+    to start); each test uses prompts of its own."""
+    run_dir = harness.fresh_run_dir("test_vllm")
+    fleet = harness.Fleet(run_dir)
+    try:
+        fleet.start_vllm(PROBE, max_model_len=LIMIT, vllm={n: {"max_num_seqs": SEQS} for n in harness.DEMO_REGIONS})
+        yield fleet
+    finally:
+        fleet.stop()
+        for e in fleet.envoys:
+            assert not harness.traps(e), harness.traps(e)
+
+
+def prose(seed: str, n_bytes: int) -> str:
+    """English-like text of about n_bytes, distinct per seed."""
+    words = ("the harbour master keeps a ledger of every ship that enters and leaves, with its cargo, "
+             "its crew and the weather it met on the way").split()
+    out, i = [seed], 0
+    while sum(len(w) + 1 for w in out) < n_bytes:
+        out.append(words[i % len(words)])
+        i += 1
+    return " ".join(out)[:n_bytes]
+
+
+def test_the_openai_client_through_the_plugin_to_vllm(vllm):
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{vllm.port}/v1", api_key="sk-demo-free", max_retries=0)
+    raw = c.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Name a colour."}])
+    chat = raw.parse()
+    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens >= 1
+    # vLLM 0.32 always sends the details, 0 included.
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0
+    route = dict(kv.split("=", 1) for kv in raw.headers.get("x-llm-route", "").split("; ") if "=" in kv)
+    assert route.get("region") in harness.DEMO_REGIONS, raw.headers
+    comp = c.completions.create(model=MODEL, max_tokens=4, prompt="The quick brown fox")
+    assert comp.choices[0].text is not None and comp.usage.prompt_tokens > 0
+    chunks = list(c.chat.completions.create(
+        model=MODEL, max_tokens=4, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "Count to three."}]))
+    usage = [ch.usage for ch in chunks if ch.usage is not None]
+    assert len(usage) == 1 and usage[0].completion_tokens >= 1, chunks[-3:]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert any(ch.choices and ch.choices[0].delta.content for ch in chunks)
+    resp = c.responses.create(model=MODEL, input="Say hello.", max_output_tokens=4)
+    assert resp.id.startswith("resp_") and resp.usage.input_tokens > 0
+
+
+def test_the_probe_reads_vllms_own_figures(vllm):
+    for name, engine in vllm.engines.items():
+        m = vllm_metrics(engine)
+        cc = m["cache_config"]
+        capacity = int(cc["num_gpu_blocks"]) * int(cc["block_size"])
+        assert int(cc["block_size"]) == BLOCK, cc
+        assert stat(vllm.envoy, f"region.{name}.kv_capacity_tokens") == capacity, (name, cc)
+        assert stat(vllm.envoy, f"region.{name}.max_model_len") == LIMIT
+        assert stat(vllm.envoy, f"region.{name}.healthy") == 1
+        assert stat(vllm.envoy, f"region.{name}.metrics_scrape_failure") == 0, name
+        assert stat(vllm.envoy, f"region.{name}.models_read_failure") == 0, name
+
+
+class Saturation:
+    """More long requests than the engine runs at once, straight to its
+    port: vLLM then reports them in vllm:num_requests_waiting."""
+
+    def __init__(self, engine: harness.Engine, n: int):
+        body = {"model": MODEL, "max_tokens": 3000, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Tell a very long story."}]}
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self.run, args=(engine, body), daemon=True) for _ in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def run(self, engine, body):
+        try:
+            request(engine.port, "POST", "/v1/chat/completions", body, timeout=120)
+        except OSError:
+            pass
+
+    def close(self, engine):
+        # vLLM aborts a request whose client went away; the threads end
+        # with their requests.
+        for t in self.threads:
+            t.join(timeout=120)
+
+
+def test_cold_prompts_move_off_a_region_whose_requests_wait(vllm):
+    def regions_of(tag: str, n: int) -> dict[str, int]:
+        seen: dict[str, int] = {}
+        for i in range(n):
+            r = request(vllm.port, "POST", "/v1/chat/completions",
+                        {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": f"{tag} {i}: hi"}]})
+            assert r.status == 200, r.body[:300]
+            seen[r.route["region"]] = seen.get(r.route["region"], 0) + 1
+        return seen
+
+    idle = regions_of("idle", 12)
+    busy_region = max(idle, key=idle.get)
+    # Idle, short cold prompts go to one region (equal round trips; the
+    # tie-break on a shared key), not spread (an even split: 4 each).
+    assert idle[busy_region] >= 8, idle
+    engine = vllm.engines[busy_region]
+    load = Saturation(engine, SEQS + 4)
+    try:
+        deadline = time.time() + 60
+        while vllm_metrics(engine).get("vllm:num_requests_waiting", 0) < 2:
+            assert time.time() < deadline, vllm_metrics(engine)
+            time.sleep(0.2)
+        waiting = wait_stat(vllm.envoy, f"region.{busy_region}.engine_waiting", lambda v: v >= 2)
+        running = stat(vllm.envoy, f"region.{busy_region}.engine_running")
+        assert running == SEQS, running
+        loaded = regions_of("loaded", 12)
+    finally:
+        load.close(engine)
+    print("idle:", idle, "loaded:", loaded, "busy:", busy_region, "waiting:", waiting)
+    assert busy_region not in loaded, loaded
+
+
+def test_the_context_rule_is_vllms(vllm):
+    rejected = stat(vllm.envoy, "router.context_rejected")
+    near = vllm.engines["near"]
+    # An output above max_model_len: vLLM refuses it whatever the prompt,
+    # and so does the edge, with vLLM's own body byte for byte, for each
+    # endpoint and each name of the output's length.
+    for path, body in [
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                  "max_completion_tokens": 4097}),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5000}),
+        ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 5000}),
+    ]:
+        edge = request(vllm.port, "POST", path, body)
+        engine = direct(near, path, body)
+        assert (edge.status, engine.status) == (400, 400), (edge.body, engine.body)
+        assert json.loads(edge.body) == json.loads(engine.body), (edge.body, engine.body)
+        assert not edge.route.get("region"), edge.headers
+    assert stat(vllm.envoy, "router.context_rejected") == rejected + 4
+    # A prompt that fits, whatever max_tokens asks (as many as the
+    # context): served, the output cut at the context.
+    digits = " ".join(f"{i * 7919 % 1000000:06d}" for i in range(700))  # ~3,500 tokens by vLLM's count
+    r = request(vllm.port, "POST", "/v1/completions", {"model": MODEL, "prompt": digits, "max_tokens": LIMIT,
+                                                       "ignore_eos": True})
+    assert r.status == 200, r.body[:300]
+    u = r.json()["usage"]
+    assert r.json()["choices"][0]["finish_reason"] == "length" and u["total_tokens"] == LIMIT, u
+    # A prompt beyond the context: the engine's to count and refuse, in
+    # its words; the edge refuses nothing on its byte estimate.
+    long = " ".join(f"{i * 7919 % 1000000:06d}" for i in range(1500))  # ~7,500 tokens
+    r = request(vllm.port, "POST", "/v1/chat/completions",
+                {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": long}]})
+    assert r.status == 400, r.body[:300]
+    err = r.json()["error"]
+    assert (err["type"], err["param"], err["code"]) == ("BadRequestError", "input_tokens", 400), err
+    assert err["message"].startswith(f"This model's maximum context length is {LIMIT} tokens. However, your prompt "
+                                     f"contains at least {LIMIT + 1} input tokens"), err
+    assert r.route.get("region") in harness.DEMO_REGIONS, r.route
+    assert stat(vllm.envoy, "router.context_rejected") == rejected + 4
+    # Prose of the same bytes fits (about 0.2 tokens a byte, not 0.5):
+    # served, wherever the digits were refused.
+    r = request(vllm.port, "POST", "/v1/chat/completions",
+                {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": prose("fits", len(long))}]})
+    assert r.status == 200, r.body[:300]
