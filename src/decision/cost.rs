@@ -269,6 +269,7 @@ pub(super) fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
             let prefill_rate = state
                 .and_then(|s| s.prefill_ms_per_token)
                 .unwrap_or(region.prefill_ms_per_token);
+            let prefill_fixed = state.and_then(|s| s.prefill_ms_per_request).unwrap_or(0.0);
             let inflight_now = inp.inflight.get(i).copied().unwrap_or(0.0);
             let slots = region_slots(inp, i);
             let occupancy = state.map_or(inflight_now, |s| {
@@ -296,7 +297,7 @@ pub(super) fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
                 ((f64::from(cached_blocks) * block_bytes * tpb).floor() as u64).min(prompt_tokens);
             let uncached = prompt_tokens - cached_tokens;
             let rtt_ms = rtt;
-            let prefill_ms = prefill_rate * uncached as f64;
+            let prefill_ms = prefill_fixed + prefill_rate * uncached as f64;
             let wait = queue_ms(occupancy, slots, region.service_ms);
             // The externality (`load_ms`) is added by `price_externality`
             // where it applies: not for a prompt some region holds.

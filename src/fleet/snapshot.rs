@@ -80,6 +80,10 @@ pub struct RegionState {
     /// Prefill rate refined from observed TTFT; absent: the configured one.
     #[serde(default)]
     pub prefill_ms_per_token: Option<f64>,
+    /// The per-request part of the prefill time fitted with that rate (ms);
+    /// absent: 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_ms_per_request: Option<f64>,
     /// The release digest the region reports, if read.
     #[serde(default)]
     pub release: Option<String>,
@@ -174,6 +178,7 @@ impl Default for RegionState {
             metrics_ok: false,
             load_unknown: false,
             prefill_ms_per_token: None,
+            prefill_ms_per_request: None,
             release: None,
             release_ok: true,
             ramp: 1.0,

@@ -606,7 +606,15 @@ impl Fleet {
             .iter()
             .zip(&self.regions)
             .enumerate()
-            .map(|(i, (c, r))| RegionState {
+            .map(|(i, (c, r))| {
+                (
+                    i,
+                    c,
+                    r,
+                    fit.and_then(|f| f.prefill.get(i).copied().flatten()),
+                )
+            })
+            .map(|(_, c, r, prefill)| RegionState {
                 name: c.name.clone(),
                 healthy: r.in_service(),
                 rtt_ms: r.rtt(),
@@ -628,8 +636,8 @@ impl Fleet {
                 // down: one failed scrape leaves the last figures standing,
                 // a run of them leaves nothing known.
                 load_unknown: r.scrape_failures >= cfg.probe.unhealthy_after,
-                prefill_ms_per_token: fit
-                    .and_then(|f| f.prefill_ms_per_token.get(i).copied().flatten()),
+                prefill_ms_per_token: prefill.map(|p| p.ms_per_token),
+                prefill_ms_per_request: prefill.map(|p| p.per_request_ms),
                 release: r.release.clone(),
                 release_ok: Self::release_ok(cfg, r),
                 ramp: if r.routable {
@@ -953,10 +961,29 @@ mod tests {
         f.on_observation(&c, o(9, 100)); // unknown region: ignored
         assert_eq!(f.observations(), 64);
         let (s, _) = f.publish(&c, 1);
-        let rate = s.regions[0].prefill_ms_per_token.unwrap();
-        assert!(rate > 0.3, "{rate}");
-        // Region 1 has no observations of its own: the window's rate.
-        assert_eq!(s.regions[1].prefill_ms_per_token, Some(rate));
+        // The observed prefill of a 232-token prompt (126 ms), predicted
+        // within 5 %, where the configured rate said 23 ms.
+        let r0 = &s.regions[0];
+        let (rate, fixed) = (
+            r0.prefill_ms_per_token.unwrap(),
+            r0.prefill_ms_per_request.unwrap(),
+        );
+        let predicted = fixed + rate * 232.0;
+        assert!(
+            (predicted - 116.0).abs() <= 0.05 * 116.0,
+            "{fixed} + {rate} x 232"
+        );
+        // Region 1 has no observations of its own: the window's fit.
+        let r1 = &s.regions[1];
+        let (rate, fixed) = (
+            r1.prefill_ms_per_token.unwrap(),
+            r1.prefill_ms_per_request.unwrap(),
+        );
+        let predicted = fixed + rate * 232.0;
+        assert!(
+            (predicted - 116.0).abs() <= 0.05 * 116.0,
+            "{fixed} + {rate} x 232"
+        );
         assert!(s.weights.is_some());
     }
 

@@ -139,6 +139,11 @@ impl Probe {
                 RegionStat::PrefillUsPerToken,
                 (rate * 1000.0).round() as u64,
             );
+            rg(
+                host,
+                RegionStat::PrefillMsPerRequest,
+                r.prefill_ms_per_request.unwrap_or(0.0).round() as u64,
+            );
             let tpb = r
                 .tokens_per_byte
                 .unwrap_or(crate::fleet::tokens::PRIOR_TOKENS_PER_BYTE);

@@ -227,6 +227,7 @@ pub enum RegionStat {
     HealthProbeFailure,
     MetricsScrapeFailure,
     PrefillUsPerToken,
+    PrefillMsPerRequest,
     TokensPerKib,
     CacheHorizonMs,
     CacheReliabilityPct,
@@ -242,7 +243,7 @@ pub enum RegionStat {
 }
 
 impl RegionStat {
-    pub const ALL: [RegionStat; 24] = [
+    pub const ALL: [RegionStat; 25] = [
         RegionStat::RqTotal,
         RegionStat::RqActive,
         RegionStat::FallbackRqTotal,
@@ -257,6 +258,7 @@ impl RegionStat {
         RegionStat::HealthProbeFailure,
         RegionStat::MetricsScrapeFailure,
         RegionStat::PrefillUsPerToken,
+        RegionStat::PrefillMsPerRequest,
         RegionStat::TokensPerKib,
         RegionStat::CacheHorizonMs,
         RegionStat::CacheReliabilityPct,
@@ -286,6 +288,7 @@ impl RegionStat {
             RegionStat::HealthProbeFailure => ("health_probe_failure", Counter),
             RegionStat::MetricsScrapeFailure => ("metrics_scrape_failure", Counter),
             RegionStat::PrefillUsPerToken => ("prefill_us_per_token", Gauge),
+            RegionStat::PrefillMsPerRequest => ("prefill_ms_per_request", Gauge),
             RegionStat::TokensPerKib => ("tokens_per_kib", Gauge),
             RegionStat::CacheHorizonMs => ("prefix_horizon_ms", Gauge),
             RegionStat::CacheReliabilityPct => ("prefix_reliability_pct", Gauge),
