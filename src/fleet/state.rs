@@ -316,6 +316,24 @@ impl Fleet {
         HealthChange::None
     }
 
+    /// A health probe that got no answer at all (it timed out, or its
+    /// connection was reset): a dead engine's sign, or a busy one's. An
+    /// engine decoding on few cores answers its `/health` and its large
+    /// `/metrics` late (vLLM 0.32 on two cores: over a second) while it
+    /// serves every request. So when the region's engines answered this
+    /// Envoy's requests since the last tick, most of them successfully,
+    /// the probe is not held against it: `None`, nothing changes. Otherwise
+    /// it is a failed probe ([`Fleet::on_health`]). A probe answered with an
+    /// error status is always a failed one: the engine, or the proxy in
+    /// front of it, said so.
+    pub fn on_health_unanswered(&mut self, cfg: &Config, region: usize) -> Option<HealthChange> {
+        let serving = self
+            .regions
+            .get(region)
+            .is_some_and(|r| r.upstream_seen > 0 && !r.upstream_failing);
+        (!serving).then(|| self.on_health(cfg, region, None))
+    }
+
     /// A metrics scrape finished at `now_ms`; `inflight` is this Envoy's
     /// in-flight count to the region at the time the scrape was answered.
     pub fn on_metrics(

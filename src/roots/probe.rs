@@ -369,7 +369,12 @@ impl Probe {
                     let digest = self.health_release(response);
                     self.release(host, region, digest);
                 }
-                if self.health(host, region, rtt) {
+                let changed = if status.is_none() {
+                    self.health_unanswered(host, region)
+                } else {
+                    self.health(host, region, rtt)
+                };
+                if changed {
                     self.publish(host, now);
                 }
             }
@@ -469,12 +474,36 @@ impl Probe {
         }
     }
 
+    /// A health probe that got no answer: not held against a region whose
+    /// engines are answering requests (`Fleet::on_health_unanswered`),
+    /// counted in `health_probe_busy`; else a failed probe.
+    fn health_unanswered(&mut self, host: &mut dyn ProbeHost, region: usize) -> bool {
+        host.count(Stat::Region(region, RegionStat::HealthProbeFailure), 1);
+        match self.fleet.on_health_unanswered(&self.cfg, region) {
+            None => {
+                host.count(Stat::Region(region, RegionStat::HealthProbeBusy), 1);
+                false
+            }
+            Some(change) => self.health_changed(host, region, change),
+        }
+    }
+
     /// Feed one health result; true when the region's health changed.
     fn health(&mut self, host: &mut dyn ProbeHost, region: usize, rtt: Option<f64>) -> bool {
         if rtt.is_none() {
             host.count(Stat::Region(region, RegionStat::HealthProbeFailure), 1);
         }
         let change = self.fleet.on_health(&self.cfg, region, rtt);
+        self.health_changed(host, region, change)
+    }
+
+    /// Act on a change of a region's health; true when it changed.
+    fn health_changed(
+        &mut self,
+        host: &mut dyn ProbeHost,
+        region: usize,
+        change: HealthChange,
+    ) -> bool {
         if change == HealthChange::BecameHealthy {
             // Back from an outage, perhaps redeployed: read its limit again.
             self.models_due_now(region);
@@ -617,6 +646,44 @@ pub(crate) mod tests {
             host.value(Stat::Region(0, RegionStat::HealthProbeFailure)),
             1
         );
+    }
+
+    #[test]
+    fn a_busy_engine_whose_probes_time_out_stays_healthy_a_silent_one_does_not() {
+        // Both regions' /health and /metrics go unanswered (timed out) for
+        // five ticks (unhealthy_after is 2). near's engines answer this
+        // Envoy's requests all along: busy, not dead (vLLM decoding on two
+        // cores answered its probes after more than a second). mid
+        // answers nothing: it goes (issue 45, item 10).
+        let c = cfg(r#","release":{"ramp_s":0}"#);
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        let mut at = T0;
+        at += 1000;
+        tick(&mut p, &mut host, at);
+        answer_all(&mut p, &mut host, 5, Some(200), VLLM);
+        for _ in 0..5 {
+            host.count(Stat::Region(0, RegionStat::UpstreamRqAnswered), 20);
+            at += 1000;
+            tick(&mut p, &mut host, at);
+            for (token, _, _) in std::mem::take(&mut host.callouts) {
+                p.on_callout_response(&mut host, token, &mut Headerless);
+            }
+        }
+        assert_eq!(host.value(Stat::Region(0, RegionStat::Healthy)), 1);
+        assert!(host.value(Stat::Region(0, RegionStat::HealthProbeBusy)) >= 4);
+        assert_eq!(host.value(Stat::Region(1, RegionStat::Healthy)), 0);
+        assert_eq!(host.value(Stat::Region(1, RegionStat::HealthProbeBusy)), 0);
+        // Serving but failing most requests: the timeouts count again.
+        for _ in 0..3 {
+            host.count(Stat::Region(0, RegionStat::UpstreamFailure), 20);
+            at += 1000;
+            tick(&mut p, &mut host, at);
+            for (token, _, _) in std::mem::take(&mut host.callouts) {
+                p.on_callout_response(&mut host, token, &mut Headerless);
+            }
+        }
+        assert_eq!(host.value(Stat::Region(0, RegionStat::Healthy)), 0);
     }
 
     #[test]

@@ -228,6 +228,7 @@ pub enum RegionStat {
     MetricsScrapeFailure,
     PrefillUsPerToken,
     PrefillMsPerRequest,
+    HealthProbeBusy,
     TokensPerKib,
     CacheHorizonMs,
     CacheReliabilityPct,
@@ -243,7 +244,7 @@ pub enum RegionStat {
 }
 
 impl RegionStat {
-    pub const ALL: [RegionStat; 25] = [
+    pub const ALL: [RegionStat; 26] = [
         RegionStat::RqTotal,
         RegionStat::RqActive,
         RegionStat::FallbackRqTotal,
@@ -259,6 +260,7 @@ impl RegionStat {
         RegionStat::MetricsScrapeFailure,
         RegionStat::PrefillUsPerToken,
         RegionStat::PrefillMsPerRequest,
+        RegionStat::HealthProbeBusy,
         RegionStat::TokensPerKib,
         RegionStat::CacheHorizonMs,
         RegionStat::CacheReliabilityPct,
@@ -289,6 +291,7 @@ impl RegionStat {
             RegionStat::MetricsScrapeFailure => ("metrics_scrape_failure", Counter),
             RegionStat::PrefillUsPerToken => ("prefill_us_per_token", Gauge),
             RegionStat::PrefillMsPerRequest => ("prefill_ms_per_request", Gauge),
+            RegionStat::HealthProbeBusy => ("health_probe_busy", Counter),
             RegionStat::TokensPerKib => ("tokens_per_kib", Gauge),
             RegionStat::CacheHorizonMs => ("prefix_horizon_ms", Gauge),
             RegionStat::CacheReliabilityPct => ("prefix_reliability_pct", Gauge),
