@@ -335,3 +335,73 @@ def test_unread_5xx_counts_against_the_region_and_local_replies_against_none(fle
     assert sum(delta(name, "rq_total") for name in fleet.engines) == 1, \
         {name: region_stats(envoy, name) for name in fleet.engines}
     assert all(delta(name, "upstream_failure") == 0 for name in fleet.engines if name != "near")
+
+
+def regional_proxy(run_dir, engine_port: int) -> harness.Envoy:
+    """A plain Envoy in front of one engine, as a region's ingress or
+    gateway stands in front of its engines: it answers 503 itself when it
+    cannot reach the engine."""
+    port, admin = harness.free_port(), harness.free_port()
+    cfg = {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
+        "static_resources": {
+            "listeners": [{
+                "name": "ingress",
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                        "stat_prefix": "ingress",
+                        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
+                            {"match": {"prefix": "/"}, "route": {"cluster": "engine", "timeout": "300s"}}]}]},
+                        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+                    }}]}],
+            }],
+            "clusters": [harness.static_cluster("engine", engine_port)],
+        },
+    }
+    return harness.start_envoy(run_dir, cfg, name="regional-proxy")
+
+
+def test_an_engine_lost_behind_a_regional_proxy_loses_no_request(run_dir):
+    # near's engine sits behind a regional proxy; one probe round every
+    # 10 s, so after the kill the router keeps choosing near. The proxy
+    # answers each request 503 (it cannot reach the engine), and the
+    # shipped retry policy retries a 503 on the other regions' engines
+    # (issue 45, item 11: before, 8 requests in 0.45 s reached clients as
+    # 503s).
+    fleet = harness.Fleet(run_dir)
+    proxy = None
+    try:
+        def behind_proxy(cfg):
+            nonlocal proxy
+            near_port = fleet.engines["near"].port
+            proxy = regional_proxy(run_dir, near_port)
+            for c in cfg["static_resources"]["clusters"]:
+                for group in c.get("load_assignment", {}).get("endpoints", []):
+                    for lb in group["lb_endpoints"]:
+                        addr = lb["endpoint"]["address"]["socket_address"]
+                        if addr["port_value"] == near_port:
+                            addr["port_value"] = proxy.port
+
+        fleet.start({"probe": {"tick_ms": 10000, "timeout_ms": 1000, "snapshot_max_age_ms": 30000}},
+                    envoy_edit=behind_proxy)
+        r = chat(fleet.port, [{"role": "user", "content": filler("proxied", 300)}])
+        assert r.status == 200 and r.replica == "near", (r.status, r.headers)
+        ticks = probe_ticks(fleet.envoy)
+        fleet.engines["near"].kill()
+        served = []
+        for i in range(8):
+            r = chat(fleet.port, [{"role": "user", "content": filler(f"behind-proxy-{i}", 300)}])
+            served.append((r.status, r.route.get("region"), r.replica))
+        assert probe_ticks(fleet.envoy) == ticks, "a probe round ran during the test; it needs a longer tick"
+        assert all(s == (200, "near", s[2]) and s[2] in ("mid", "far") for s in served), served
+        retried = fleet.envoy.stat("cluster.region_near.upstream_rq_retry")
+        assert retried >= 8, retried
+        assert proxy.stat("cluster.engine.upstream_cx_connect_fail") >= 8
+    finally:
+        fleet.stop()
+        if proxy is not None:
+            proxy.stop()
