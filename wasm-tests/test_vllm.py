@@ -28,8 +28,10 @@ MODEL = harness.VLLM_MODEL
 BLOCK = harness.VLLM_BLOCK
 LIMIT = 4096
 SEQS = 4
-# The probe as shipped (a 1 s tick, a 1 s timeout).
-PROBE: dict = {}
+# The plugin as shipped (a 1 s probe tick, a 1 s timeout), with a residency
+# header so that a test can send a request to a region of its choice.
+PINS = {"n": ["near"], "m": ["mid"], "f": ["far"]}
+SHIPPED: dict = {"residency": {"header": "x-llm-residency", "allowed": PINS}}
 
 
 def stat(envoy, name: str) -> int:
@@ -71,12 +73,14 @@ def direct(engine: harness.Engine, path: str, body: dict) -> harness.Response:
 @pytest.fixture(scope="module")
 def vllm():
     """Three vLLM regions (SEQS sequences each, so requests wait past
-    them) and one Envoy, for the whole module (each engine takes 30-60 s
-    to start); each test uses prompts of its own."""
+    them; mid with its Responses store on, near and far without, as vLLM
+    0.32 runs by default) and one Envoy, for the whole module (each engine
+    takes 30-60 s to start); each test uses prompts of its own."""
     run_dir = harness.fresh_run_dir("test_vllm")
     fleet = harness.Fleet(run_dir)
     try:
-        fleet.start_vllm(PROBE, max_model_len=LIMIT, vllm={n: {"max_num_seqs": SEQS} for n in harness.DEMO_REGIONS})
+        fleet.start_vllm(SHIPPED, max_model_len=LIMIT,
+                         vllm={n: {"max_num_seqs": SEQS, "store": n == "mid"} for n in harness.DEMO_REGIONS})
         yield fleet
     finally:
         fleet.stop()
@@ -232,3 +236,34 @@ def test_the_context_rule_is_vllms(vllm):
     r = request(vllm.port, "POST", "/v1/chat/completions",
                 {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": prose("fits", len(long))}]})
     assert r.status == 200, r.body[:300]
+
+
+def test_responses_are_followed_only_where_vllm_keeps_them(vllm):
+    # mid keeps its Responses (VLLM_ENABLE_RESPONSES_API_STORE=1), near does
+    # not (vLLM 0.32's default). The probe asks each engine for the first
+    # response recorded there, and the router follows a response only to
+    # an engine that keeps it (issue 45, item 8).
+    def create(pin: str) -> str:
+        r = request(vllm.port, "POST", "/v1/responses", {"model": MODEL, "input": f"hello from {pin}",
+                                                         "max_output_tokens": 4},
+                    headers={"x-llm-residency": pin})
+        assert r.status == 200 and r.route["region"] == PINS[pin][0], (r.status, r.route, r.body[:200])
+        return r.json()["id"]
+
+    kept, lost = create("m"), create("n")
+    deadline = time.time() + 20
+    while not all(f"region {n}: its engine {w} the Responses" in vllm.envoy.log()
+                  for n, w in (("mid", "keeps"), ("near", "does not keep"))):
+        assert time.time() < deadline, [l for l in vllm.envoy.log().splitlines() if "Responses" in l]
+        time.sleep(0.1)
+    follow = {"model": MODEL, "input": "and then?", "max_output_tokens": 4}
+    r = request(vllm.port, "POST", "/v1/responses", {**follow, "previous_response_id": kept})
+    assert r.status == 200 and r.route["region"] == "mid" and r.route["reason"] == "response", (r.status, r.route)
+    r = request(vllm.port, "GET", f"/v1/responses/{kept}")
+    assert r.status == 200 and r.json()["id"] == kept, r.body[:200]
+    # near never kept its response: not pinned there; whichever engine
+    # takes the follow-up answers in its own words that it does not know it.
+    r = request(vllm.port, "POST", "/v1/responses", {**follow, "previous_response_id": lost})
+    assert r.route.get("reason") != "response", r.route
+    assert r.status == 404, r.body[:300]
+    assert r.json()["error"]["message"] == f"Response with id '{lost}' not found.", r.body[:300]

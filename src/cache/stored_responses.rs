@@ -13,6 +13,32 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 use crate::shared::names::RESPONSES_KEY_PREFIX;
 use crate::shared::store::{SharedStore, SlotKey};
 
+/// Tag of the router's request to the probe to check whether a region's
+/// engine keeps its Responses (`b'R'`, then the region as u16 LE, then the
+/// id). Region indices are below 64, so an untagged observation on the
+/// same queue (which starts with its region) never starts with it.
+pub const STORE_CHECK_TAG: u8 = b'R';
+
+/// The router's request to check `id` at `region` (see [`STORE_CHECK_TAG`]).
+pub fn encode_store_check(region: u16, id: &str) -> Vec<u8> {
+    let mut b = Vec::with_capacity(3 + id.len());
+    b.push(STORE_CHECK_TAG);
+    b.extend_from_slice(&region.to_le_bytes());
+    b.extend_from_slice(id.as_bytes());
+    b
+}
+
+/// A store check's region and id; `None` for anything else, or an id the
+/// router would not keep.
+pub fn decode_store_check(b: &[u8]) -> Option<(usize, &str)> {
+    if b.first() != Some(&STORE_CHECK_TAG) {
+        return None;
+    }
+    let region = u16::from_le_bytes(b.get(1..3)?.try_into().ok()?);
+    let id = std::str::from_utf8(b.get(3..)?).ok()?;
+    valid_id(id).then_some((usize::from(region), id))
+}
+
 /// The longest response id the router keeps (engines use about 40 bytes).
 pub const MAX_ID_BYTES: usize = 256;
 /// How far into an answer the router looks for the response's `id`: the

@@ -219,7 +219,8 @@ impl Router {
                 let name = self.responses.lookup(store, id, now);
                 Some((
                     id,
-                    name.and_then(|n| cfg.regions.iter().position(|r| r.name == n)),
+                    name.and_then(|n| cfg.regions.iter().position(|r| r.name == n))
+                        .filter(|&h| keeps_responses(inp.snapshot, inp.snapshot_index, h)),
                 ))
             }
             _ => None,
@@ -488,6 +489,21 @@ pub(super) fn stored_where_unavailable(
 /// that continues it; `None` when it can. Only what makes the region unable
 /// to serve counts (health, passive ejection, release parity, the
 /// residency pin, its context limit); load and the failback ramp do not.
+/// Whether region `h`'s engine may hold a response recorded there: not
+/// when the probe found it keeps none (vLLM without its Responses store);
+/// a record there names a response that exists nowhere, so the request is
+/// routed as any other and an engine answers that it does not know it.
+pub(super) fn keeps_responses(
+    snapshot: Option<&Snapshot>,
+    index: &[Option<usize>],
+    h: usize,
+) -> bool {
+    snapshot
+        .and_then(|s| s.region_at(index, h))
+        .and_then(|r| r.stores_responses)
+        != Some(false)
+}
+
 pub(super) fn holder_unavailable(
     d: &Decision,
     h: usize,

@@ -7,7 +7,8 @@
 use crate::config::{Config, HolderUnavailable};
 use crate::decision::cost;
 use crate::decision::pipeline::{
-    cost_decision, holder_unavailable, residency, stored_where_unavailable, Prompt, Refusal, Router,
+    cost_decision, holder_unavailable, keeps_responses, residency, stored_where_unavailable,
+    Prompt, Refusal, Router,
 };
 use crate::fleet::snapshot::Snapshot;
 use crate::shared::store::SharedStore;
@@ -65,7 +66,8 @@ impl Router {
             let holder = self
                 .responses
                 .lookup(store, id, inp.now_ms)
-                .and_then(|n| cfg.regions.iter().position(|r| r.name == n));
+                .and_then(|n| cfg.regions.iter().position(|r| r.name == n))
+                .filter(|&h| keeps_responses(inp.snapshot, inp.snapshot_index, h));
             match holder {
                 None => unknown_response = true,
                 Some(h) => match holder_unavailable(&d, h, allowed.as_deref()) {

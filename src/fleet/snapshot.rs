@@ -115,6 +115,11 @@ pub struct RegionState {
     /// list); absent until read, or when it does not say.
     #[serde(default)]
     pub max_model_len: Option<u32>,
+    /// Whether the region's engine keeps the Responses it produces, once
+    /// the probe has checked one (`GET /v1/responses/{id}`); absent: not
+    /// known, and a response is followed there as if kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stores_responses: Option<bool>,
     /// The models and LoRA adapters the engine's model list names (each
     /// card's `id`); empty: not read, or more than the router keeps
     /// (`limits::MAX_LISTED_MODELS`), and then it is taken to serve any.
@@ -179,6 +184,7 @@ impl Default for RegionState {
             load_unknown: false,
             prefill_ms_per_token: None,
             prefill_ms_per_request: None,
+            stores_responses: None,
             release: None,
             release_ok: true,
             ramp: 1.0,

@@ -63,6 +63,9 @@ struct Region {
     calibration: RegionCalibration,
     /// The engine's context limit, from its model list.
     max_model_len: Option<u32>,
+    /// Whether the engine keeps the Responses it produces (vLLM 0.32 only
+    /// with `VLLM_ENABLE_RESPONSES_API_STORE=1`): `None` until checked.
+    stores_responses: Option<bool>,
     /// The models and adapters its model list names (empty: not read).
     models: Vec<String>,
     /// Replicas behind the entry point (`prometheus` load source).
@@ -148,6 +151,7 @@ impl Fleet {
                     down_since_ms: None,
                     calibration: RegionCalibration::default(),
                     max_model_len: None,
+                    stores_responses: None,
                     models: Vec::new(),
                     replicas: None,
                     cache_tokens: None,
@@ -205,6 +209,19 @@ impl Fleet {
             r.models = models;
             changed
         })
+    }
+
+    /// What a check of a response the region's engine produced found:
+    /// `Some(true)` it kept it, `Some(false)` it did not. True when it changed.
+    pub fn on_stores_responses(&mut self, region: usize, stores: bool) -> bool {
+        self.regions
+            .get_mut(region)
+            .is_some_and(|r| r.stores_responses.replace(stores) != Some(stores))
+    }
+
+    /// Whether the region's engine keeps its Responses, once checked.
+    pub fn stores_responses(&self, region: usize) -> Option<bool> {
+        self.regions.get(region)?.stores_responses
     }
 
     /// The engines' last valid KV-cache capacity for the region (tokens).
@@ -302,6 +319,9 @@ impl Fleet {
                 r.rtt_samples.push_back(rtt);
                 if !r.healthy && r.streak >= i64::from(p.healthy_after) {
                     r.healthy = true;
+                    // Back from an outage, perhaps redeployed with another
+                    // setting: check again.
+                    r.stores_responses = None;
                     return HealthChange::BecameHealthy;
                 }
             }
@@ -675,6 +695,7 @@ impl Fleet {
                     .filter(|_| cfg.directory.cache_horizon),
                 cache_reliability: r.calibration.reliability(),
                 max_model_len: r.max_model_len,
+                stores_responses: r.stores_responses,
                 models: r.models.clone(),
                 replicas: r.replicas,
                 cache_tokens: c.cache_tokens().or(r.cache_tokens),

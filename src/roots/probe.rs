@@ -22,6 +22,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use crate::cache::exchange::{self, Body, Exchange};
+use crate::cache::stored_responses;
 use crate::config::{Config, LoadSource, ProbeConfig, ReleaseSource};
 use crate::fleet::assess::Assessment;
 use crate::fleet::state::{Fleet, HealthChange};
@@ -51,6 +52,8 @@ pub(super) enum Kind {
     Prometheus,
     /// A message to a peer Envoy.
     Exchange,
+    /// Whether the engine kept a response (`probe_store`).
+    StoreCheck,
 }
 
 /// Token-less region index of the Prometheus query in `pending`.
@@ -381,6 +384,7 @@ impl Probe {
             Kind::Metrics => self.metrics(host, region, status, response, now),
             Kind::Models => self.models(host, region, status, response, now),
             Kind::Prometheus => self.prometheus(host, status, response, now),
+            Kind::StoreCheck => self.store_checked(host, region, status, response, now),
             Kind::Exchange => {
                 if !ok {
                     host.count(Stat::Global(Global::ExchangeSendFailed), 1);
@@ -454,6 +458,12 @@ impl Probe {
                 }
                 Some(&exchange::PEER_TAG) => {
                     self.merge_peer(host, bytes.get(1..).unwrap_or_default());
+                    continue;
+                }
+                Some(&stored_responses::STORE_CHECK_TAG) => {
+                    if let Some((region, id)) = stored_responses::decode_store_check(&bytes) {
+                        self.check_store(host, region, id);
+                    }
                     continue;
                 }
                 _ => {}
@@ -684,6 +694,78 @@ pub(crate) mod tests {
             }
         }
         assert_eq!(host.value(Stat::Region(0, RegionStat::Healthy)), 0);
+    }
+
+    #[test]
+    fn the_probe_checks_whether_an_engine_keeps_its_responses() {
+        let c = cfg("");
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        let mut at = T0 + 50;
+        tick(&mut p, &mut host, at);
+        answer_all(&mut p, &mut host, 5, Some(200), VLLM);
+        // A router recorded resp_1 at mid and resp_2 at near: each region
+        // is asked once, for the response recorded there.
+        for (region, id) in [(1u16, "resp_1"), (0, "resp_2"), (1, "resp_3")] {
+            host.enqueue(
+                OBSERVATIONS_QUEUE,
+                &stored_responses::encode_store_check(region, id),
+            );
+        }
+        at += 1000;
+        tick(&mut p, &mut host, at);
+        let checks: Vec<(u32, String, String)> = host
+            .callouts
+            .iter()
+            .filter(|(_, _, path)| path.starts_with("/v1/responses/"))
+            .cloned()
+            .collect();
+        let asked: Vec<_> = checks
+            .iter()
+            .map(|(_, c, p)| (c.as_str(), p.as_str()))
+            .collect();
+        assert_eq!(
+            asked,
+            [
+                ("cm", "/v1/responses/resp_1"),
+                ("cn", "/v1/responses/resp_2")
+            ]
+        );
+        // mid's engine does not know it (vLLM without its store), near's does.
+        for (token, cluster, _) in checks {
+            let mut a = Answer {
+                status: Some(if cluster == "cm" { 404 } else { 200 }),
+                ..Answer::default()
+            };
+            p.on_callout_response(&mut host, token, &mut a);
+        }
+        let snap = published(&host);
+        assert_eq!(snap.regions[1].stores_responses, Some(false));
+        assert_eq!(snap.regions[0].stores_responses, Some(true));
+        assert!(host
+            .logs
+            .iter()
+            .any(|(_, m)| m.contains("region mid: its engine does not keep the Responses")));
+        // Known: no more checks.
+        host.callouts.clear();
+        host.enqueue(
+            OBSERVATIONS_QUEUE,
+            &stored_responses::encode_store_check(1, "resp_4"),
+        );
+        at += 1000;
+        tick(&mut p, &mut host, at);
+        assert!(!host
+            .callouts
+            .iter()
+            .any(|(_, _, p)| p.starts_with("/v1/responses/")));
+        // Garbage on the queue is ignored.
+        host.enqueue(OBSERVATIONS_QUEUE, b"R\x01");
+        host.enqueue(OBSERVATIONS_QUEUE, b"R\x00\x00bad id");
+        tick(&mut p, &mut host, at + 1000);
+        assert!(!host
+            .callouts
+            .iter()
+            .any(|(_, _, p)| p.starts_with("/v1/responses/")));
     }
 
     #[test]

@@ -109,6 +109,11 @@ pub struct RouterStream {
     pub(super) tail: Option<Tail>,
     /// The start of a stored Responses API answer, until its `id` is read.
     pub(super) head: Option<Head>,
+    /// Per region (bit i), as the snapshot said when the request was
+    /// routed: its engine keeps no Responses (`keeps_none`), or whether it
+    /// does is not known yet (`keeping_unknown`; the probe checks).
+    pub(super) keeps_none: u64,
+    pub(super) keeping_unknown: u64,
 }
 
 impl RouterStream {
@@ -308,6 +313,18 @@ impl RouterStream {
         // followed.
         if routed.store_response && !self.fallback {
             self.head = Some(Head::default());
+            for i in 0..cfg.regions.len().min(64) {
+                let keeps = fresh.as_ref().map(|f| {
+                    f.snapshot
+                        .region_at(&f.index, i)
+                        .and_then(|r| r.stores_responses)
+                });
+                match keeps {
+                    Some(Some(false)) => self.keeps_none |= 1 << i,
+                    Some(None) => self.keeping_unknown |= 1 << i,
+                    _ => {}
+                }
+            }
         }
         self.decided = Some(routed);
         Flow::Continue
@@ -957,6 +974,78 @@ mod tests {
         assert_eq!(cluster(&mut host2).as_deref(), Some("cn"));
     }
 
+    #[test]
+    fn stored_responses_are_followed_only_where_the_engine_keeps_them() {
+        // vLLM 0.32 keeps Responses only with its store on (issue 45, item
+        // 8). Not known yet: the response is followed, and the probe is
+        // asked to check it there.
+        let sh = shared("");
+        let mut host = new_host(&sh);
+        health(&sh, &mut host, 2, &[0]);
+        let first = r#"{"model":"m","input":"hello"}"#;
+        let (mut s, _) = request(&sh, &mut host, headers("/v1/responses", &[]), first);
+        answer(
+            &mut s,
+            &sh,
+            &mut host,
+            r#"{"id":"resp_7","object":"response","output":[]}"#,
+        );
+        assert_eq!(host.value(Stat::Global(Global::RouterResponsesRecorded)), 1);
+        let sent: Vec<Vec<u8>> = host
+            .queues
+            .remove(OBSERVATIONS_QUEUE)
+            .unwrap_or_default()
+            .into();
+        let checks: Vec<_> = sent
+            .iter()
+            .filter_map(|m| stored_responses::decode_store_check(m))
+            .collect();
+        assert_eq!(checks, [(1, "resp_7")]);
+        // The probe found mid keeps none: its record is no holder. The
+        // follow-up goes by its cost, and with mid down it is no 503: an
+        // engine answers that it does not know the response.
+        let mut snap = Snapshot::all_healthy(&sh.cfg);
+        (snap.version, snap.generated_ms) = (3, host.now_ms);
+        snap.regions[1].stores_responses = Some(false);
+        snap.regions[1].healthy = false;
+        host.publish(&snap);
+        for h in [headers("/v1/responses", &[]), get("/v1/responses/resp_7")] {
+            host.next_stream();
+            let (mut s, f) = request(&sh, &mut host, h, FOLLOW);
+            assert_eq!(f, Flow::Continue);
+            assert_eq!(cluster(&mut host).as_deref(), Some("cn"));
+            assert_ne!(reason(&mut s, &sh, &mut host), "response");
+        }
+        assert_eq!(
+            host.value(Stat::Global(Global::RouterResponseHolderUnavailable)),
+            0
+        );
+        // A new response there is not recorded, and no check is asked for.
+        snap.regions[1].healthy = true;
+        snap.regions[0].healthy = false;
+        snap.version = 4;
+        host.publish(&snap);
+        host.next_stream();
+        host.queues.remove(OBSERVATIONS_QUEUE);
+        let (mut s, _) = request(&sh, &mut host, headers("/v1/responses", &[]), first);
+        assert_eq!(cluster(&mut host).as_deref(), Some("cm"));
+        answer(
+            &mut s,
+            &sh,
+            &mut host,
+            r#"{"id":"resp_8","object":"response","output":[]}"#,
+        );
+        assert_eq!(host.value(Stat::Global(Global::RouterResponsesRecorded)), 1);
+        let sent: Vec<Vec<u8>> = host
+            .queues
+            .remove(OBSERVATIONS_QUEUE)
+            .unwrap_or_default()
+            .into();
+        assert!(!sent
+            .iter()
+            .any(|m| stored_responses::decode_store_check(m).is_some()));
+    }
+
     /// Envoy retried the request to a host of region `served` (`None`: no
     /// retry), as its stream info tells at the answer.
     fn retried_to(host: &mut Recorder, served: Option<&str>) {
@@ -1002,7 +1091,11 @@ mod tests {
         host.next_stream();
         let (mut s, _) = request(&sh, &mut host, headers("/v1/responses", &[]), FOLLOW);
         answer(&mut s, &sh, &mut host, &completed("resp_8"));
-        assert_eq!(sent(&mut host), Vec::<Vec<u8>>::new());
+        let learnt: Vec<Vec<u8>> = sent(&mut host)
+            .into_iter()
+            .filter(|m| stored_responses::decode_store_check(m).is_none())
+            .collect();
+        assert_eq!(learnt, Vec::<Vec<u8>>::new());
     }
 
     #[test]
@@ -1161,6 +1254,7 @@ mod tests {
         let tuning = host.queues.get(OBSERVATIONS_QUEUE).map_or(0, |q| {
             q.iter()
                 .filter(|m| m.first() != Some(&crate::learning::usage::REPORT_TAG))
+                .filter(|m| stored_responses::decode_store_check(m).is_none())
                 .count()
         });
         assert_eq!(tuning, 0);

@@ -5,6 +5,7 @@
 //! body, and at the end how the request ended (`outcome`). The request side
 //! is `roots::router`.
 
+use crate::cache::stored_responses;
 use crate::config::Config;
 use crate::learning::outcome::{flags, Ending, VIA_UPSTREAM};
 use crate::learning::usage::Tail;
@@ -132,25 +133,36 @@ impl RouterStream {
             Some(bytes) => head.push(&bytes),
             None => None,
         };
+        let bit = 1u64 << region.min(63);
         if let Some(id) = id {
-            if let Some(r) = shared.cfg.regions.get(region) {
-                let now = host.now_ms();
-                shared.router.responses.record(host, &id, &r.name, now);
-                if shared.cfg.exchange.enabled() {
-                    if let Ok(region) = u16::try_from(region) {
-                        let note = crate::cache::exchange::encode_note(
-                            &crate::cache::exchange::Body::Response {
-                                region,
-                                at_ms: now,
-                                hash: shared.router.responses.id_hash(&id),
-                            },
-                        );
-                        to_probe(host, &note);
-                    }
-                }
-                host.count(Stat::Global(Global::RouterResponsesRecorded), 1);
-            }
             self.head = None;
+            // An engine known to keep no Responses: nothing to follow.
+            if self.keeps_none & bit != 0 {
+                return;
+            }
+            let Some(r) = shared.cfg.regions.get(region) else {
+                return;
+            };
+            let now = host.now_ms();
+            if self.keeping_unknown & bit != 0 {
+                if let Ok(region) = u16::try_from(region) {
+                    to_probe(host, &stored_responses::encode_store_check(region, &id));
+                }
+            }
+            shared.router.responses.record(host, &id, &r.name, now);
+            if shared.cfg.exchange.enabled() {
+                if let Ok(region) = u16::try_from(region) {
+                    let note = crate::cache::exchange::encode_note(
+                        &crate::cache::exchange::Body::Response {
+                            region,
+                            at_ms: now,
+                            hash: shared.router.responses.id_hash(&id),
+                        },
+                    );
+                    to_probe(host, &note);
+                }
+            }
+            host.count(Stat::Global(Global::RouterResponsesRecorded), 1);
         } else if head.exhausted() {
             self.head = None;
         }
