@@ -21,7 +21,7 @@ use crate::decision::pipeline::{Refusal, RouteInputs, Routed, Router};
 use crate::decision::placement::UnreadInputs;
 use crate::fleet::view::View;
 use crate::learning::tuning::Observation;
-use crate::learning::usage::Tail;
+use crate::learning::usage::UsageScan;
 use crate::request::openai::{self, BodyKind, Endpoint, RequestError};
 use crate::shared::flow::{Flow, Reply};
 use crate::shared::host_api::StreamHost;
@@ -104,8 +104,8 @@ pub struct RouterStream {
     pub(super) pending: Option<Pending>,
     /// The decision made for this request, with every cost term.
     pub(super) decided: Option<Routed>,
-    /// The end of the answer, kept to read the engine's `usage` from.
-    pub(super) tail: Option<Tail>,
+    /// The scan of the answer for the engine's `usage`.
+    pub(super) usage: Option<UsageScan>,
     /// The start of a stored Responses API answer, until its `id` is read.
     pub(super) head: Option<Head>,
 }
@@ -301,12 +301,12 @@ impl RouterStream {
         // The fallback pool is other engines: their caches say nothing
         // about the region's.
         // A stream is read only when it carries a usage: every chunk read
-        // is a host call.
+        // is a host call and a pass over its bytes.
         let usage_comes = !routed.stream
             || routed.stream_usage
             || cfg.directory.stream_usage == StreamUsage::Always;
         if !self.fallback && usage_comes {
-            self.tail = Some(Tail::default());
+            self.usage = Some(UsageScan::default());
         }
         // A response produced by the fallback pool is in its engines: not
         // followed.
@@ -1161,7 +1161,7 @@ mod tests {
         };
         let p = "/v1/chat/completions";
         let (s, _) = request(&sh, &mut host, headers(p, &[]), &chat(""));
-        assert!(s.tail.is_none(), "no usage asked: not read");
+        assert!(s.usage.is_none(), "no usage asked: not read");
         host.next_stream();
         let (s, _) = request(
             &sh,
@@ -1169,7 +1169,7 @@ mod tests {
             headers(p, &[]),
             &chat(r#","stream_options":{"include_usage":true}"#),
         );
-        assert!(s.tail.is_some());
+        assert!(s.usage.is_some());
         host.next_stream();
         let (s, _) = request(
             &sh,
@@ -1178,17 +1178,17 @@ mod tests {
             r#"{"input":"x","stream":true}"#,
         );
         assert!(
-            s.tail.is_some(),
+            s.usage.is_some(),
             "a Responses stream always ends with its usage"
         );
         host.next_stream();
         let (s, _) = request(&sh, &mut host, headers(p, &[]), CHAT);
-        assert!(s.tail.is_some(), "a JSON answer carries its usage");
+        assert!(s.usage.is_some(), "a JSON answer carries its usage");
         // Engines that force usage into every stream: read them all.
         let always = shared(r#","directory":{"stream_usage":"always"}"#);
         let mut host = new_host(&always);
         let (s, _) = request(&always, &mut host, headers(p, &[]), &chat(""));
-        assert!(s.tail.is_some());
+        assert!(s.usage.is_some());
     }
 
     #[test]
