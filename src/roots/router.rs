@@ -1192,6 +1192,68 @@ mod tests {
     }
 
     #[test]
+    fn a_usage_before_the_prompts_logprobs_is_read_whatever_follows() {
+        // vLLM's answer to `"prompt_logprobs": 5`: a long text, the usage,
+        // then 300 KiB of the prompt's logprobs.
+        let sh = shared("");
+        let text = "word ".repeat(15_000);
+        let mut body = format!(r#"{{"id":"chatcmpl-1","choices":[{{"index":0,"message":{{"role":"assistant","content":"{text}"}}}}],"usage":{{"prompt_tokens":1200,"total_tokens":1201,"completion_tokens":1,"prompt_tokens_details":{{"cached_tokens":0}}}},"prompt_logprobs":[null"#).into_bytes();
+        while body.len() < 300 * 1024 {
+            body.extend_from_slice(
+                br#",{"1000":{"logprob":-1.5,"rank":1,"decoded_token":" the"}}"#,
+            );
+        }
+        body.extend_from_slice(b"]}");
+        let key = body.windows(8).position(|w| w == b"\"usage\":").unwrap();
+        // `(bytes the host hands over, size Envoy says)`: a chunk over the
+        // read limit (two reads, the second with the key's start), the rest
+        // of the key and the logprobs; and again with a chunk the host did
+        // not hand over between the key's halves, which must not be joined.
+        let cut = key + 3;
+        assert!(cut > super::super::router_answer::READ_MAX);
+        let whole: Vec<(&[u8], usize)> = vec![
+            (&body[..cut], cut),
+            (&body[cut..cut + 1000], 1000),
+            (&body[cut + 1000..], body.len() - cut - 1000),
+        ];
+        let holed: Vec<(&[u8], usize)> = vec![
+            (&body[..cut], cut),
+            (&[], 5),
+            (&body[cut..], body.len() - cut),
+        ];
+        for (chunks, read) in [(whole, true), (holed, false)] {
+            let mut host = new_host(&sh);
+            let (mut s, _) = request(&sh, &mut host, headers("/v1/chat/completions", &[]), CHAT);
+            engine_status(&mut host, Some(200));
+            s.on_response_headers(&sh, &mut host);
+            host.queues.remove(OBSERVATIONS_QUEUE);
+            let last = chunks.len() - 1;
+            for (i, (bytes, size)) in chunks.into_iter().enumerate() {
+                host.response_chunk = bytes.to_vec();
+                s.on_response_body(&sh, &mut host, size, i == last);
+            }
+            s.on_log(&sh, &mut host);
+            let reports: Vec<_> = host
+                .queues
+                .remove(OBSERVATIONS_QUEUE)
+                .unwrap_or_default()
+                .iter()
+                .filter_map(|m| crate::learning::usage::UsageReport::decode(m))
+                .collect();
+            let missing = host.value(Stat::Global(Global::RouterUsageMissing));
+            if read {
+                assert_eq!(reports.len(), 1);
+                assert_eq!(reports[0].prompt_tokens, 1200);
+                assert_eq!(reports[0].cached_tokens, Some(0));
+                assert_eq!(missing, 0);
+            } else {
+                assert!(reports.is_empty(), "{reports:?}");
+                assert_eq!(missing, 1);
+            }
+        }
+    }
+
+    #[test]
     fn a_prompt_beyond_every_regions_context_gets_the_engines_400() {
         let sh = shared("");
         let mut host = new_host(&sh);

@@ -362,7 +362,7 @@ fn share_placement(
 /// large chunk (a buffered body): read whole, it would grow the VM's memory
 /// to its size for good (a wasm memory never shrinks). A stream's chunk,
 /// or a body as Envoy usually passes it (a slice at a time), is one call.
-const READ_MAX: usize = 64 * 1024;
+pub(super) const READ_MAX: usize = 64 * 1024;
 
 /// Hands every byte of the chunk being passed to the usage scan.
 fn scan_chunk(scan: &mut UsageScan, host: &mut dyn StreamHost, size: usize) {
