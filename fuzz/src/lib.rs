@@ -20,6 +20,7 @@ use llm_geo_router::shared::store::{SetOutcome, SharedStore};
 use llm_geo_router::cache::exchange;
 use llm_geo_router::fleet::ladder;
 use llm_geo_router::roots::guard;
+use llm_geo_router::learning::usage::UsageScan;
 
 /// The plugin configuration of `envoy/envoy.yaml` (the demo).
 pub const DEMO_CONFIG: &str = include_str!("../corpus/config/envoy-demo.json");
@@ -42,7 +43,8 @@ const KEYS: [&str; 11] = [
 // ---------------------------------------------------------------- request
 
 /// `openai::parse` for both endpoints, `body_kind`,
-/// `top_level_value_span`, and the guard's body rewrites that build on them.
+/// `top_level_value_span`, and the guard's body rewrites that build on them;
+/// the same bytes read as an answer: its stored response id and its usage.
 pub fn request(data: &[u8]) {
     let first = data.iter().find(|b| !b.is_ascii_whitespace());
     let kind = openai::body_kind(data);
@@ -67,6 +69,22 @@ pub fn request(data: &[u8]) {
     }
     if data.len() <= llm_geo_router::cache::stored_responses::HEAD_BYTES {
         assert_eq!(found.as_deref(), whole);
+    }
+    // An answer's bytes, whole or in any split: the usage the router would
+    // report is found the same either way (the key and the object may be
+    // cut anywhere), and within the answer's own figures.
+    let mut whole = UsageScan::default();
+    whole.push(data);
+    let usage = whole.usage();
+    for step in [1, 7, 64] {
+        let mut scan = UsageScan::default();
+        for chunk in data.chunks(step) {
+            scan.push(chunk);
+        }
+        assert_eq!(scan.usage(), usage, "chunks of {step}");
+    }
+    if let Some(u) = usage {
+        assert!(u.cached_tokens.is_none_or(|c| c <= u.prompt_tokens));
     }
     let path = String::from_utf8_lossy(data);
     assert!(

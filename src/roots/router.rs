@@ -21,7 +21,7 @@ use crate::decision::pipeline::{Refusal, RouteInputs, Routed, Router};
 use crate::decision::placement::UnreadInputs;
 use crate::fleet::view::View;
 use crate::learning::tuning::Observation;
-use crate::learning::usage::Tail;
+use crate::learning::usage::UsageScan;
 use crate::request::limits::EngineRefusal;
 use crate::request::openai::{self, BodyKind, Endpoint, RequestError};
 use crate::shared::flow::{Flow, Reply};
@@ -105,8 +105,8 @@ pub struct RouterStream {
     pub(super) pending: Option<Pending>,
     /// The decision made for this request, with every cost term.
     pub(super) decided: Option<Routed>,
-    /// The end of the answer, kept to read the engine's `usage` from.
-    pub(super) tail: Option<Tail>,
+    /// The scan of the answer for the engine's `usage`.
+    pub(super) usage: Option<UsageScan>,
     /// The start of a stored Responses API answer, until its `id` is read.
     pub(super) head: Option<Head>,
     /// Per region (bit i), as the snapshot said when the request was
@@ -302,12 +302,12 @@ impl RouterStream {
         // The fallback pool is other engines: their caches say nothing
         // about the region's.
         // A stream is read only when it carries a usage: every chunk read
-        // is a host call.
+        // is a host call and a pass over its bytes.
         let usage_comes = !routed.stream
             || routed.stream_usage
             || cfg.directory.stream_usage == StreamUsage::Always;
         if !self.fallback && usage_comes {
-            self.tail = Some(Tail::default());
+            self.usage = Some(UsageScan::default());
         }
         // A response produced by the fallback pool is in its engines: not
         // followed.
@@ -1275,7 +1275,7 @@ mod tests {
         };
         let p = "/v1/chat/completions";
         let (s, _) = request(&sh, &mut host, headers(p, &[]), &chat(""));
-        assert!(s.tail.is_none(), "no usage asked: not read");
+        assert!(s.usage.is_none(), "no usage asked: not read");
         host.next_stream();
         let (s, _) = request(
             &sh,
@@ -1283,7 +1283,7 @@ mod tests {
             headers(p, &[]),
             &chat(r#","stream_options":{"include_usage":true}"#),
         );
-        assert!(s.tail.is_some());
+        assert!(s.usage.is_some());
         host.next_stream();
         let (s, _) = request(
             &sh,
@@ -1292,17 +1292,79 @@ mod tests {
             r#"{"input":"x","stream":true}"#,
         );
         assert!(
-            s.tail.is_some(),
+            s.usage.is_some(),
             "a Responses stream always ends with its usage"
         );
         host.next_stream();
         let (s, _) = request(&sh, &mut host, headers(p, &[]), CHAT);
-        assert!(s.tail.is_some(), "a JSON answer carries its usage");
+        assert!(s.usage.is_some(), "a JSON answer carries its usage");
         // Engines that force usage into every stream: read them all.
         let always = shared(r#","directory":{"stream_usage":"always"}"#);
         let mut host = new_host(&always);
         let (s, _) = request(&always, &mut host, headers(p, &[]), &chat(""));
-        assert!(s.tail.is_some());
+        assert!(s.usage.is_some());
+    }
+
+    #[test]
+    fn a_usage_before_the_prompts_logprobs_is_read_whatever_follows() {
+        // vLLM's answer to `"prompt_logprobs": 5`: a long text, the usage,
+        // then 300 KiB of the prompt's logprobs.
+        let sh = shared("");
+        let text = "word ".repeat(15_000);
+        let mut body = format!(r#"{{"id":"chatcmpl-1","choices":[{{"index":0,"message":{{"role":"assistant","content":"{text}"}}}}],"usage":{{"prompt_tokens":1200,"total_tokens":1201,"completion_tokens":1,"prompt_tokens_details":{{"cached_tokens":0}}}},"prompt_logprobs":[null"#).into_bytes();
+        while body.len() < 300 * 1024 {
+            body.extend_from_slice(
+                br#",{"1000":{"logprob":-1.5,"rank":1,"decoded_token":" the"}}"#,
+            );
+        }
+        body.extend_from_slice(b"]}");
+        let key = body.windows(8).position(|w| w == b"\"usage\":").unwrap();
+        // `(bytes the host hands over, size Envoy says)`: a chunk over the
+        // read limit (two reads, the second with the key's start), the rest
+        // of the key and the logprobs; and again with a chunk the host did
+        // not hand over between the key's halves, which must not be joined.
+        let cut = key + 3;
+        assert!(cut > super::super::router_answer::READ_MAX);
+        let whole: Vec<(&[u8], usize)> = vec![
+            (&body[..cut], cut),
+            (&body[cut..cut + 1000], 1000),
+            (&body[cut + 1000..], body.len() - cut - 1000),
+        ];
+        let holed: Vec<(&[u8], usize)> = vec![
+            (&body[..cut], cut),
+            (&[], 5),
+            (&body[cut..], body.len() - cut),
+        ];
+        for (chunks, read) in [(whole, true), (holed, false)] {
+            let mut host = new_host(&sh);
+            let (mut s, _) = request(&sh, &mut host, headers("/v1/chat/completions", &[]), CHAT);
+            engine_status(&mut host, Some(200));
+            s.on_response_headers(&sh, &mut host);
+            host.queues.remove(OBSERVATIONS_QUEUE);
+            let last = chunks.len() - 1;
+            for (i, (bytes, size)) in chunks.into_iter().enumerate() {
+                host.response_chunk = bytes.to_vec();
+                s.on_response_body(&sh, &mut host, size, i == last);
+            }
+            s.on_log(&sh, &mut host);
+            let reports: Vec<_> = host
+                .queues
+                .remove(OBSERVATIONS_QUEUE)
+                .unwrap_or_default()
+                .iter()
+                .filter_map(|m| crate::learning::usage::UsageReport::decode(m))
+                .collect();
+            let missing = host.value(Stat::Global(Global::RouterUsageMissing));
+            if read {
+                assert_eq!(reports.len(), 1);
+                assert_eq!(reports[0].prompt_tokens, 1200);
+                assert_eq!(reports[0].cached_tokens, Some(0));
+                assert_eq!(missing, 0);
+            } else {
+                assert!(reports.is_empty(), "{reports:?}");
+                assert_eq!(missing, 1);
+            }
+        }
     }
 
     #[test]

@@ -8,7 +8,7 @@
 use crate::cache::stored_responses;
 use crate::config::Config;
 use crate::learning::outcome::{flags, Ending, VIA_UPSTREAM};
-use crate::learning::usage::Tail;
+use crate::learning::usage::UsageScan;
 use crate::roots::router::{RouterShared, RouterStream};
 use crate::shared::flow::Flow;
 use crate::shared::host_api::StreamHost;
@@ -44,7 +44,7 @@ impl RouterStream {
                 == 0;
         if self.local {
             self.pending = None;
-            self.tail = None;
+            self.usage = None;
             self.head = None;
             return Flow::Continue;
         }
@@ -57,7 +57,7 @@ impl RouterStream {
         // token, and only a successful answer reports usage.
         if !self.status.is_some_and(|s| (200..300).contains(&s)) {
             self.pending = None;
-            self.tail = None;
+            self.usage = None;
             self.head = None;
         }
         Flow::Continue
@@ -78,10 +78,10 @@ impl RouterStream {
     }
 
     /// Whether response body chunks are wanted at all: the first byte of a
-    /// measured stream, or the end of an answer whose `usage` is read.
-    /// Otherwise a chunk costs nothing.
+    /// measured stream, the body of an answer whose `usage` is read, or a
+    /// stored response's first bytes. Otherwise a chunk costs nothing.
     pub fn wants_response_body(&self) -> bool {
-        self.pending.is_some() || self.tail.is_some() || self.head.is_some() || self.learns()
+        self.pending.is_some() || self.usage.is_some() || self.head.is_some() || self.learns()
     }
 
     /// A successful answer to a routed request has not started yet: its
@@ -93,8 +93,9 @@ impl RouterStream {
     }
 
     /// A response body chunk of `size` bytes passes (`end_of_stream`: the
-    /// last). Only the chunk's last bytes that can hold `usage` are read;
-    /// nothing is parsed before the end.
+    /// last). When its `usage` is read, the whole chunk is scanned: the
+    /// usage may be anywhere in the body (vLLM puts the prompt's logprobs
+    /// and token ids after it). Nothing is parsed before the end.
     pub fn on_response_body(
         &mut self,
         shared: &RouterShared,
@@ -108,15 +109,10 @@ impl RouterStream {
         if size > 0 && self.head.is_some() {
             self.read_head(shared, host, size);
         }
-        let Some(tail) = &mut self.tail else {
+        let Some(scan) = &mut self.usage else {
             return;
         };
-        if size > 0 {
-            let n = Tail::wanted(size);
-            if let Some(end) = host.response_body(size - n, n) {
-                tail.push(size, &end);
-            }
-        }
+        scan_chunk(scan, host, size);
         if end_of_stream {
             self.report_usage(shared, host, true);
         }
@@ -177,10 +173,10 @@ impl RouterStream {
         host: &mut dyn StreamHost,
         count_missing: bool,
     ) {
-        let Some(tail) = self.tail.take() else {
+        let Some(scan) = self.usage.take() else {
             return;
         };
-        let usage = tail.usage();
+        let usage = scan.usage();
         if let (Some(served), Some(learning)) = (
             self.served,
             self.decided.as_mut().and_then(|d| d.learning.as_mut()),
@@ -224,7 +220,7 @@ impl RouterStream {
             if shared.router.learn(host, learning, served, now) > 0 {
                 share_placement(shared, host, learning, served);
             }
-            if self.tail.is_none() {
+            if self.usage.is_none() {
                 // No usage to wait for: the prefill as believed.
                 shared.router.note_intake(host, learning, served, None);
             }
@@ -371,6 +367,30 @@ fn share_placement(
             hashes: w.hashes,
         });
         to_probe(host, &note);
+    }
+}
+
+/// The most bytes of a chunk read in one host call. Envoy may hand over a
+/// large chunk (a buffered body): read whole, it would grow the VM's memory
+/// to its size for good (a wasm memory never shrinks). A stream's chunk,
+/// or a body as Envoy usually passes it (a slice at a time), is one call.
+pub(super) const READ_MAX: usize = 64 * 1024;
+
+/// Hands every byte of the chunk being passed to the usage scan.
+fn scan_chunk(scan: &mut UsageScan, host: &mut dyn StreamHost, size: usize) {
+    let mut at = 0;
+    while at < size {
+        let want = (size - at).min(READ_MAX);
+        let read = host.response_body(at, want);
+        if let Some(bytes) = &read {
+            scan.push(bytes);
+        }
+        if read.as_ref().is_none_or(|b| b.len() < want) {
+            // The rest of the chunk is not seen: nothing is joined across.
+            scan.gap();
+            return;
+        }
+        at += want;
     }
 }
 
