@@ -80,6 +80,48 @@ pub struct EngineSample {
     /// KV-cache capacity in tokens, summed over the endpoint's engines;
     /// `None` when the engine exports no capacity metric.
     pub cache_capacity: Option<CacheCapacity>,
+    /// Cumulative prompt tokens the engine took, summed over all series
+    /// (vLLM and SGLang `prompt_tokens_total`; llama.cpp's, which leaves
+    /// out the tokens it reused from its cache): a counter that only a
+    /// restart sends back, watched where there is no prefix-cache counter
+    /// (`EngineSample::restart_counter`).
+    pub prompt_tokens: Option<f64>,
+}
+
+/// The monotonic counter of a scrape that only an engine's restart sends
+/// back ([`EngineSample::restart_counter`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RestartCounter {
+    /// The prefix-cache lookups (llama.cpp: its prefilled plus its reused
+    /// prompt tokens).
+    PrefixQueries,
+    /// The prompt tokens taken (SGLang, which has no prefix counter).
+    PromptTokens,
+}
+
+impl RestartCounter {
+    /// As a log line names it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            RestartCounter::PrefixQueries => "prefix-cache queries counter",
+            RestartCounter::PromptTokens => "prompt tokens counter",
+        }
+    }
+}
+
+impl EngineSample {
+    /// The counter that tells an engine's restart, and its value: the
+    /// prefix-cache queries where the engine exports them, else its prompt
+    /// tokens; `None` when the scrape has neither (it then says nothing
+    /// about a restart, and is never read as a counter gone to 0).
+    pub fn restart_counter(&self) -> Option<(RestartCounter, f64)> {
+        self.prefix_queries
+            .map(|v| (RestartCounter::PrefixQueries, v))
+            .or_else(|| {
+                self.prompt_tokens
+                    .map(|v| (RestartCounter::PromptTokens, v))
+            })
+    }
 }
 
 /// Where a number lands. Counts and counters are summed over series; usage
@@ -102,6 +144,9 @@ pub(crate) enum Series {
     PrefixReused,
     HitRate,
     Completed,
+    /// Prompt tokens taken, cached or not (vLLM's and SGLang's
+    /// `prompt_tokens_total`).
+    PromptTokens,
     /// vLLM's `cache_config_info`: the capacity is in its labels.
     CacheConfigInfo,
     /// SGLang's `max_total_num_tokens`: the capacity is the value.
@@ -173,6 +218,7 @@ const VLLM_SERIES: &[(&str, Series)] = &[
     // With prefix caching off it prints -1, which clamps to a 0 hit rate.
     ("vllm:gpu_prefix_cache_hit_rate", Series::HitRate),
     ("vllm:request_success_total", Series::Completed),
+    ("vllm:prompt_tokens_total", Series::PromptTokens),
     ("vllm:cache_config_info", Series::CacheConfigInfo),
 ];
 
@@ -182,6 +228,7 @@ const SGLANG_SERIES: &[(&str, Series)] = &[
     ("sglang:token_usage", Series::KvUsage),
     ("sglang:cache_hit_rate", Series::HitRate),
     ("sglang:num_requests_total", Series::Completed),
+    ("sglang:prompt_tokens_total", Series::PromptTokens),
     ("sglang:max_total_num_tokens", Series::MaxTotalTokens),
 ];
 
@@ -236,6 +283,7 @@ pub(crate) struct Totals {
     prefix_reused: Accumulator,
     hit_rate: Accumulator,
     completed: Accumulator,
+    prompt_tokens: Accumulator,
     pub(crate) capacity: CapacitySum,
 }
 
@@ -259,6 +307,7 @@ impl Totals {
             Series::KvUsageLegacy => (Some(&mut self.kv_usage_legacy), Some(ratio)),
             Series::HitRate => (Some(&mut self.hit_rate), Some(ratio)),
             Series::Completed => (Some(&mut self.completed), count),
+            Series::PromptTokens => (Some(&mut self.prompt_tokens), count),
             Series::CacheConfigInfo | Series::MaxTotalTokens => (None, None),
         };
         if let (Some(accumulator), Some(value)) = (accumulator, value) {
@@ -299,6 +348,12 @@ impl Totals {
             release,
             completed: self.completed.total(),
             cache_capacity: self.capacity.into_capacity(),
+            // llama.cpp's prompt counter leaves the reused tokens out, but
+            // only a restart sends it back.
+            prompt_tokens: self
+                .prompt_tokens
+                .total()
+                .or_else(|| self.prefix_misses.total()),
         }
     }
 }
@@ -393,6 +448,7 @@ vllm:time_to_first_token_seconds_count{{engine=\"0\",model_name=\"{m}\"}} 42.0\n
                 completed: Some(42.0),
                 // (2340 + 2339) blocks of 16 tokens.
                 cache_capacity: Some(CacheCapacity::Tokens(74_864)),
+                prompt_tokens: None,
             }
         );
     }
@@ -431,6 +487,7 @@ vllm:gpu_prefix_cache_hits{model_name=\"qwen\"} 512\n";
                 release: None,
                 completed: None,
                 cache_capacity: None,
+                prompt_tokens: None,
             }
         );
     }
@@ -509,6 +566,8 @@ sglang:max_total_num_tokens{{{tp1}}} 262144.0\n"
                 completed: Some(200.0),
                 // Two data-parallel pools; tp_rank 1 is not a third.
                 cache_capacity: Some(CacheCapacity::Tokens(524_288)),
+                // No prefix counter: its restarts are watched on this.
+                prompt_tokens: Some(8_128_902.0),
             }
         );
     }
@@ -584,6 +643,7 @@ llamacpp:n_busy_slots_per_decode 3.6\n";
                 release: None,
                 completed: None,
                 cache_capacity: None,
+                prompt_tokens: Some(5210.0),
             }
         );
         // Without the cached counter (no hits), no lookups either: the

@@ -23,7 +23,7 @@ use crate::engines::families::{Series, Totals};
 
 pub use crate::engines::capacity::{CacheCapacity, CapacitySum, MAX_CACHE_TOKENS};
 pub use crate::engines::exposition::{lines, Line, Lines, Sample};
-pub use crate::engines::families::{EngineKind, EngineSample};
+pub use crate::engines::families::{EngineKind, EngineSample, RestartCounter};
 
 /// Largest payload parsed. A healthy engine prints tens of kilobytes; anything
 /// this big is a misconfigured endpoint, and parsing it would stall the

@@ -11,7 +11,9 @@
 //! (the completions counters, summed), `prefix_queries`/`prefix_hits`
 //! (vLLM's prefix-cache counters, summed; llama.cpp's queries are the sum
 //! of its prefilled and its cached prompt tokens, each summed over the
-//! selector, added), `hit_rate` (SGLang's, mean),
+//! selector, added), `hit_rate` (SGLang's, mean), `prompt_tokens`
+//! (SGLang's prompt tokens counter, summed: its restarts are watched on it,
+//! as it has no prefix counter),
 //! `scraped` (the oldest scrape time of the running gauge's series) and
 //! `cache` (the KV-cache capacity series, not aggregated).
 //!
@@ -66,6 +68,7 @@ fn metric(engine: EngineKind, signal: &str) -> Option<&'static [&'static [&'stat
         (EngineKind::Sglang, "kv") => &[&["sglang:token_usage"]],
         (EngineKind::Sglang, "completed") => &[&["sglang:num_requests_total"]],
         (EngineKind::Sglang, "hit_rate") => &[&["sglang:cache_hit_rate"]],
+        (EngineKind::Sglang, "prompt_tokens") => &[&["sglang:prompt_tokens_total"]],
         (EngineKind::Sglang, "cache") => &[&["sglang:max_total_num_tokens"]],
         (EngineKind::Llamacpp, "waiting") => &[&["llamacpp:requests_deferred"]],
         (EngineKind::Llamacpp, "running" | "replicas" | "scraped") => {
@@ -85,7 +88,7 @@ fn metric(engine: EngineKind, signal: &str) -> Option<&'static [&'static [&'stat
 }
 
 /// Each signal and its aggregation (empty: the series themselves).
-const SIGNALS: [(&str, &str); 10] = [
+const SIGNALS: [(&str, &str); 11] = [
     ("waiting", "sum"),
     ("running", "sum"),
     ("kv", "avg"),
@@ -94,6 +97,7 @@ const SIGNALS: [(&str, &str); 10] = [
     ("prefix_queries", "sum"),
     ("prefix_hits", "sum"),
     ("hit_rate", "avg"),
+    ("prompt_tokens", "sum"),
     ("scraped", "min"),
     ("cache", ""),
 ];
@@ -261,6 +265,7 @@ pub fn parse_answer(cfg: &Config, body: &[u8]) -> Result<HashMap<usize, RegionLo
             release: None,
             completed: sig.get("completed").copied(),
             cache_capacity: capacity.remove(&i).and_then(CapacitySum::into_capacity),
+            prompt_tokens: sig.get("prompt_tokens").copied(),
         };
         out.insert(
             i,

@@ -138,6 +138,12 @@ pub struct RegionState {
     /// gone in; the directory's entries are aged by it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cache_clock: Vec<(u64, f64)>,
+    /// When the probe last saw the region's engine restart (ms since the
+    /// Unix epoch; `fleet::restart`): its prefix cache then held nothing,
+    /// so no entry stamped before it is believed, whoever wrote it (this
+    /// Envoy or a peer through the exchange). Absent: none seen.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_reset_ms: Option<u64>,
 }
 
 fn is_zero(v: &f64) -> bool {
@@ -187,6 +193,7 @@ impl Default for RegionState {
             cache_tokens: None,
             cache_free_tokens: None,
             cache_clock: Vec::new(),
+            cache_reset_ms: None,
         }
     }
 }
@@ -297,6 +304,32 @@ mod tests {
             None
         );
         assert_eq!(Snapshot::decode(old).unwrap().regions[0].cache_tokens, None);
+        assert_eq!(
+            Snapshot::decode(old).unwrap().regions[0].cache_reset_ms,
+            None
+        );
+    }
+
+    #[test]
+    fn a_restart_round_trips_and_a_garbled_one_is_refused() {
+        let mut s = Snapshot::default();
+        s.regions.push(RegionState {
+            name: "a".into(),
+            cache_reset_ms: Some(1_700_000_000_123),
+            ..RegionState::default()
+        });
+        s.regions.push(RegionState {
+            name: "b".into(),
+            ..RegionState::default()
+        });
+        let bytes = s.encode();
+        assert_eq!(Snapshot::decode(&bytes).unwrap(), s);
+        let text = String::from_utf8(bytes).unwrap();
+        assert_eq!(text.matches("cache_reset_ms").count(), 1, "{text}");
+        for bad in ["-1", "\"soon\"", "1.5", "1e30", "[1]"] {
+            let garbled = text.replace("1700000000123", bad);
+            assert!(Snapshot::decode(garbled.as_bytes()).is_err(), "{bad}");
+        }
     }
 
     #[test]

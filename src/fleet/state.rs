@@ -11,6 +11,7 @@ use crate::config::Config;
 use crate::engines::metrics::{CacheCapacity, EngineSample};
 use crate::fleet::assess::{assess, Assessment, Signals};
 use crate::fleet::ladder::Ladder;
+use crate::fleet::restart::{Restart, RestartWatch};
 use crate::fleet::snapshot::{RegionState, Snapshot, TunedWeights};
 use crate::learning::calibration::{RegionCalibration, Verdict};
 use crate::learning::tuning::{Fit, Observation, Tuner};
@@ -70,6 +71,11 @@ struct Region {
     /// The engines' last valid KV-cache capacity (tokens); a later
     /// scrape without one leaves it standing.
     cache_tokens: Option<u64>,
+    /// The counter that tells the engine's restarts, as last read.
+    restarts: RestartWatch,
+    /// When the probe last saw the engine restart (Unix ms): its cache
+    /// held nothing the region served before.
+    cache_reset_ms: Option<u64>,
 }
 
 impl Region {
@@ -151,6 +157,8 @@ impl Fleet {
                     models: Vec::new(),
                     replicas: None,
                     cache_tokens: None,
+                    restarts: RestartWatch::default(),
+                    cache_reset_ms: None,
                 })
                 .collect(),
             ladder: Ladder::new(now_ms),
@@ -318,6 +326,9 @@ impl Fleet {
 
     /// A metrics scrape finished at `now_ms`; `inflight` is this Envoy's
     /// in-flight count to the region at the time the scrape was answered.
+    /// Returns the engine's restart it shows, if any (`restart`; with the
+    /// `prometheus` source, `on_replicas` first): the caller says when with
+    /// `on_cache_reset`.
     pub fn on_metrics(
         &mut self,
         cfg: &Config,
@@ -325,12 +336,12 @@ impl Fleet {
         sample: Option<EngineSample>,
         inflight: f64,
         now_ms: u64,
-    ) {
-        let Some(r) = self.regions.get_mut(region) else {
-            return;
-        };
+    ) -> Option<Restart> {
+        let r = self.regions.get_mut(region)?;
+        let mut restart = None;
         match sample {
             Some(s) => {
+                restart = r.restarts.observe(&s, r.replicas.unwrap_or(1));
                 r.drain_rps = drain_rate(cfg, r.drain_rps, r.completed_at, s.completed, now_ms);
                 r.completed_at = match (s.completed, r.completed_at) {
                     // Two answers in the same millisecond: keep the older
@@ -354,6 +365,15 @@ impl Fleet {
                 r.metrics_ok = false;
                 r.scrape_failures = r.scrape_failures.saturating_add(1);
             }
+        }
+        restart
+    }
+
+    /// The region's engine restarted, as known at `ms`: its prefix cache
+    /// held nothing the region served before then.
+    pub fn on_cache_reset(&mut self, region: usize, ms: u64) {
+        if let Some(r) = self.regions.get_mut(region) {
+            r.cache_reset_ms = Some(r.cache_reset_ms.map_or(ms, |t| t.max(ms)));
         }
     }
 
@@ -654,6 +674,7 @@ impl Fleet {
                 cache_tokens: c.cache_tokens().or(r.cache_tokens),
                 cache_free_tokens: None,
                 cache_clock: Vec::new(),
+                cache_reset_ms: r.cache_reset_ms,
             })
             .collect();
         let mut regions = regions;

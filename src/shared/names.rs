@@ -236,13 +236,15 @@ pub enum RegionStat {
     Replicas,
     CacheCapacityTokens,
     CacheCapacityRejected,
+    /// Restarts of the region's engine the probe saw (`fleet::restart`).
+    EngineRestart,
     /// Requests in flight to the region from the other Envoys of the
     /// deployment, as their last exchange messages said.
     PeerRqActive,
 }
 
 impl RegionStat {
-    pub const ALL: [RegionStat; 24] = [
+    pub const ALL: [RegionStat; 25] = [
         RegionStat::RqTotal,
         RegionStat::RqActive,
         RegionStat::FallbackRqTotal,
@@ -266,6 +268,7 @@ impl RegionStat {
         RegionStat::Replicas,
         RegionStat::CacheCapacityTokens,
         RegionStat::CacheCapacityRejected,
+        RegionStat::EngineRestart,
         RegionStat::PeerRqActive,
     ];
 
@@ -295,6 +298,7 @@ impl RegionStat {
             RegionStat::ModelsReadFailure => ("models_read_failure", Counter),
             RegionStat::CacheCapacityTokens => ("kv_capacity_tokens", Gauge),
             RegionStat::CacheCapacityRejected => ("kv_capacity_rejected", Counter),
+            RegionStat::EngineRestart => ("engine_restart", Counter),
             RegionStat::PeerRqActive => ("peer_rq_active", Gauge),
         }
     }
