@@ -71,6 +71,8 @@ struct Region {
     /// The engines' last valid KV-cache capacity (tokens); a later
     /// scrape without one leaves it standing.
     cache_tokens: Option<u64>,
+    /// Tokens per block of the engines' prefix cache, as last said.
+    block_tokens: Option<u32>,
     /// The counter that tells the engine's restarts, as last read.
     restarts: RestartWatch,
     /// When the probe last saw the engine restart (Unix ms): its cache
@@ -157,6 +159,7 @@ impl Fleet {
                     models: Vec::new(),
                     replicas: None,
                     cache_tokens: None,
+                    block_tokens: None,
                     restarts: RestartWatch::default(),
                     cache_reset_ms: None,
                 })
@@ -352,6 +355,10 @@ impl Fleet {
                 };
                 if let Some(CacheCapacity::Tokens(t)) = s.cache_capacity {
                     r.cache_tokens = Some(t);
+                }
+                if s.block_tokens.is_some() {
+                    r.block_tokens = s.block_tokens;
+                    r.calibration.block_tokens = s.block_tokens;
                 }
                 r.sample = s;
                 r.scraped_ms = Some(now_ms);
@@ -675,6 +682,7 @@ impl Fleet {
                 cache_free_tokens: None,
                 cache_clock: Vec::new(),
                 cache_reset_ms: r.cache_reset_ms,
+                block_tokens: r.block_tokens,
             })
             .collect();
         let mut regions = regions;
@@ -1156,5 +1164,45 @@ mod tests {
         f.on_metrics(&c, 0, Some(with(None)), 0.0, 3);
         f.on_metrics(&c, 0, None, 0.0, 4);
         assert_eq!(cap(&f.publish(&c, 4).0), vec![Some(74_864), Some(5000)]);
+    }
+
+    #[test]
+    fn a_belief_is_checked_in_the_engines_whole_blocks() {
+        let c =
+            Config::parse(br#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}]}"#).unwrap();
+        let mut f = Fleet::new(&c, 0);
+        // The engine keeps its cache in blocks of 128 tokens.
+        let sample = EngineSample {
+            waiting: Some(0.0),
+            block_tokens: Some(128),
+            ..EngineSample::default()
+        };
+        f.on_metrics(&c, 0, Some(sample), 0.0, 1000);
+        assert_eq!(f.snapshot(&c, 1000).regions[0].block_tokens, Some(128));
+        // 1200 bytes believed held, 300 tokens at 0.25 a byte: the engine
+        // serves 256 of them (two blocks), and says so. That is the belief
+        // confirmed, not an eviction.
+        let report = UsageReport {
+            region: 0,
+            routed_ms: 5000,
+            prompt_bytes: 4000,
+            believed_bytes: 1200,
+            held_ms: 4000,
+            cut_ms: 0,
+            served_ms: 5100,
+            prompt_tokens: 1000,
+            cached_tokens: Some(256),
+            model: None,
+        };
+        assert_eq!(f.on_usage(&report), Some(Verdict::Confirmed));
+        let cal = f.calibration(0).unwrap();
+        assert_eq!(cal.reliability(), Some(1.0));
+        assert_eq!(cal.capacity_tokens(), None);
+        // Less than what the blocks allow is still an eviction.
+        let short = UsageReport {
+            cached_tokens: Some(128),
+            ..report
+        };
+        assert_eq!(f.on_usage(&short), Some(Verdict::Refuted));
     }
 }

@@ -748,6 +748,12 @@ vllm:num_requests_running{model_name=\"m\"} 8.0\nvllm:num_requests_waiting{model
         );
         assert_eq!(published(&host).regions[0].cache_tokens, Some(16_384));
         assert_eq!(published(&host).regions[1].cache_tokens, Some(5000));
+        // The block of 16 tokens, read even while the capacity was refused.
+        assert_eq!(published(&host).regions[0].block_tokens, Some(16));
+        assert_eq!(
+            host.value(Stat::Region(0, RegionStat::CacheBlockTokens)),
+            16
+        );
         // Four refused figures at near, four at mid (counted, not warned).
         assert_eq!(
             host.value(Stat::Region(0, RegionStat::CacheCapacityRejected)),

@@ -238,13 +238,15 @@ pub enum RegionStat {
     CacheCapacityRejected,
     /// Restarts of the region's engine the probe saw (`fleet::restart`).
     EngineRestart,
+    /// Tokens per block of the region's engine cache (0: not known).
+    CacheBlockTokens,
     /// Requests in flight to the region from the other Envoys of the
     /// deployment, as their last exchange messages said.
     PeerRqActive,
 }
 
 impl RegionStat {
-    pub const ALL: [RegionStat; 25] = [
+    pub const ALL: [RegionStat; 26] = [
         RegionStat::RqTotal,
         RegionStat::RqActive,
         RegionStat::FallbackRqTotal,
@@ -269,6 +271,7 @@ impl RegionStat {
         RegionStat::CacheCapacityTokens,
         RegionStat::CacheCapacityRejected,
         RegionStat::EngineRestart,
+        RegionStat::CacheBlockTokens,
         RegionStat::PeerRqActive,
     ];
 
@@ -299,6 +302,7 @@ impl RegionStat {
             RegionStat::CacheCapacityTokens => ("kv_capacity_tokens", Gauge),
             RegionStat::CacheCapacityRejected => ("kv_capacity_rejected", Counter),
             RegionStat::EngineRestart => ("engine_restart", Counter),
+            RegionStat::CacheBlockTokens => ("kv_block_tokens", Gauge),
             RegionStat::PeerRqActive => ("peer_rq_active", Gauge),
         }
     }
