@@ -164,6 +164,18 @@ pub fn render(mode: Mode, model: &str, release: &str, s: &Snapshot) -> String {
                 "The prefix cache hit rate.",
                 hit_rate,
             );
+            // Every prompt token, cached or not: a counter only a restart
+            // (`/admin/reset`) sends back, as the router watches it.
+            o.counter(
+                "sglang:prompt_tokens_total",
+                "Number of prefill tokens processed.",
+                s.query_tokens,
+            );
+            o.gauge(
+                "sglang:page_size",
+                "The page size of the KV cache.",
+                s.block_tokens as f64,
+            );
             // One series per tensor-parallel rank in SGLang; this replica
             // has one rank.
             let name = "sglang:max_total_num_tokens";
@@ -268,6 +280,9 @@ mod tests {
             "sglang:num_queue_reqs{model_name=\"m\"} 1.0",
             "sglang:token_usage{model_name=\"m\"} 0.25",
             "sglang:cache_hit_rate{model_name=\"m\"} 0.25",
+            "# TYPE sglang:prompt_tokens_total counter",
+            "sglang:prompt_tokens_total{model_name=\"m\"} 400.0",
+            "sglang:page_size{model_name=\"m\"} 16.0",
             "sglang:release_info{model_name=\"m\",digest=\"d\"} 1",
             "# TYPE sglang:max_total_num_tokens gauge",
             "sglang:max_total_num_tokens{engine_type=\"unified\",model_name=\"m\",pp_rank=\"0\",tp_rank=\"0\"} 200000.0",

@@ -590,7 +590,8 @@ pub fn shared_records(data: &[u8]) {
     let _ = sessions.record(&mut store, entry, 0, now, (prompt.blocks, 0));
 
     // The same lookup within per-region horizons, or an LRU cache over a
-    // clock read from the input (garbage included), never believes more;
+    // clock read from the input (garbage included), each since a restart
+    // time read from it too, never believes more;
     // the ring of recent prefills decodes from anything without a trap.
     let horizons: Vec<u64> = (0..n)
         .map(|i| now.rotate_left(i as u32 * 7) % 100_000)
@@ -606,11 +607,11 @@ pub fn shared_records(data: &[u8]) {
         .collect();
     let merged = ring.merged(0, &clock);
     assert!(merged.windows(2).all(|w| w[0].0 <= w[1].0), "{merged:?}");
-    let keep: Vec<llm_geo_router::cache::directory::Keep> = horizons
+    let keep: Vec<llm_geo_router::cache::directory::Retention> = horizons
         .iter()
         .enumerate()
-        .map(|(i, h)| {
-            if i % 2 == 0 {
+        .map(|(i, h)| llm_geo_router::cache::directory::Retention {
+            keep: if i % 2 == 0 {
                 llm_geo_router::cache::directory::Keep::Horizon(*h)
             } else {
                 llm_geo_router::cache::directory::Keep::Lru(llm_geo_router::cache::directory::Lru {
@@ -618,7 +619,12 @@ pub fn shared_records(data: &[u8]) {
                     tokens_per_block: 16.0,
                     clock: &merged,
                 })
-            }
+            },
+            since_ms: if i % 3 == 0 {
+                0
+            } else {
+                now.saturating_sub(*h)
+            },
         })
         .collect();
     let within = dir.lookup_within(
@@ -642,6 +648,11 @@ pub fn shared_records(data: &[u8]) {
             Some(r.clone())
         );
         let mut c = llm_geo_router::learning::calibration::RegionCalibration::default();
+        // In blocks of the engine's or not, the ranges hold.
+        c.block_tokens = [None, Some(1), Some(16), Some(128)]
+            .get((now % 4) as usize)
+            .copied()
+            .flatten();
         for _ in 0..3 {
             let _ = c.on_report(&r);
         }

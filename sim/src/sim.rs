@@ -2096,6 +2096,69 @@ mod tests {
         assert!((1..=4).contains(&failed_n), "{failed_n}");
     }
 
+    #[test]
+    fn a_region_back_from_an_outage_is_seen_restarted_by_the_plugins_probe() {
+        // A lost region comes back as fresh engines, counters at 0: the
+        // plugin's own probe, answered with the emulator's /metrics, sees
+        // the restart, and its router believes nothing from before it.
+        let f = fleet_with(
+            8,
+            r#", "outages": [{"region": "near", "from_ms": 20000, "to_ms": 40000}]"#,
+        );
+        // A conversation's turn every second from 2 s to 49 s (the probe
+        // runs while requests are out).
+        let trace = (0..48u32)
+            .map(|k| {
+                let turn = format!("u{k}");
+                req(
+                    f64::from(k + 2) * 1000.0,
+                    "s1",
+                    "na",
+                    &[("doc", 4000), (&turn, 20)],
+                    10,
+                )
+            })
+            .collect();
+        let w = Workload::new(&f, trace).unwrap();
+        let mut sim = geo_sim(&f, &w, Source::default());
+        step_until(&mut sim, 19_000.0);
+        let snap = the_envoy(&sim).snapshot().unwrap();
+        assert_eq!(snap.regions[0].cache_reset_ms, None);
+        // The vLLM emulator's block, read from its cache_config_info.
+        assert_eq!(snap.regions[0].block_tokens, Some(16));
+        step_until(&mut sim, 45_000.0);
+        let snap = the_envoy(&sim).snapshot().unwrap();
+        let reset = snap.regions[0].cache_reset_ms.unwrap();
+        assert!(
+            (core_ms(40_000.0)..=core_ms(45_000.0)).contains(&reset),
+            "{reset}"
+        );
+        assert_eq!(snap.regions[1].cache_reset_ms, None);
+        // So the conversation, which far served through the outage, stays
+        // there from cache once near is back (from 42 s): near's fresh
+        // engine holds nothing, though the directory's entries from before
+        // the outage are within the TTL. Believed, they sent the turn at
+        // 42 s back to near for a full prefill (3.6 s, not 0.14 s).
+        let r = run(
+            &f,
+            &w,
+            PolicyName::GeoRouter,
+            &Deployment::PerClientRegion,
+            None,
+        )
+        .unwrap();
+        let after: Vec<(Option<usize>, u64)> = r.records[40..]
+            .iter()
+            .map(|x| (x.region, x.cached_tokens))
+            .collect();
+        assert!(
+            after
+                .iter()
+                .all(|(region, cached)| *region == Some(1) && *cached >= 4000),
+            "{after:?}"
+        );
+    }
+
     /// One region of `replicas` engines with 2 slots each, 20 ms from na.
     fn replicated(replicas: u32) -> Topology {
         Topology::parse(

@@ -19,7 +19,9 @@
 //! while that engine's LRU would still hold it: the tokens it took in since
 //! the entry's stamp plus the prefix's own length within what running
 //! requests leave free. Engines free a finished request's blocks tail
-//! first, so a long prefix goes before its own shorter ones.
+//! first, so a long prefix goes before its own shorter ones. Never an
+//! entry stamped before the region's engine last restarted
+//! (`Retention::since_ms`), whoever wrote it.
 //!
 //! Writes: once region r has served the prompt, the entries from r's known
 //! prefix up to the prompt's end get r's timestamp; entries nobody holds
@@ -31,7 +33,7 @@
 
 use crate::request::prefix::Checkpoint;
 
-pub use crate::cache::retention::{Keep, Lru, RecentIntake};
+pub use crate::cache::retention::{Keep, Lru, RecentIntake, Retention};
 use crate::shared::names::DIRECTORY_KEY_PREFIX as KEY_PREFIX;
 use crate::shared::store::{SetOutcome, SharedStore, SlotKey};
 
@@ -186,7 +188,7 @@ impl Directory {
         checkpoints: &[Checkpoint],
         block_hash: impl Fn(usize) -> Option<u64>,
         now_ms: u64,
-        keep: &[Keep],
+        keep: &[Retention],
     ) {
         for r in 0..self.regions.min(64) {
             let Some(idx) = lookup.held.get(r).and_then(|h| h.checked_sub(1)) else {
@@ -214,11 +216,11 @@ impl Directory {
             // the belief stops one of the router's blocks short (64 bytes
             // are more tokens than vLLM's 16-token block). An LRU cache
             // keeps the head of it that fits (it frees tail first).
-            let held = match keep.get(r).copied().unwrap_or_default() {
-                Keep::Lru(lru) => blocks.min(lru.blocks_fitting(ts)),
-                k if k.holds(ts, blocks, now_ms) => blocks,
-                _ => 0,
-            };
+            let held = keep
+                .get(r)
+                .copied()
+                .unwrap_or_default()
+                .blocks_held(ts, blocks, now_ms);
             if let Some(c) = lookup.cached_blocks.get_mut(r) {
                 *c = (*c).max(held.saturating_sub(1));
             }
@@ -226,16 +228,17 @@ impl Directory {
     }
 
     /// Regions holding checkpoint `cp` per `value`, as a bit set: stamped
-    /// within the TTL and believed kept by the region's engine (`keep[r]`,
-    /// when given). An entry within the TTL that the engine is believed to
-    /// have evicted is set aside: its stamp is noted in `cut` (the newest
-    /// per region).
+    /// within the TTL, after the region's engine last restarted, and
+    /// believed kept by it (`keep[r]`, when given). An entry within the TTL
+    /// that the engine is believed to have evicted is set aside: its stamp
+    /// is noted in `cut` (the newest per region). One from before a restart
+    /// is not: the restart, not the cache's size, emptied it.
     fn holders(
         &self,
         value: Option<&(Vec<u8>, u32)>,
         cp: &Checkpoint,
         now_ms: u64,
-        keep: &[Keep],
+        keep: &[Retention],
         cut: &mut [Option<u64>],
     ) -> u64 {
         let Some((v, _)) = value else {
@@ -251,7 +254,13 @@ impl Directory {
             if ts == 0 || age >= self.ttl_ms {
                 continue;
             }
-            if keep.get(r).is_some_and(|k| !k.holds(ts, cp.blocks, now_ms)) {
+            if keep.get(r).is_some_and(|k| !k.after_restart(ts)) {
+                continue;
+            }
+            if keep
+                .get(r)
+                .is_some_and(|k| !k.keep.holds(ts, cp.blocks, now_ms))
+            {
                 if let Some(c) = cut.get_mut(r) {
                     *c = Some(c.map_or(ts, |old: u64| old.max(ts)));
                 }
@@ -295,7 +304,7 @@ impl Directory {
         store: &mut dyn SharedStore,
         checkpoints: &[Checkpoint],
         now_ms: u64,
-        keep: &[Keep],
+        keep: &[Retention],
     ) -> Lookup {
         let mut out = Lookup {
             cached_blocks: vec![0; self.regions],
@@ -384,7 +393,7 @@ impl Directory {
             if let Some(b) = out.cached_blocks.get_mut(r) {
                 *b = blocks;
             }
-            let k = keep.get(r).copied().unwrap_or_default();
+            let k = keep.get(r).copied().unwrap_or_default().keep;
             if let (Some(ts), Some(f)) = (out.oldest_hit_ms(r), out.refresh.get_mut(r)) {
                 *f = k.stale(ts, now_ms, self.ttl_ms);
             }
@@ -688,7 +697,7 @@ mod tests {
         s: &mut MemoryStore,
         p: &crate::request::prefix::PromptPrefix,
         t: u64,
-        keep: &[Keep],
+        keep: &[Retention],
     ) -> Lookup {
         let mut l = d.lookup_within(s, &p.checkpoints, t, keep);
         d.extend(&mut l, &p.checkpoints, |i| p.block_hash(i), t, keep);
@@ -733,7 +742,7 @@ mod tests {
         d.record(&mut s, &mut l, &a.checkpoints, 0, 1500, (0, 0));
         let mut l = d.lookup(&mut s, &a.checkpoints, 1500);
         d.record(&mut s, &mut l, &a.checkpoints, 1, 1500, (0, 0));
-        let keep = [Keep::Lru(lru), Keep::Ttl];
+        let keep = [Keep::Lru(lru).into(), Keep::Ttl.into()];
         let l = d.lookup_within(&mut s, &a.checkpoints, 3500, &keep);
         assert_eq!(l.cached_blocks, vec![32, 48]);
         // The entries past it were set aside: their stamp is the cut.
@@ -776,7 +785,7 @@ mod tests {
         };
         convo.extend(text(64 * 5, 5));
         let third = prompt(&convo);
-        let l = serve(&d, &mut s, &third, 3000, &[Keep::Lru(lru)]);
+        let l = serve(&d, &mut s, &third, 3000, &[Keep::Lru(lru).into()]);
         assert_eq!(l.cached_blocks, vec![29]);
         // That hit restamped every checkpoint (the engine's LRU refreshes
         // each block it reuses): at 3 s nothing went in since.
@@ -786,7 +795,7 @@ mod tests {
             tokens_per_block: 10.0,
             clock: &later,
         };
-        let l = d.lookup_within(&mut s, &third.checkpoints, 3500, &[Keep::Lru(lru)]);
+        let l = d.lookup_within(&mut s, &third.checkpoints, 3500, &[Keep::Lru(lru).into()]);
         assert_eq!(l.oldest_hit_ms(0), Some(3000));
         assert_eq!(l.cached_blocks, vec![96]);
     }
@@ -832,6 +841,53 @@ mod tests {
         one.merge(&mut c, &[q.checkpoints[0].hash], 0, 5_000, end);
         assert_eq!(one.merge(&mut c, &[hashes[0]], 1, 4_000, end), 0);
         assert_eq!(one.merge(&mut c, &[hashes[0]], 1, 6_000, end), 1);
+    }
+
+    #[test]
+    fn nothing_stamped_before_a_regions_restart_is_believed_whoever_wrote_it() {
+        let d = dir(2);
+        let mut s = MemoryStore::default();
+        let mut convo = text(64 * 70, 6);
+        let p = prompt(&convo);
+        let hashes: Vec<u64> = p.checkpoints.iter().map(|c| c.hash).collect();
+        let end = (p.blocks, p.last_block.unwrap_or(0));
+        // Region 0 served it here at 1 s; a peer says region 1 did at 1.5 s.
+        serve(&d, &mut s, &p, 1000, &[]);
+        d.merge(&mut s, &hashes, 1, 1500, end);
+        let all = p.checkpoints.last().unwrap().blocks;
+        let ttl = Retention::default();
+        let reset = |since_ms| Retention {
+            keep: Keep::Ttl,
+            since_ms,
+        };
+        let held = |s: &mut MemoryStore, keep: &[Retention]| {
+            d.lookup_within(s, &p.checkpoints, 5000, keep).cached_blocks
+        };
+        assert_eq!(held(&mut s, &[ttl, ttl]), vec![all, all]);
+        // Region 1's engine restarted at 2 s: the peer's entries are not
+        // believed, region 0's are. Nor are they set aside as evictions.
+        let l = d.lookup_within(&mut s, &p.checkpoints, 5000, &[ttl, reset(2000)]);
+        assert_eq!(l.cached_blocks, vec![all, 0]);
+        assert_eq!(l.cut_ms(1), None);
+        // Region 0's at 1 s: its own entries go too, and the next turn's
+        // extent past them.
+        assert_eq!(held(&mut s, &[reset(1001), ttl]), vec![0, all]);
+        convo.extend(text(64 * 5, 7));
+        let next = prompt(&convo);
+        let mut l = d.lookup_within(&mut s, &next.checkpoints, 5000, &[reset(1001), ttl]);
+        d.extend(
+            &mut l,
+            &next.checkpoints,
+            |i| next.block_hash(i),
+            5000,
+            &[reset(1001), ttl],
+        );
+        assert_eq!(l.cached_blocks[0], 0);
+        assert!(l.cached_blocks[1] >= all, "{:?}", l.cached_blocks);
+        // Served again after the restart: believed again (an entry stamped
+        // at the restart's own millisecond is after it).
+        d.merge(&mut s, &hashes, 1, 2000, end);
+        assert_eq!(held(&mut s, &[ttl, reset(2000)]), vec![all, all]);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! What a region's engine is believed to keep of what it served: the rules
-//! (`Keep`: TTL, horizon, or a modelled LRU cache, `Lru`) and the intake
-//! clock an LRU ages by, with this Envoy's recent prefills placed in it
-//! (`RecentIntake`).
+//! (`Keep`: TTL, horizon, or a modelled LRU cache, `Lru`), since its last
+//! restart (`Retention`), and the intake clock an LRU ages by, with this
+//! Envoy's recent prefills placed in it (`RecentIntake`).
 
 use crate::shared::names::INTAKE_KEY;
 use crate::shared::store::{SetOutcome, SharedStore};
@@ -25,6 +25,49 @@ pub enum Keep<'a> {
     Horizon(u64),
     /// An LRU prefix cache of known capacity (`Lru::holds`).
     Lru(Lru<'a>),
+}
+
+/// What a region's engine is believed to keep: its rule, and nothing
+/// stamped before `since_ms`, when the probe last saw it restart (its cache
+/// was empty then: `fleet::restart`). Whoever wrote an entry, this Envoy or
+/// a peer through the exchange, its stamp is when the region served it, so
+/// one check at the read covers both.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Retention<'a> {
+    pub keep: Keep<'a>,
+    /// Unix ms; 0: no restart seen.
+    pub since_ms: u64,
+}
+
+impl<'a> From<Keep<'a>> for Retention<'a> {
+    fn from(keep: Keep<'a>) -> Self {
+        Retention { keep, since_ms: 0 }
+    }
+}
+
+impl Retention<'_> {
+    /// Served at `ts`, after the engine's last restart.
+    pub fn after_restart(&self, ts: u64) -> bool {
+        ts >= self.since_ms
+    }
+
+    /// Whether an entry of `blocks` blocks stamped `ts` is believed held
+    /// at `now_ms` (the TTL aside).
+    pub fn holds(&self, ts: u64, blocks: u32, now_ms: u64) -> bool {
+        self.after_restart(ts) && self.keep.holds(ts, blocks, now_ms)
+    }
+
+    /// Of a prompt of `blocks` blocks served at `ts`, the blocks believed
+    /// held at `now_ms`: all or none, except in an LRU cache, which frees
+    /// a prompt tail first and so keeps the head of it that fits.
+    pub fn blocks_held(&self, ts: u64, blocks: u32, now_ms: u64) -> u32 {
+        match self.keep {
+            _ if !self.after_restart(ts) => 0,
+            Keep::Lru(lru) => blocks.min(lru.blocks_fitting(ts)),
+            k if k.holds(ts, blocks, now_ms) => blocks,
+            _ => 0,
+        }
+    }
 }
 
 /// A least-recently-used prefix cache in the engine's tokens, as vLLM's

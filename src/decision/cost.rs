@@ -6,7 +6,8 @@
 //! * `rtt(r)`: the least of the probe's recent health round trips, else the
 //!   configured `rtt_ms`.
 //! * `uncached_tokens(r)`: prompt tokens beyond the prefix the directory
-//!   believes `r` holds.
+//!   believes `r` holds, in the engine's whole blocks and short of the
+//!   prompt's last token (`engines::capacity::servable_tokens`).
 //! * `queue_ms(r)`: requests ahead of this one beyond the engine's
 //!   concurrency, times the mean slot time per slot. Occupancy is the
 //!   engine's waiting + running at the last scrape plus what this Envoy has
@@ -17,6 +18,7 @@
 //!   where a region holds the prompt.
 
 use crate::decision::inputs::{region_slots, Inputs};
+use crate::engines::capacity::servable_tokens;
 use crate::fleet::snapshot::{RegionState, Snapshot};
 use crate::fleet::tokens::{tokens_of, tokens_per_byte};
 
@@ -105,8 +107,9 @@ pub struct Cost {
     /// The prompt's tokens as this region's engine counts them (estimated
     /// with its measured tokens per byte).
     pub prompt_tokens: u64,
-    /// Of them, believed cached there (the directory's belief within the
-    /// region's cache horizon).
+    /// Of them, believed cached there: the directory's belief within the
+    /// region's cache horizon, in its engine's whole blocks and short of
+    /// the prompt's last token, as the engine would serve it.
     pub cached_tokens: u64,
     /// Requests at the engine counting this Envoy's since the scrape.
     pub occupancy: f64,
@@ -293,8 +296,11 @@ pub(super) fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
                 (inp.tokens_per_byte, inp.prompt_tokens)
             };
             let cached_blocks = inp.cached_blocks.get(i).copied().unwrap_or(0);
+            // The engine serves whole blocks of its own, never the last
+            // token: what it would report as `cached_tokens`.
+            let held = (f64::from(cached_blocks) * block_bytes * tpb).floor() as u64;
             let cached_tokens =
-                ((f64::from(cached_blocks) * block_bytes * tpb).floor() as u64).min(prompt_tokens);
+                servable_tokens(held, prompt_tokens, state.and_then(|s| s.block_tokens));
             let uncached = prompt_tokens - cached_tokens;
             let rtt_ms = rtt;
             let prefill_ms = prefill_fixed + prefill_rate * uncached as f64;
@@ -347,6 +353,40 @@ mod tests {
     use crate::config::Config;
     use crate::decision::choice::decide;
     use crate::decision::choice::tests::{cfg, inputs, run, snap};
+
+    #[test]
+    fn believed_cached_tokens_are_whole_engine_blocks_short_of_the_last_token() {
+        use crate::decision::choice::tests::inputs;
+        let c = cfg();
+        let mut s = snap(&c);
+        // mid's engine keeps its cache in blocks of 128 tokens (vLLM on
+        // CPU), far's in SGLang's pages of 1; near's does not say.
+        s.regions[1].block_tokens = Some(128);
+        s.regions[2].block_tokens = Some(1);
+        // Each holds 15 of the router's 64-byte blocks: 960 bytes, 300
+        // tokens at 0.3125 tokens a byte, of a 1000-token prompt.
+        let mut inp = inputs(&c, &s, &[15, 15, 15], None);
+        inp.tokens_per_byte = 0.3125;
+        inp.prompt_tokens = 1000;
+        inp.prompt_bytes = 3200;
+        let d = decide(&inp);
+        let held: Vec<u64> = d.costs.iter().map(|k| k.cached_tokens).collect();
+        assert_eq!(held, [300, 256, 300]);
+        // The prefill is priced on what the engine will compute.
+        assert_eq!(d.costs[1].prefill_ms, 0.5 * 744.0);
+        // A 256-token prompt held whole: its last token is computed, so
+        // one block of 128 is served from the cache, and 255 tokens of
+        // pages of 1.
+        let mut inp = inputs(&c, &s, &[16, 16, 16], None);
+        inp.prompt_tokens = 256;
+        inp.prompt_bytes = 1024;
+        let held: Vec<u64> = decide(&inp).costs.iter().map(|k| k.cached_tokens).collect();
+        assert_eq!(held, [256, 128, 255]);
+        // Less than one block held is nothing held.
+        let inp = inputs(&c, &s, &[4, 4, 4], None);
+        let held: Vec<u64> = decide(&inp).costs.iter().map(|k| k.cached_tokens).collect();
+        assert_eq!(held, [64, 0, 64]);
+    }
 
     #[test]
     fn a_region_whose_load_is_unknown_is_priced_full_never_idle() {

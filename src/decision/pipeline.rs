@@ -12,7 +12,7 @@
 //! (`placement`), the decision header (`header`), and what a served
 //! request teaches (`recording`).
 
-use crate::cache::directory::{Directory, Keep, Lookup, Lru, RecentIntake};
+use crate::cache::directory::{Directory, Keep, Lookup, Lru, RecentIntake, Retention};
 use crate::cache::sessions::{SessionEntry, Sessions};
 use crate::cache::stored_responses::ResponseMap;
 use crate::config::{Config, HolderUnavailable};
@@ -246,27 +246,33 @@ impl Router {
             }
             None => Vec::new(),
         };
-        let keep: Vec<Keep> = match inp.snapshot {
+        // Nothing stamped before a region's engine last restarted, whatever
+        // the rule.
+        let keep: Vec<Retention> = match inp.snapshot {
             Some(snap)
-                if snap
-                    .regions
-                    .iter()
-                    .any(|r| r.cache_free_tokens.is_some() || r.cache_horizon_ms.is_some()) =>
+                if snap.regions.iter().any(|r| {
+                    r.cache_free_tokens.is_some()
+                        || r.cache_horizon_ms.is_some()
+                        || r.cache_reset_ms.is_some()
+                }) =>
             {
                 let block_bytes = f64::from(cfg.prefix.block_bytes);
                 (0..cfg.regions.len())
                     .map(|i| match snap.region_at(inp.snapshot_index, i) {
-                        Some(st) => match (st.cache_free_tokens, st.cache_horizon_ms) {
-                            (Some(free), _) => Keep::Lru(Lru {
-                                free_tokens: free,
-                                tokens_per_block: tokens::tokens_per_byte(Some(st), model)
-                                    * block_bytes,
-                                clock: clocks.get(i).map_or(&[], Vec::as_slice),
-                            }),
-                            (None, Some(h)) => Keep::Horizon(h),
-                            (None, None) => Keep::Ttl,
+                        Some(st) => Retention {
+                            keep: match (st.cache_free_tokens, st.cache_horizon_ms) {
+                                (Some(free), _) => Keep::Lru(Lru {
+                                    free_tokens: free,
+                                    tokens_per_block: tokens::tokens_per_byte(Some(st), model)
+                                        * block_bytes,
+                                    clock: clocks.get(i).map_or(&[], Vec::as_slice),
+                                }),
+                                (None, Some(h)) => Keep::Horizon(h),
+                                (None, None) => Keep::Ttl,
+                            },
+                            since_ms: st.cache_reset_ms.unwrap_or(0),
                         },
-                        None => Keep::Ttl,
+                        None => Retention::default(),
                     })
                     .collect()
             }
@@ -290,7 +296,8 @@ impl Router {
         // The region that served the session's previous prompt holds all of
         // it (and its output): credit it exactly when this prompt extends it,
         // not only to the directory's last checkpoint.
-        // Within the region's cache horizon, as the directory's entries.
+        // Within the region's cache horizon and since its engine last
+        // restarted, as the directory's entries.
         let mut session_credit: Option<(usize, u64)> = None;
         if let Some(s) = session {
             if let (Some((region, at_ms)), Some((blocks, hash))) = (s.last, s.prefix) {

@@ -1,12 +1,41 @@
 //! An engine's KV-cache capacity in tokens: vLLM's `cache_config_info`
 //! labels or SGLang's `max_total_num_tokens`, summed over the engines
 //! behind one endpoint, as the scrape and the `prometheus` source
-//! (`promql`) both read it.
+//! (`promql`) both read it; and the block its cache is kept in (vLLM's
+//! `block_size` label, SGLang's `page_size`), which decides how much of a
+//! held prompt it can serve from its cache (`servable_tokens`).
 
 /// Largest KV-cache capacity believed, in tokens, for one region: a
 /// thousand times the largest pools deployed today (a few hundred GPUs of
 /// a few million tokens each). A larger figure is a broken exporter.
 pub const MAX_CACHE_TOKENS: u64 = 1_000_000_000_000;
+
+/// Largest cache block believed, in tokens: vLLM's are 16 by default and
+/// 128 on CPU; hybrid models' reach a few thousand. A larger figure is a
+/// broken exporter.
+pub const MAX_BLOCK_TOKENS: u64 = 1 << 16;
+
+/// A block size as an engine prints it (a label's text or a gauge's value,
+/// as `f64`), if it is one: a whole number in 1..=[`MAX_BLOCK_TOKENS`].
+pub fn block_tokens_of(value: f64) -> Option<u32> {
+    (value.is_finite() && value.fract() == 0.0 && (1.0..=MAX_BLOCK_TOKENS as f64).contains(&value))
+        .then_some(value as u32)
+}
+
+/// Of a prompt of `prompt_tokens` tokens of which `held` are in the
+/// engine's cache, the tokens the engine serves from it: whole blocks of
+/// `block` tokens only, and never the prompt's last token (computed to give
+/// the first output token), so at most `⌊(prompt_tokens − 1) / block⌋`
+/// blocks. vLLM's `cached_tokens` is always such a multiple. `None` (the
+/// block is not known: llama.cpp, or an engine that does not say): `held`
+/// within the prompt, unrounded.
+pub fn servable_tokens(held: u64, prompt_tokens: u64, block: Option<u32>) -> u64 {
+    let held = held.min(prompt_tokens);
+    match block.map(u64::from).filter(|b| *b > 0) {
+        Some(b) => (held / b * b).min(prompt_tokens.saturating_sub(1) / b * b),
+        None => held,
+    }
+}
 
 /// What the engine says its KV cache holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,6 +57,9 @@ pub struct CapacitySum {
     tokens: Option<u64>,
     /// The first refused figure; once set, the sum is refused.
     invalid: Option<String>,
+    /// The largest valid `block_size` label of vLLM's series, whatever
+    /// became of the sum (a pool not yet profiled still says its block).
+    block_tokens: Option<u32>,
 }
 
 impl CapacitySum {
@@ -39,6 +71,14 @@ impl CapacitySum {
         label: impl Fn(&str) -> Option<L>,
         value: f64,
     ) {
+        if name == "vllm:cache_config_info" {
+            let block = label("block_size")
+                .and_then(|b| b.as_ref().trim().parse::<f64>().ok())
+                .and_then(block_tokens_of);
+            // Engines of one region with other blocks: the largest, as
+            // blocks are powers of two, rounds down to every engine's.
+            self.block_tokens = self.block_tokens.max(block);
+        }
         if self.invalid.is_some() {
             return;
         }
@@ -57,6 +97,12 @@ impl CapacitySum {
             }
             Err(why) => self.invalid = Some(why),
         }
+    }
+
+    /// The block the engines keep their cache in, from vLLM's
+    /// `block_size` labels (the largest); `None`: no valid label.
+    pub fn block_tokens(&self) -> Option<u32> {
+        self.block_tokens
     }
 
     /// `None` when no series was added (or each repeated another's pool).
@@ -190,6 +236,69 @@ mod tests {
         assert_eq!(
             invalid(c.cache_capacity),
             "vllm:cache_config_info has no num_gpu_blocks label"
+        );
+    }
+
+    #[test]
+    fn the_engines_block_is_read_with_the_capacity_and_rounds_what_it_serves() {
+        let block = |kind, text: &str| {
+            parse_engine_metrics(kind, text.as_bytes(), None)
+                .unwrap()
+                .block_tokens
+        };
+        let vllm = |labels: &[&str]| {
+            let mut t = String::from("vllm:num_requests_waiting 0\n");
+            for (i, l) in labels.iter().enumerate() {
+                t.push_str(&format!(
+                    "vllm:cache_config_info{{{l},engine=\"{i}\",num_gpu_blocks=\"None\"}} 1.0\n"
+                ));
+            }
+            block(EngineKind::Vllm, &t)
+        };
+        // The label, even before the pool is profiled; the largest over
+        // engines; a garbled one is no block.
+        assert_eq!(vllm(&["block_size=\"128\""]), Some(128));
+        assert_eq!(vllm(&["block_size=\"16\"", "block_size=\"32\""]), Some(32));
+        for bad in ["0", "-16", "1.5", "None", "99999999", ""] {
+            assert_eq!(vllm(&[&format!("block_size=\"{bad}\"")]), None, "{bad}");
+        }
+        assert_eq!(vllm(&["cache_dtype=\"auto\""]), None);
+        // SGLang: its page size, else its default page of one token.
+        let sglang = "sglang:num_running_reqs 0\n";
+        assert_eq!(block(EngineKind::Sglang, sglang), Some(1));
+        assert_eq!(
+            block(
+                EngineKind::Sglang,
+                &format!("{sglang}sglang:page_size{{tp_rank=\"0\"}} 16.0\n")
+            ),
+            Some(16)
+        );
+        assert_eq!(
+            block(
+                EngineKind::Sglang,
+                &format!("{sglang}sglang:page_size NaN\n")
+            ),
+            Some(1)
+        );
+        // llama.cpp says none.
+        assert_eq!(
+            block(EngineKind::Llamacpp, "llamacpp:requests_processing 1\n"),
+            None
+        );
+        // What is served: whole blocks, never the prompt's last token.
+        assert_eq!(servable_tokens(300, 1000, Some(128)), 256);
+        assert_eq!(servable_tokens(256, 256, Some(128)), 128);
+        assert_eq!(servable_tokens(256, 257, Some(128)), 256);
+        assert_eq!(servable_tokens(127, 1000, Some(128)), 0);
+        assert_eq!(servable_tokens(256, 256, Some(1)), 255);
+        assert_eq!(servable_tokens(900, 256, None), 256, "unknown: capped only");
+        assert_eq!(servable_tokens(5, 0, Some(16)), 0);
+        // No overflow at the ends: (2^64 − 1) is (2^32 + 1) blocks of
+        // (2^32 − 1), the last of them not servable.
+        let b = u64::from(u32::MAX);
+        assert_eq!(
+            servable_tokens(u64::MAX, u64::MAX, Some(u32::MAX)),
+            u64::MAX - b
         );
     }
 

@@ -42,6 +42,15 @@ impl EngineKind {
         }
     }
 
+    /// The block of the kind's cache when its engine does not say: SGLang's
+    /// default page of one token; unknown otherwise.
+    pub fn default_block_tokens(self) -> Option<u32> {
+        match self {
+            EngineKind::Sglang => Some(1),
+            EngineKind::Vllm | EngineKind::Llamacpp => None,
+        }
+    }
+
     /// The names of the kind's waiting and running series, as a
     /// failed scrape names them.
     pub(crate) fn load_series(self) -> impl Iterator<Item = &'static str> {
@@ -80,6 +89,54 @@ pub struct EngineSample {
     /// KV-cache capacity in tokens, summed over the endpoint's engines;
     /// `None` when the engine exports no capacity metric.
     pub cache_capacity: Option<CacheCapacity>,
+    /// Tokens per block of the engine's prefix cache, which serves whole
+    /// blocks only: vLLM's `block_size` label of `cache_config_info`,
+    /// SGLang's `page_size` (1 when it does not say: its default); `None`
+    /// for llama.cpp, or when not said (no rounding then). The largest
+    /// over the endpoint's engines.
+    pub block_tokens: Option<u32>,
+    /// Cumulative prompt tokens the engine took, summed over all series
+    /// (vLLM and SGLang `prompt_tokens_total`; llama.cpp's, which leaves
+    /// out the tokens it reused from its cache): a counter that only a
+    /// restart sends back, watched where there is no prefix-cache counter
+    /// (`EngineSample::restart_counter`).
+    pub prompt_tokens: Option<f64>,
+}
+
+/// The monotonic counter of a scrape that only an engine's restart sends
+/// back ([`EngineSample::restart_counter`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RestartCounter {
+    /// The prefix-cache lookups (llama.cpp: its prefilled plus its reused
+    /// prompt tokens).
+    PrefixQueries,
+    /// The prompt tokens taken (SGLang, which has no prefix counter).
+    PromptTokens,
+}
+
+impl RestartCounter {
+    /// As a log line names it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            RestartCounter::PrefixQueries => "prefix-cache queries counter",
+            RestartCounter::PromptTokens => "prompt tokens counter",
+        }
+    }
+}
+
+impl EngineSample {
+    /// The counter that tells an engine's restart, and its value: the
+    /// prefix-cache queries where the engine exports them, else its prompt
+    /// tokens; `None` when the scrape has neither (it then says nothing
+    /// about a restart, and is never read as a counter gone to 0).
+    pub fn restart_counter(&self) -> Option<(RestartCounter, f64)> {
+        self.prefix_queries
+            .map(|v| (RestartCounter::PrefixQueries, v))
+            .or_else(|| {
+                self.prompt_tokens
+                    .map(|v| (RestartCounter::PromptTokens, v))
+            })
+    }
 }
 
 /// Where a number lands. Counts and counters are summed over series; usage
@@ -102,6 +159,11 @@ pub(crate) enum Series {
     PrefixReused,
     HitRate,
     Completed,
+    /// Prompt tokens taken, cached or not (vLLM's and SGLang's
+    /// `prompt_tokens_total`).
+    PromptTokens,
+    /// SGLang's `page_size`: the tokens per block of its cache.
+    PageSize,
     /// vLLM's `cache_config_info`: the capacity is in its labels.
     CacheConfigInfo,
     /// SGLang's `max_total_num_tokens`: the capacity is the value.
@@ -173,6 +235,7 @@ const VLLM_SERIES: &[(&str, Series)] = &[
     // With prefix caching off it prints -1, which clamps to a 0 hit rate.
     ("vllm:gpu_prefix_cache_hit_rate", Series::HitRate),
     ("vllm:request_success_total", Series::Completed),
+    ("vllm:prompt_tokens_total", Series::PromptTokens),
     ("vllm:cache_config_info", Series::CacheConfigInfo),
 ];
 
@@ -182,6 +245,8 @@ const SGLANG_SERIES: &[(&str, Series)] = &[
     ("sglang:token_usage", Series::KvUsage),
     ("sglang:cache_hit_rate", Series::HitRate),
     ("sglang:num_requests_total", Series::Completed),
+    ("sglang:prompt_tokens_total", Series::PromptTokens),
+    ("sglang:page_size", Series::PageSize),
     ("sglang:max_total_num_tokens", Series::MaxTotalTokens),
 ];
 
@@ -236,6 +301,8 @@ pub(crate) struct Totals {
     prefix_reused: Accumulator,
     hit_rate: Accumulator,
     completed: Accumulator,
+    prompt_tokens: Accumulator,
+    page_size: Option<u32>,
     pub(crate) capacity: CapacitySum,
 }
 
@@ -259,6 +326,12 @@ impl Totals {
             Series::KvUsageLegacy => (Some(&mut self.kv_usage_legacy), Some(ratio)),
             Series::HitRate => (Some(&mut self.hit_rate), Some(ratio)),
             Series::Completed => (Some(&mut self.completed), count),
+            Series::PromptTokens => (Some(&mut self.prompt_tokens), count),
+            Series::PageSize => {
+                let page = crate::engines::capacity::block_tokens_of(value);
+                self.page_size = self.page_size.max(page);
+                (None, None)
+            }
             Series::CacheConfigInfo | Series::MaxTotalTokens => (None, None),
         };
         if let (Some(accumulator), Some(value)) = (accumulator, value) {
@@ -267,6 +340,7 @@ impl Totals {
     }
 
     pub(crate) fn into_sample(self, release: Option<String>) -> EngineSample {
+        let block_tokens = self.capacity.block_tokens().max(self.page_size);
         let (prefix_queries, prefix_hits) = PrefixFamily::BY_PREFERENCE
             .iter()
             .find_map(|&family| {
@@ -299,6 +373,13 @@ impl Totals {
             release,
             completed: self.completed.total(),
             cache_capacity: self.capacity.into_capacity(),
+            block_tokens,
+            // llama.cpp's prompt counter leaves the reused tokens out, but
+            // only a restart sends it back.
+            prompt_tokens: self
+                .prompt_tokens
+                .total()
+                .or_else(|| self.prefix_misses.total()),
         }
     }
 }
@@ -393,6 +474,8 @@ vllm:time_to_first_token_seconds_count{{engine=\"0\",model_name=\"{m}\"}} 42.0\n
                 completed: Some(42.0),
                 // (2340 + 2339) blocks of 16 tokens.
                 cache_capacity: Some(CacheCapacity::Tokens(74_864)),
+                block_tokens: Some(16),
+                prompt_tokens: None,
             }
         );
     }
@@ -431,6 +514,8 @@ vllm:gpu_prefix_cache_hits{model_name=\"qwen\"} 512\n";
                 release: None,
                 completed: None,
                 cache_capacity: None,
+                block_tokens: None,
+                prompt_tokens: None,
             }
         );
     }
@@ -509,6 +594,10 @@ sglang:max_total_num_tokens{{{tp1}}} 262144.0\n"
                 completed: Some(200.0),
                 // Two data-parallel pools; tp_rank 1 is not a third.
                 cache_capacity: Some(CacheCapacity::Tokens(524_288)),
+                // Its default page: it prints none here.
+                block_tokens: Some(1),
+                // No prefix counter: its restarts are watched on this.
+                prompt_tokens: Some(8_128_902.0),
             }
         );
     }
@@ -584,6 +673,8 @@ llamacpp:n_busy_slots_per_decode 3.6\n";
                 release: None,
                 completed: None,
                 cache_capacity: None,
+                block_tokens: None,
+                prompt_tokens: Some(5210.0),
             }
         );
         // Without the cached counter (no hits), no lookups either: the

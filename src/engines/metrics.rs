@@ -21,9 +21,11 @@ use crate::engines::exposition::{
 };
 use crate::engines::families::{Series, Totals};
 
-pub use crate::engines::capacity::{CacheCapacity, CapacitySum, MAX_CACHE_TOKENS};
+pub use crate::engines::capacity::{
+    servable_tokens, CacheCapacity, CapacitySum, MAX_BLOCK_TOKENS, MAX_CACHE_TOKENS,
+};
 pub use crate::engines::exposition::{lines, Line, Lines, Sample};
-pub use crate::engines::families::{EngineKind, EngineSample};
+pub use crate::engines::families::{EngineKind, EngineSample, RestartCounter};
 
 /// Largest payload parsed. A healthy engine prints tens of kilobytes; anything
 /// this big is a misconfigured endpoint, and parsing it would stall the
@@ -223,7 +225,8 @@ pub fn parse_engine_metrics(
             first_malformed_line,
         });
     }
-    let sample = totals.into_sample(release);
+    let mut sample = totals.into_sample(release);
+    sample.block_tokens = sample.block_tokens.or(kind.default_block_tokens());
     if sample.waiting.is_none() && sample.running.is_none() {
         let shown =
             |n: &[u8]| String::from_utf8_lossy(n.get(..MAX_NAME_SHOWN).unwrap_or(n)).into_owned();

@@ -11,7 +11,10 @@
 //! (the completions counters, summed), `prefix_queries`/`prefix_hits`
 //! (vLLM's prefix-cache counters, summed; llama.cpp's queries are the sum
 //! of its prefilled and its cached prompt tokens, each summed over the
-//! selector, added), `hit_rate` (SGLang's, mean),
+//! selector, added), `hit_rate` (SGLang's, mean), `prompt_tokens`
+//! (SGLang's prompt tokens counter, summed: its restarts are watched on it,
+//! as it has no prefix counter), `block` (SGLang's `page_size`, the
+//! largest; vLLM's block is a label of its capacity series),
 //! `scraped` (the oldest scrape time of the running gauge's series) and
 //! `cache` (the KV-cache capacity series, not aggregated).
 //!
@@ -66,6 +69,8 @@ fn metric(engine: EngineKind, signal: &str) -> Option<&'static [&'static [&'stat
         (EngineKind::Sglang, "kv") => &[&["sglang:token_usage"]],
         (EngineKind::Sglang, "completed") => &[&["sglang:num_requests_total"]],
         (EngineKind::Sglang, "hit_rate") => &[&["sglang:cache_hit_rate"]],
+        (EngineKind::Sglang, "prompt_tokens") => &[&["sglang:prompt_tokens_total"]],
+        (EngineKind::Sglang, "block") => &[&["sglang:page_size"]],
         (EngineKind::Sglang, "cache") => &[&["sglang:max_total_num_tokens"]],
         (EngineKind::Llamacpp, "waiting") => &[&["llamacpp:requests_deferred"]],
         (EngineKind::Llamacpp, "running" | "replicas" | "scraped") => {
@@ -85,7 +90,7 @@ fn metric(engine: EngineKind, signal: &str) -> Option<&'static [&'static [&'stat
 }
 
 /// Each signal and its aggregation (empty: the series themselves).
-const SIGNALS: [(&str, &str); 10] = [
+const SIGNALS: [(&str, &str); 12] = [
     ("waiting", "sum"),
     ("running", "sum"),
     ("kv", "avg"),
@@ -94,6 +99,8 @@ const SIGNALS: [(&str, &str); 10] = [
     ("prefix_queries", "sum"),
     ("prefix_hits", "sum"),
     ("hit_rate", "avg"),
+    ("prompt_tokens", "sum"),
+    ("block", "max"),
     ("scraped", "min"),
     ("cache", ""),
 ];
@@ -244,6 +251,7 @@ pub fn parse_answer(cfg: &Config, body: &[u8]) -> Result<HashMap<usize, RegionLo
     }
     let mut out = HashMap::new();
     for (i, sig) in seen {
+        let engine = cfg.regions.get(i).map(|r| r.engine);
         let (Some(waiting), Some(running), Some(replicas)) = (
             sig.get("waiting"),
             sig.get("running"),
@@ -260,7 +268,14 @@ pub fn parse_answer(cfg: &Config, body: &[u8]) -> Result<HashMap<usize, RegionLo
             hit_rate: sig.get("hit_rate").map(|v| v.clamp(0.0, 1.0)),
             release: None,
             completed: sig.get("completed").copied(),
+            block_tokens: sig
+                .get("block")
+                .copied()
+                .and_then(crate::engines::capacity::block_tokens_of)
+                .max(capacity.get(&i).and_then(CapacitySum::block_tokens))
+                .or(engine.and_then(EngineKind::default_block_tokens)),
             cache_capacity: capacity.remove(&i).and_then(CapacitySum::into_capacity),
+            prompt_tokens: sig.get("prompt_tokens").copied(),
         };
         out.insert(
             i,
@@ -518,6 +533,54 @@ mod tests {
         );
         let out = parse_answer(&c, answer(&load("eu")).as_bytes()).unwrap();
         assert_eq!(out[&0].sample.cache_capacity, None);
+    }
+
+    #[test]
+    fn the_block_is_a_label_of_vllms_capacity_series_and_sglangs_page_size() {
+        let c = cfg();
+        let load = |r: &str| {
+            vec![
+                series(r, "waiting", "0"),
+                series(r, "running", "0"),
+                series(r, "replicas", "2"),
+            ]
+        };
+        // vLLM: the largest block over the replicas, even from a series
+        // whose pool is not profiled yet; SGLang: its page size.
+        let mut body = load("eu");
+        body.push(cache_series(
+            "eu",
+            r#""instance":"a","block_size":"16","num_gpu_blocks":"1000""#,
+            "1",
+        ));
+        body.push(cache_series(
+            "eu",
+            r#""instance":"b","block_size":"128","num_gpu_blocks":"None""#,
+            "1",
+        ));
+        body.extend(load("us"));
+        body.push(series("us", "block", "64"));
+        let out = parse_answer(&c, answer(&body).as_bytes()).unwrap();
+        assert_eq!(out[&0].sample.block_tokens, Some(128));
+        assert_eq!(out[&1].sample.block_tokens, Some(64));
+        // None said: vLLM's is unknown, SGLang's its default page of 1; a
+        // garbled figure is none.
+        let mut body = load("eu");
+        body.push(cache_series(
+            "eu",
+            r#""instance":"a","block_size":"sixteen","num_gpu_blocks":"1000""#,
+            "1",
+        ));
+        body.extend(load("us"));
+        body.push(series("us", "block", "0.5"));
+        let out = parse_answer(&c, answer(&body).as_bytes()).unwrap();
+        assert_eq!(out[&0].sample.block_tokens, None);
+        assert_eq!(out[&1].sample.block_tokens, Some(1));
+        // The query asks SGLang for it (and its prompt tokens, on which
+        // its restarts are seen).
+        let q = fleet_query(&c).unwrap();
+        assert!(q.contains(r#"max(sglang:page_size{namespace="llm",site=~"us-.*"})"#));
+        assert!(q.contains(r#"sum(sglang:prompt_tokens_total{namespace="llm",site=~"us-.*"})"#));
     }
 
     #[test]

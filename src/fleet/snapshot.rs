@@ -147,6 +147,18 @@ pub struct RegionState {
     /// gone in; the directory's entries are aged by it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cache_clock: Vec<(u64, f64)>,
+    /// When the probe last saw the region's engine restart (ms since the
+    /// Unix epoch; `fleet::restart`): its prefix cache then held nothing,
+    /// so no entry stamped before it is believed, whoever wrote it (this
+    /// Envoy or a peer through the exchange). Absent: none seen.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_reset_ms: Option<u64>,
+    /// Tokens per block of the region's engine cache, which serves whole
+    /// blocks only (vLLM's `block_size`, SGLang's page size): the cost
+    /// rounds the cached tokens it believes down to them. Absent: not
+    /// known (llama.cpp), no rounding.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_tokens: Option<u32>,
 }
 
 fn is_zero(v: &f64) -> bool {
@@ -198,6 +210,8 @@ impl Default for RegionState {
             cache_tokens: None,
             cache_free_tokens: None,
             cache_clock: Vec::new(),
+            cache_reset_ms: None,
+            block_tokens: None,
         }
     }
 }
@@ -308,6 +322,60 @@ mod tests {
             None
         );
         assert_eq!(Snapshot::decode(old).unwrap().regions[0].cache_tokens, None);
+        assert_eq!(
+            Snapshot::decode(old).unwrap().regions[0].cache_reset_ms,
+            None
+        );
+    }
+
+    #[test]
+    fn a_restart_round_trips_and_a_garbled_one_is_refused() {
+        let mut s = Snapshot::default();
+        s.regions.push(RegionState {
+            name: "a".into(),
+            cache_reset_ms: Some(1_700_000_000_123),
+            ..RegionState::default()
+        });
+        s.regions.push(RegionState {
+            name: "b".into(),
+            ..RegionState::default()
+        });
+        let bytes = s.encode();
+        assert_eq!(Snapshot::decode(&bytes).unwrap(), s);
+        let text = String::from_utf8(bytes).unwrap();
+        assert_eq!(text.matches("cache_reset_ms").count(), 1, "{text}");
+        for bad in ["-1", "\"soon\"", "1.5", "1e30", "[1]"] {
+            let garbled = text.replace("1700000000123", bad);
+            assert!(Snapshot::decode(garbled.as_bytes()).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_block_round_trips_and_a_garbled_one_is_refused() {
+        let mut s = Snapshot::default();
+        s.regions.push(RegionState {
+            name: "a".into(),
+            block_tokens: Some(128),
+            ..RegionState::default()
+        });
+        s.regions.push(RegionState {
+            name: "b".into(),
+            ..RegionState::default()
+        });
+        let bytes = s.encode();
+        assert_eq!(Snapshot::decode(&bytes).unwrap(), s);
+        let text = String::from_utf8(bytes).unwrap();
+        assert_eq!(text.matches("\"block_tokens\":128").count(), 1, "{text}");
+        for bad in ["-1", "\"16\"", "1.5", "4294967296", "[16]"] {
+            let garbled = text.replace("\"block_tokens\":128", &format!("\"block_tokens\":{bad}"));
+            assert!(Snapshot::decode(garbled.as_bytes()).is_err(), "{bad}");
+        }
+        // Published before it existed: no block, no rounding.
+        let old = br#"{"version":1,"generated_ms":1,"level":0,"ratio":null,"demand_rps":0,
+            "capacity_rps":0,"level_changed_ms":0,"regions":[{"name":"a","healthy":true,
+            "rtt_ms":null,"waiting":0,"running":0,"kv_usage":null,"prefix_hit_rate":null,
+            "inflight_at_scrape":0,"metrics_ok":false}]}"#;
+        assert_eq!(Snapshot::decode(old).unwrap().regions[0].block_tokens, None);
     }
 
     #[test]

@@ -11,6 +11,7 @@ use crate::config::Config;
 use crate::engines::metrics::{CacheCapacity, EngineSample};
 use crate::fleet::assess::{assess, Assessment, Signals};
 use crate::fleet::ladder::Ladder;
+use crate::fleet::restart::{Restart, RestartWatch};
 use crate::fleet::snapshot::{RegionState, Snapshot, TunedWeights};
 use crate::learning::calibration::{RegionCalibration, Verdict};
 use crate::learning::tuning::{Fit, Observation, Tuner};
@@ -73,6 +74,13 @@ struct Region {
     /// The engines' last valid KV-cache capacity (tokens); a later
     /// scrape without one leaves it standing.
     cache_tokens: Option<u64>,
+    /// Tokens per block of the engines' prefix cache, as last said.
+    block_tokens: Option<u32>,
+    /// The counter that tells the engine's restarts, as last read.
+    restarts: RestartWatch,
+    /// When the probe last saw the engine restart (Unix ms): its cache
+    /// held nothing the region served before.
+    cache_reset_ms: Option<u64>,
 }
 
 impl Region {
@@ -155,6 +163,9 @@ impl Fleet {
                     models: Vec::new(),
                     replicas: None,
                     cache_tokens: None,
+                    block_tokens: None,
+                    restarts: RestartWatch::default(),
+                    cache_reset_ms: None,
                 })
                 .collect(),
             ladder: Ladder::new(now_ms),
@@ -356,6 +367,9 @@ impl Fleet {
 
     /// A metrics scrape finished at `now_ms`; `inflight` is this Envoy's
     /// in-flight count to the region at the time the scrape was answered.
+    /// Returns the engine's restart it shows, if any (`restart`; with the
+    /// `prometheus` source, `on_replicas` first): the caller says when with
+    /// `on_cache_reset`.
     pub fn on_metrics(
         &mut self,
         cfg: &Config,
@@ -363,12 +377,12 @@ impl Fleet {
         sample: Option<EngineSample>,
         inflight: f64,
         now_ms: u64,
-    ) {
-        let Some(r) = self.regions.get_mut(region) else {
-            return;
-        };
+    ) -> Option<Restart> {
+        let r = self.regions.get_mut(region)?;
+        let mut restart = None;
         match sample {
             Some(s) => {
+                restart = r.restarts.observe(&s, r.replicas.unwrap_or(1));
                 r.drain_rps = drain_rate(cfg, r.drain_rps, r.completed_at, s.completed, now_ms);
                 r.completed_at = match (s.completed, r.completed_at) {
                     // Two answers in the same millisecond: keep the older
@@ -379,6 +393,10 @@ impl Fleet {
                 };
                 if let Some(CacheCapacity::Tokens(t)) = s.cache_capacity {
                     r.cache_tokens = Some(t);
+                }
+                if s.block_tokens.is_some() {
+                    r.block_tokens = s.block_tokens;
+                    r.calibration.block_tokens = s.block_tokens;
                 }
                 r.sample = s;
                 r.scraped_ms = Some(now_ms);
@@ -392,6 +410,15 @@ impl Fleet {
                 r.metrics_ok = false;
                 r.scrape_failures = r.scrape_failures.saturating_add(1);
             }
+        }
+        restart
+    }
+
+    /// The region's engine restarted, as known at `ms`: its prefix cache
+    /// held nothing the region served before then.
+    pub fn on_cache_reset(&mut self, region: usize, ms: u64) {
+        if let Some(r) = self.regions.get_mut(region) {
+            r.cache_reset_ms = Some(r.cache_reset_ms.map_or(ms, |t| t.max(ms)));
         }
     }
 
@@ -701,6 +728,8 @@ impl Fleet {
                 cache_tokens: c.cache_tokens().or(r.cache_tokens),
                 cache_free_tokens: None,
                 cache_clock: Vec::new(),
+                cache_reset_ms: r.cache_reset_ms,
+                block_tokens: r.block_tokens,
             })
             .collect();
         let mut regions = regions;
@@ -1201,5 +1230,45 @@ mod tests {
         f.on_metrics(&c, 0, Some(with(None)), 0.0, 3);
         f.on_metrics(&c, 0, None, 0.0, 4);
         assert_eq!(cap(&f.publish(&c, 4).0), vec![Some(74_864), Some(5000)]);
+    }
+
+    #[test]
+    fn a_belief_is_checked_in_the_engines_whole_blocks() {
+        let c =
+            Config::parse(br#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}]}"#).unwrap();
+        let mut f = Fleet::new(&c, 0);
+        // The engine keeps its cache in blocks of 128 tokens.
+        let sample = EngineSample {
+            waiting: Some(0.0),
+            block_tokens: Some(128),
+            ..EngineSample::default()
+        };
+        f.on_metrics(&c, 0, Some(sample), 0.0, 1000);
+        assert_eq!(f.snapshot(&c, 1000).regions[0].block_tokens, Some(128));
+        // 1200 bytes believed held, 300 tokens at 0.25 a byte: the engine
+        // serves 256 of them (two blocks), and says so. That is the belief
+        // confirmed, not an eviction.
+        let report = UsageReport {
+            region: 0,
+            routed_ms: 5000,
+            prompt_bytes: 4000,
+            believed_bytes: 1200,
+            held_ms: 4000,
+            cut_ms: 0,
+            served_ms: 5100,
+            prompt_tokens: 1000,
+            cached_tokens: Some(256),
+            model: None,
+        };
+        assert_eq!(f.on_usage(&report), Some(Verdict::Confirmed));
+        let cal = f.calibration(0).unwrap();
+        assert_eq!(cal.reliability(), Some(1.0));
+        assert_eq!(cal.capacity_tokens(), None);
+        // Less than what the blocks allow is still an eviction.
+        let short = UsageReport {
+            cached_tokens: Some(128),
+            ..report
+        };
+        assert_eq!(f.on_usage(&short), Some(Verdict::Refuted));
     }
 }

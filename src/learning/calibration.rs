@@ -40,11 +40,18 @@
 //!   ones that are not, and in the simulator it cost cache hits
 //!   (docs/ROUTING.md).
 //!
+//! A belief is checked as the cost made it: the directory's bytes in the
+//! engine's tokens, then in its whole blocks and short of the prompt's last
+//! token (`engines::capacity::servable_tokens`), which is all an engine can
+//! report as `cached_tokens`; compared unrounded, every belief in a
+//! 128-token block would read as part evicted.
+//!
 //! vLLM before 0.24 and SGLang before 0.5.23 omit `cached_tokens` when it
 //! is 0; a region that has reported a count once is taken to report it, so
 //! from then on an answer without one means 0. A region that never reported
 //! one teaches tokens per byte only.
 
+use crate::engines::capacity::servable_tokens;
 use crate::learning::usage::UsageReport;
 
 /// Prompts shorter than this do not calibrate tokens per byte.
@@ -116,6 +123,8 @@ pub struct RegionCalibration {
     /// Learnt cache capacity in clock tokens; `None`: not yet refuted.
     capacity: Option<f64>,
     reliability: Option<f64>,
+    /// Tokens per block of the engine's cache, as its metrics last said.
+    pub block_tokens: Option<u32>,
 }
 
 /// What one report changed (for logs and tests).
@@ -166,7 +175,17 @@ impl RegionCalibration {
             .overall
             .value()
             .unwrap_or(if bytes > 0.0 { tokens / bytes } else { 0.0 });
+        // In the engine's whole blocks, as the cost believed it and as the
+        // engine counts `cached_tokens`.
         let believed = f64::from(r.believed_bytes) * tpb;
+        let believed = match self.block_tokens {
+            Some(_) => servable_tokens(
+                believed.floor() as u64,
+                u64::from(r.prompt_tokens),
+                self.block_tokens,
+            ) as f64,
+            None => believed,
+        };
         let at = self.tokens_at(r.routed_ms);
         let mut verdict = Verdict::Unchecked;
         if believed >= 1.0 && r.held_ms > 0 {

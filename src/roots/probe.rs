@@ -84,6 +84,9 @@ pub struct Probe {
     pub(super) digest_warned: Vec<bool>,
     dispatch_warned: Vec<bool>,
     pub(super) capacity_warned: Vec<CapacityWarned>,
+    /// Per region: when its engine's restart was last logged (0: never),
+    /// and the restarts seen since that were not (`engine_restarted`).
+    pub(super) restart_logged: Vec<(u64, u32)>,
     pub(super) last_assessment: Assessment,
     /// Rounds this root context has run (holding the lease).
     pub(super) rounds: u64,
@@ -148,6 +151,7 @@ impl Probe {
             digest_warned: vec![false; n],
             dispatch_warned: vec![false; n],
             capacity_warned: vec![CapacityWarned::Nothing; n],
+            restart_logged: vec![(0, 0); n],
             last_assessment: Assessment::Ok,
             rounds: 0,
             models_due: vec![0; n],

@@ -5,6 +5,7 @@
 
 use crate::config::ReleaseSource;
 use crate::engines::metrics::{parse_engine_metrics, CacheCapacity, EngineKind};
+use crate::fleet::restart::Restart;
 use crate::request::limits::{limit_field, parse_model_ids, parse_model_limit, MAX_LISTED_MODELS};
 use crate::roots::probe::{CapacityWarned, Probe};
 use crate::shared::host_api::{CalloutResponse, Level, ProbeHost};
@@ -16,6 +17,11 @@ const HEALTH_BODY_MAX: usize = 64 * 1024;
 /// Model-list bodies read at most: a card is a few hundred bytes, so this
 /// holds a model with hundreds of LoRA adapters; a longer list is refused.
 const MODELS_BODY_MAX: usize = 256 * 1024;
+
+/// A region's engine restarts are logged at most once in this long (each
+/// is counted): a `scrape` through a balancer over several replicas reads
+/// their counters in turn, and each fall would be a line.
+const RESTART_LOG_MS: u64 = 60_000;
 
 impl Probe {
     /// A release digest read; a region that changed release is redeployed,
@@ -185,8 +191,12 @@ impl Probe {
                     self.release(host, region, sample.release.clone());
                 }
                 self.check_capacity(host, region, sample.cache_capacity.as_ref());
-                self.fleet
+                let restart = self
+                    .fleet
                     .on_metrics(&self.cfg, region, Some(sample), inflight, now);
+                if let Some(r) = restart {
+                    self.engine_restarted(host, region, r, now);
+                }
                 self.fleet.on_engine_clock(region, now);
                 self.publish(host, now);
             }
@@ -203,6 +213,52 @@ impl Probe {
                     .on_metrics(&self.cfg, region, None, inflight, now);
             }
         }
+    }
+
+    /// A good scrape (or Prometheus answer) at `now` showed the region's
+    /// engine restarted (`fleet::restart`): its cache is empty, so from the
+    /// next snapshot no entry the directory stamped before `now` is
+    /// believed there (nor a session record). Counted every time; logged
+    /// at most once per [`RESTART_LOG_MS`], with the restarts since.
+    pub(super) fn engine_restarted(
+        &mut self,
+        host: &mut dyn ProbeHost,
+        region: usize,
+        restart: Restart,
+        now: u64,
+    ) {
+        self.fleet.on_cache_reset(region, now);
+        host.count(Stat::Region(region, RegionStat::EngineRestart), 1);
+        let Some(logged) = self.restart_logged.get_mut(region) else {
+            return;
+        };
+        if logged.0 != 0 && now.saturating_sub(logged.0) < RESTART_LOG_MS {
+            logged.1 = logged.1.saturating_add(1);
+            return;
+        }
+        let unlogged = std::mem::replace(logged, (now.max(1), 0)).1;
+        let name = self
+            .cfg
+            .regions
+            .get(region)
+            .map_or("?", |r| r.name.as_str());
+        let over = match restart.replicas {
+            1 => String::new(),
+            n => format!(", summed over {n} replicas"),
+        };
+        let since = match unlogged {
+            0 => String::new(),
+            n => format!(" ({n} more since the last such line)"),
+        };
+        host.log(
+            Level::Warn,
+            &format!(
+                "llm-geo-router probe: region {name}: engine restart seen: its {} went back from {:.0} to {:.0} between two scrapes{over}; its prefix cache is taken as empty (what the region served before is no longer believed held there){since}",
+                restart.counter.describe(),
+                restart.before,
+                restart.after,
+            ),
+        );
     }
 
     /// The engines' KV-cache capacity in a good scrape (or Prometheus
@@ -692,6 +748,12 @@ vllm:num_requests_running{model_name=\"m\"} 8.0\nvllm:num_requests_waiting{model
         );
         assert_eq!(published(&host).regions[0].cache_tokens, Some(16_384));
         assert_eq!(published(&host).regions[1].cache_tokens, Some(5000));
+        // The block of 16 tokens, read even while the capacity was refused.
+        assert_eq!(published(&host).regions[0].block_tokens, Some(16));
+        assert_eq!(
+            host.value(Stat::Region(0, RegionStat::CacheBlockTokens)),
+            16
+        );
         // Four refused figures at near, four at mid (counted, not warned).
         assert_eq!(
             host.value(Stat::Region(0, RegionStat::CacheCapacityRejected)),
@@ -715,5 +777,210 @@ vllm:num_requests_running{model_name=\"m\"} 8.0\nvllm:num_requests_waiting{model
                 "llm-geo-router probe: region near: KV-cache capacity ignored: vllm:cache_config_info num_gpu_blocks=\"0\" is not a whole number in 1..=1000000000000; its capacity stays 16384 tokens (set regions[].cache_tokens to give it)",
             ]
         );
+    }
+
+    /// A vLLM scrape of `VLLM`'s load with its prefix-cache counters at
+    /// `queries` (and no hits).
+    fn with_counters(queries: u64) -> String {
+        format!("{VLLM}vllm:prefix_cache_queries_total{{model_name=\"m\"}} {queries}.0\nvllm:prefix_cache_hits_total{{model_name=\"m\"}} 0.0\n")
+    }
+
+    /// One round at `at`: every callout answered 5 ms later, health 200,
+    /// each region's metrics as `metrics(cluster)` says.
+    fn round_with(p: &mut Probe, host: &mut Recorder, at: u64, metrics: &dyn Fn(&str) -> String) {
+        tick(p, host, at);
+        host.now_ms = at + 5;
+        for (token, cluster, path) in std::mem::take(&mut host.callouts) {
+            let mut a = Answer {
+                status: Some(200),
+                ..Answer::default()
+            };
+            if path == "/metrics" {
+                a.body = metrics(&cluster).into_bytes();
+            }
+            p.on_callout_response(host, token, &mut a);
+        }
+        host.now_ms = at;
+    }
+
+    /// A prompt the fleet's `mid` served at `served` (routed and answered
+    /// through the pipeline over the probe's shared data), then the
+    /// decision for its next turn at `at`.
+    fn next_turn(
+        c: &Config,
+        host: &mut Recorder,
+        served: Option<u64>,
+        at: u64,
+    ) -> crate::decision::cost::Decision {
+        next_turn_in(c, host, None, served, at)
+    }
+
+    /// The same, in session `session` if any.
+    fn next_turn_in(
+        c: &Config,
+        host: &mut Recorder,
+        session: Option<&str>,
+        served: Option<u64>,
+        at: u64,
+    ) -> crate::decision::cost::Decision {
+        use crate::decision::pipeline::{RouteInputs, Router};
+        let router = Router::new(c);
+        let doc = "a long document the conversation is about. ".repeat(300);
+        let body = |turn: usize| {
+            serde_json::to_vec(&serde_json::json!({
+                "messages": [{"role": "system", "content": doc}, {"role": "user", "content": format!("turn {turn}")}]
+            }))
+            .unwrap()
+        };
+        let snap = published(host);
+        if let Some(t) = served {
+            let b = body(0);
+            let inp = RouteInputs {
+                endpoint: crate::request::openai::Endpoint::ChatCompletions,
+                body: &b,
+                session_header: session,
+                residency: None,
+                snapshot: Some(&snap),
+                snapshot_index: &[Some(0), Some(1)],
+                inflight: &[0.0, 0.0],
+                now_ms: t,
+                fallback: false,
+            };
+            let mut first = router.route(c, &mut host.store, &inp).unwrap();
+            router.learn(
+                &mut host.store,
+                first.learning.as_mut().unwrap(),
+                1,
+                t + 100,
+            );
+        }
+        let b = body(1);
+        let inp = RouteInputs {
+            endpoint: crate::request::openai::Endpoint::ChatCompletions,
+            body: &b,
+            session_header: session,
+            residency: None,
+            snapshot: Some(&snap),
+            snapshot_index: &[Some(0), Some(1)],
+            inflight: &[0.0, 0.0],
+            now_ms: at,
+            fallback: false,
+        };
+        router.route(c, &mut host.store, &inp).unwrap().decision
+    }
+
+    #[test]
+    fn an_engine_restart_forgets_what_its_region_served_before() {
+        use crate::decision::cost::Reason;
+        let c = cfg("");
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        round_with(&mut p, &mut host, T0 + 1000, &|_| with_counters(50_000));
+        // mid served the prompt: its next turn goes there for its cache.
+        let d = next_turn(&c, &mut host, Some(T0 + 1500), T0 + 1800);
+        assert_eq!((d.region, d.reason), (1, Reason::Cache), "{:?}", d.costs);
+        assert!(d.costs[1].cached_tokens > 500, "{:?}", d.costs);
+        round_with(&mut p, &mut host, T0 + 2000, &|_| with_counters(51_000));
+        let d = next_turn(&c, &mut host, None, T0 + 2100);
+        assert_eq!((d.region, d.reason), (1, Reason::Cache), "{:?}", d.costs);
+        // mid's engine restarted: its counters start again from 0. What it
+        // served before is not in its cache.
+        round_with(&mut p, &mut host, T0 + 3000, &|cluster| {
+            with_counters(if cluster == "cm" { 700 } else { 52_000 })
+        });
+        let d = next_turn(&c, &mut host, None, T0 + 3100);
+        assert_eq!(d.costs[1].cached_tokens, 0, "{:?}", d.costs);
+        assert_eq!((d.region, d.reason), (0, Reason::Rtt), "{:?}", d.costs);
+        // Published, counted and said once, for mid only.
+        let snap = published(&host);
+        assert_eq!(snap.regions[1].cache_reset_ms, Some(T0 + 3005));
+        assert_eq!(snap.regions[0].cache_reset_ms, None);
+        assert_eq!(host.value(Stat::Region(1, RegionStat::EngineRestart)), 1);
+        assert_eq!(host.value(Stat::Region(0, RegionStat::EngineRestart)), 0);
+        let said: Vec<&str> = host
+            .logs
+            .iter()
+            .map(|(_, m)| m.as_str())
+            .filter(|m| m.contains("restart"))
+            .collect();
+        assert_eq!(said, ["llm-geo-router probe: region mid: engine restart seen: its prefix-cache queries counter went back from 51000 to 700 between two scrapes; its prefix cache is taken as empty (what the region served before is no longer believed held there)"]);
+        // Served there again after the restart: believed again.
+        let d = next_turn(&c, &mut host, Some(T0 + 3200), T0 + 3500);
+        assert_eq!((d.region, d.reason), (1, Reason::Cache), "{:?}", d.costs);
+        // Restarts in quick succession (or a balancer reading replicas in
+        // turn) are each counted, and said at most once a minute.
+        for (i, q) in [5_000, 10, 6_000, 20].into_iter().enumerate() {
+            round_with(&mut p, &mut host, T0 + 4000 + 1000 * i as u64, &|cluster| {
+                with_counters(if cluster == "cm" { q } else { 53_000 })
+            });
+        }
+        assert_eq!(host.value(Stat::Region(1, RegionStat::EngineRestart)), 3);
+        round_with(&mut p, &mut host, T0 + 63_005, &|cluster| {
+            with_counters(if cluster == "cm" { 0 } else { 53_000 })
+        });
+        assert_eq!(host.value(Stat::Region(1, RegionStat::EngineRestart)), 4);
+        let said: Vec<&str> = host
+            .logs
+            .iter()
+            .map(|(_, m)| m.as_str())
+            .filter(|m| m.contains("restart"))
+            .collect();
+        assert_eq!(said.len(), 2, "{said:?}");
+        assert!(said[1].ends_with("from 20 to 0 between two scrapes; its prefix cache is taken as empty (what the region served before is no longer believed held there) (2 more since the last such line)"), "{}", said[1]);
+        assert_eq!(
+            published(&host).regions[1].cache_reset_ms,
+            Some(T0 + 63_010)
+        );
+    }
+
+    #[test]
+    fn a_restart_empties_a_modelled_cache_and_a_session_too() {
+        use crate::decision::cost::Reason;
+        // mid's capacity is known: its LRU cache is modelled, aged by its
+        // intake clock; a restart sets that clock back, which never read
+        // as an eviction. The conversation also names mid in its session
+        // record.
+        let c = cfg("");
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        let info = |q: u64| {
+            format!(
+                "{}vllm:cache_config_info{{block_size=\"16\",num_gpu_blocks=\"100000\"}} 1.0\n",
+                with_counters(q)
+            )
+        };
+        round_with(&mut p, &mut host, T0 + 1000, &|_| info(50_000));
+        assert!(published(&host).regions[1].cache_free_tokens.is_some());
+        let s = Some("conversation-1");
+        let d = next_turn_in(&c, &mut host, s, Some(T0 + 1500), T0 + 1800);
+        assert_eq!((d.region, d.reason), (1, Reason::Cache), "{:?}", d.costs);
+        round_with(&mut p, &mut host, T0 + 2000, &|c| {
+            info(if c == "cm" { 300 } else { 50_000 })
+        });
+        let d = next_turn_in(&c, &mut host, s, None, T0 + 2100);
+        assert_eq!(d.costs[1].cached_tokens, 0, "{:?}", d.costs);
+        assert_eq!(d.region, 0, "{:?}", d.costs);
+    }
+
+    #[test]
+    fn a_scrape_without_the_counters_is_no_restart() {
+        use crate::decision::cost::Reason;
+        let c = cfg("");
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        round_with(&mut p, &mut host, T0 + 1000, &|_| with_counters(50_000));
+        let d = next_turn(&c, &mut host, Some(T0 + 1500), T0 + 1800);
+        assert_eq!((d.region, d.reason), (1, Reason::Cache), "{:?}", d.costs);
+        // A good scrape without the prefix counters (an exporter that
+        // leaves them out, a foreign page with the load series), then
+        // garbage: neither reads as a counter gone to 0.
+        round_with(&mut p, &mut host, T0 + 2000, &|_| VLLM.to_string());
+        round_with(&mut p, &mut host, T0 + 3000, &|_| {
+            "\x00garbage{".to_string()
+        });
+        round_with(&mut p, &mut host, T0 + 4000, &|_| with_counters(50_100));
+        let d = next_turn(&c, &mut host, None, T0 + 4100);
+        assert_eq!((d.region, d.reason), (1, Reason::Cache), "{:?}", d.costs);
+        assert!(d.costs[1].cached_tokens > 500, "{:?}", d.costs);
     }
 }

@@ -120,8 +120,14 @@ impl Probe {
                     let inflight = self.inflight_at(i, at, inflight_now);
                     self.check_capacity(host, i, load.sample.cache_capacity.as_ref());
                     self.fleet.on_replicas(i, load.replicas);
-                    self.fleet
-                        .on_metrics(&cfg, i, Some(load.sample.clone()), inflight, at);
+                    let restart =
+                        self.fleet
+                            .on_metrics(&cfg, i, Some(load.sample.clone()), inflight, at);
+                    // Stamped at this answer, not at Prometheus' oldest
+                    // scrape: the restarted replica's came later.
+                    if let Some(r) = restart {
+                        self.engine_restarted(host, i, r, now);
+                    }
                     self.fleet.on_engine_clock(i, at);
                     if let Some(w) = self.metrics_warned.get_mut(i) {
                         *w = false;
@@ -172,6 +178,69 @@ mod tests {
     use crate::roots::probe::tests::{answer_all, cfg, published, started, tick, T0, VLLM};
     use crate::shared::host_api::{Answer, Recorder};
     use std::rc::Rc;
+
+    /// A Prometheus answer for mid: load, `replicas` and the prefix
+    /// counters' sum `queries`, scraped at `at_ms`.
+    fn mid_answer(replicas: u32, queries: u64, at_ms: u64) -> String {
+        let at = at_ms as f64 / 1000.0;
+        format!(
+            r#"{{"status":"success","data":{{"resultType":"vector","result":[{}]}}}}"#,
+            [
+                prom_series("mid", "waiting", "0", at),
+                prom_series("mid", "running", "1", at),
+                prom_series("mid", "replicas", &replicas.to_string(), at),
+                prom_series("mid", "prefix_queries", &queries.to_string(), at),
+                prom_series("mid", "prefix_hits", "0", at),
+                prom_series("mid", "scraped", &format!("{at}"), at),
+            ]
+            .join(",")
+        )
+    }
+
+    #[test]
+    fn a_sum_over_as_many_replicas_that_went_back_is_a_restart() {
+        let c = cfg(r#","prometheus":{"cluster":"prom"}"#);
+        let c = Rc::new({
+            let mut c = (*c).clone();
+            c.regions[1].load_source = LoadSource::Prometheus;
+            c
+        });
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        let mut round = |host: &mut Recorder, at: u64, replicas: u32, queries: u64| {
+            tick(&mut p, host, at);
+            let body = mid_answer(replicas, queries, at - 300);
+            for (token, cluster, _) in std::mem::take(&mut host.callouts) {
+                let mut a = Answer {
+                    status: Some(200),
+                    ..Answer::default()
+                };
+                if cluster == "prom" {
+                    a.body = body.as_bytes().to_vec();
+                } else {
+                    a.body = VLLM.as_bytes().to_vec();
+                }
+                host.now_ms = at + 5;
+                p.on_callout_response(host, token, &mut a);
+            }
+            host.now_ms = at;
+            (
+                host.value(Stat::Region(1, RegionStat::EngineRestart)),
+                published(host).regions[1].cache_reset_ms,
+            )
+        };
+        assert_eq!(round(&mut host, T0 + 1000, 3, 90_000), (0, None));
+        // One replica's scrape failed: it drops out of the sum, no restart;
+        // back, the sum is over three again.
+        assert_eq!(round(&mut host, T0 + 2000, 2, 60_000), (0, None));
+        assert_eq!(round(&mut host, T0 + 3000, 3, 91_000), (0, None));
+        // Over three, less than before: one of them restarted. The reset is
+        // when the answer came, not Prometheus' oldest scrape.
+        assert_eq!(round(&mut host, T0 + 4000, 3, 61_000), (1, Some(T0 + 4005)));
+        assert!(host.logs.iter().any(|(_, m)| m.contains(
+            "region mid: engine restart seen: its prefix-cache queries counter went back from 91000 to 61000 between two scrapes, summed over 3 replicas;"
+        )));
+    }
 
     fn prom_series(region: &str, signal: &str, v: &str, at_s: f64) -> String {
         format!(

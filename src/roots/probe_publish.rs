@@ -178,6 +178,11 @@ impl Probe {
                 RegionStat::CacheCapacityTokens,
                 r.cache_tokens.unwrap_or(0),
             );
+            rg(
+                host,
+                RegionStat::CacheBlockTokens,
+                r.block_tokens.map_or(0, u64::from),
+            );
         }
         // Last: the filters copy the snapshot in when this changes.
         g(host, Global::ProbeSnapshotVersion, snap.version);

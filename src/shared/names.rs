@@ -238,13 +238,17 @@ pub enum RegionStat {
     Replicas,
     CacheCapacityTokens,
     CacheCapacityRejected,
+    /// Restarts of the region's engine the probe saw (`fleet::restart`).
+    EngineRestart,
+    /// Tokens per block of the region's engine cache (0: not known).
+    CacheBlockTokens,
     /// Requests in flight to the region from the other Envoys of the
     /// deployment, as their last exchange messages said.
     PeerRqActive,
 }
 
 impl RegionStat {
-    pub const ALL: [RegionStat; 26] = [
+    pub const ALL: [RegionStat; 28] = [
         RegionStat::RqTotal,
         RegionStat::RqActive,
         RegionStat::FallbackRqTotal,
@@ -270,6 +274,8 @@ impl RegionStat {
         RegionStat::Replicas,
         RegionStat::CacheCapacityTokens,
         RegionStat::CacheCapacityRejected,
+        RegionStat::EngineRestart,
+        RegionStat::CacheBlockTokens,
         RegionStat::PeerRqActive,
     ];
 
@@ -301,6 +307,8 @@ impl RegionStat {
             RegionStat::ModelsReadFailure => ("models_read_failure", Counter),
             RegionStat::CacheCapacityTokens => ("kv_capacity_tokens", Gauge),
             RegionStat::CacheCapacityRejected => ("kv_capacity_rejected", Counter),
+            RegionStat::EngineRestart => ("engine_restart", Counter),
+            RegionStat::CacheBlockTokens => ("kv_block_tokens", Gauge),
             RegionStat::PeerRqActive => ("peer_rq_active", Gauge),
         }
     }
