@@ -101,6 +101,11 @@ pub struct EngineSample {
     /// restart sends back, watched where there is no prefix-cache counter
     /// (`EngineSample::restart_counter`).
     pub prompt_tokens: Option<f64>,
+    /// When the engine's serving process started (Unix seconds), from the
+    /// `process_start_time_seconds` every Python Prometheus client exports
+    /// (vLLM's and SGLang's servers); the largest over its series. Another
+    /// value at the next scrape is a restart, whatever the counters read.
+    pub process_start_s: Option<f64>,
 }
 
 /// The monotonic counter of a scrape that only an engine's restart sends
@@ -112,6 +117,8 @@ pub enum RestartCounter {
     PrefixQueries,
     /// The prompt tokens taken (SGLang, which has no prefix counter).
     PromptTokens,
+    /// The serving process's start time (`process_start_time_seconds`).
+    ProcessStart,
 }
 
 impl RestartCounter {
@@ -120,6 +127,7 @@ impl RestartCounter {
         match self {
             RestartCounter::PrefixQueries => "prefix-cache queries counter",
             RestartCounter::PromptTokens => "prompt tokens counter",
+            RestartCounter::ProcessStart => "process start time (process_start_time_seconds)",
         }
     }
 }
@@ -164,6 +172,8 @@ pub(crate) enum Series {
     PromptTokens,
     /// SGLang's `page_size`: the tokens per block of its cache.
     PageSize,
+    /// `process_start_time_seconds`: when the serving process started.
+    ProcessStart,
     /// vLLM's `cache_config_info`: the capacity is in its labels.
     CacheConfigInfo,
     /// SGLang's `max_total_num_tokens`: the capacity is the value.
@@ -237,6 +247,7 @@ const VLLM_SERIES: &[(&str, Series)] = &[
     ("vllm:request_success_total", Series::Completed),
     ("vllm:prompt_tokens_total", Series::PromptTokens),
     ("vllm:cache_config_info", Series::CacheConfigInfo),
+    ("process_start_time_seconds", Series::ProcessStart),
 ];
 
 const SGLANG_SERIES: &[(&str, Series)] = &[
@@ -248,6 +259,7 @@ const SGLANG_SERIES: &[(&str, Series)] = &[
     ("sglang:prompt_tokens_total", Series::PromptTokens),
     ("sglang:page_size", Series::PageSize),
     ("sglang:max_total_num_tokens", Series::MaxTotalTokens),
+    ("process_start_time_seconds", Series::ProcessStart),
 ];
 
 /// llama.cpp (`llama-server --metrics`) prints every series unlabelled and
@@ -303,6 +315,7 @@ pub(crate) struct Totals {
     completed: Accumulator,
     prompt_tokens: Accumulator,
     page_size: Option<u32>,
+    process_start: Option<f64>,
     pub(crate) capacity: CapacitySum,
 }
 
@@ -330,6 +343,12 @@ impl Totals {
             Series::PageSize => {
                 let page = crate::engines::capacity::block_tokens_of(value);
                 self.page_size = self.page_size.max(page);
+                (None, None)
+            }
+            Series::ProcessStart => {
+                if value > 0.0 {
+                    self.process_start = Some(self.process_start.map_or(value, |s| s.max(value)));
+                }
                 (None, None)
             }
             Series::CacheConfigInfo | Series::MaxTotalTokens => (None, None),
@@ -380,6 +399,7 @@ impl Totals {
                 .prompt_tokens
                 .total()
                 .or_else(|| self.prefix_misses.total()),
+            process_start_s: self.process_start,
         }
     }
 }
@@ -476,6 +496,7 @@ vllm:time_to_first_token_seconds_count{{engine=\"0\",model_name=\"{m}\"}} 42.0\n
                 cache_capacity: Some(CacheCapacity::Tokens(74_864)),
                 block_tokens: Some(16),
                 prompt_tokens: None,
+                process_start_s: None,
             }
         );
     }
@@ -516,6 +537,7 @@ vllm:gpu_prefix_cache_hits{model_name=\"qwen\"} 512\n";
                 cache_capacity: None,
                 block_tokens: None,
                 prompt_tokens: None,
+                process_start_s: None,
             }
         );
     }
@@ -598,6 +620,7 @@ sglang:max_total_num_tokens{{{tp1}}} 262144.0\n"
                 block_tokens: Some(1),
                 // No prefix counter: its restarts are watched on this.
                 prompt_tokens: Some(8_128_902.0),
+                process_start_s: None,
             }
         );
     }
@@ -675,6 +698,7 @@ llamacpp:n_busy_slots_per_decode 3.6\n";
                 cache_capacity: None,
                 block_tokens: None,
                 prompt_tokens: Some(5210.0),
+                process_start_s: None,
             }
         );
         // Without the cached counter (no hits), no lookups either: the

@@ -276,6 +276,9 @@ pub fn parse_answer(cfg: &Config, body: &[u8]) -> Result<HashMap<usize, RegionLo
                 .or(engine.and_then(EngineKind::default_block_tokens)),
             cache_capacity: capacity.remove(&i).and_then(CapacitySum::into_capacity),
             prompt_tokens: sig.get("prompt_tokens").copied(),
+            // Several replicas' start times do not add up: the summed
+            // counters tell their restarts.
+            process_start_s: None,
         };
         out.insert(
             i,

@@ -52,17 +52,42 @@ pub struct Restart {
     pub replicas: u32,
 }
 
-/// The last reading of one region's counter.
+/// The last reading of one region's counter, and of its serving
+/// process's start time.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RestartWatch {
     last: Option<Reading>,
+    started_s: Option<f64>,
 }
+
+/// Start times closer than this (s) are the same process (a float printed
+/// twice).
+const SAME_START_S: f64 = 1.0;
 
 impl RestartWatch {
     /// A good scrape (or Prometheus answer) summed over `replicas`: the
     /// restart it shows, if its counter went back since the last reading
     /// of the same counter over as many replicas.
     pub fn observe(&mut self, sample: &EngineSample, replicas: u32) -> Option<Restart> {
+        // A new serving process is a restart even where no counter had
+        // moved before it (an engine that died before a scrape saw its
+        // first request): the counters start again from there.
+        if let Some(started) = sample.process_start_s.filter(|s| s.is_finite()) {
+            let before = self.started_s.replace(started);
+            if let Some(before) = before.filter(|b| (started - b).abs() > SAME_START_S) {
+                self.last = sample.restart_counter().map(|(counter, value)| Reading {
+                    counter,
+                    value,
+                    replicas: replicas.max(1),
+                });
+                return Some(Restart {
+                    counter: RestartCounter::ProcessStart,
+                    before,
+                    after: started,
+                    replicas: replicas.max(1),
+                });
+            }
+        }
         let (counter, value) = sample.restart_counter()?;
         if !value.is_finite() || value < 0.0 {
             return None;
@@ -113,6 +138,34 @@ mod tests {
             })
         );
         assert_eq!(w.observe(&queries(300.0), 1), None, "counting again");
+    }
+
+    #[test]
+    fn a_new_serving_process_is_a_restart_whatever_the_counters() {
+        // Killed before any scrape saw its counters move: 0 before, 0
+        // after, but a new process (issue 45, item 4, against real vLLM).
+        let mut w = RestartWatch::default();
+        let at = |start: f64, q: f64| EngineSample {
+            process_start_s: Some(start),
+            ..queries(q)
+        };
+        assert_eq!(w.observe(&at(1_796_428_336.0, 0.0), 1), None);
+        assert_eq!(
+            w.observe(&at(1_796_428_336.2, 0.0), 1),
+            None,
+            "the same process"
+        );
+        let r = w.observe(&at(1_796_428_999.0, 0.0), 1).unwrap();
+        assert_eq!(
+            (r.counter, r.before, r.after),
+            (
+                RestartCounter::ProcessStart,
+                1_796_428_336.2,
+                1_796_428_999.0
+            )
+        );
+        // Its counters are the new base: no second restart for them.
+        assert_eq!(w.observe(&at(1_796_428_999.0, 50.0), 1), None);
     }
 
     #[test]

@@ -128,6 +128,11 @@ pub enum HealthChange {
     BecameUnhealthy,
 }
 
+/// How long (probe ticks) a good scrape that showed requests running or
+/// waiting keeps a region's unanswered health probes from counting against
+/// it: an engine that stays silent longer is taken for hung.
+pub const BUSY_CREDIT_TICKS: u64 = 10;
+
 impl Fleet {
     /// Regions start healthy: a fresh Envoy routes at once, and the first
     /// failed probes take a region out within `unhealthy_after` ticks.
@@ -348,21 +353,35 @@ impl Fleet {
     }
 
     /// A health probe that got no answer at all (it timed out, or its
-    /// connection was reset): a dead engine's sign, or a busy one's. An
-    /// engine decoding on few cores answers its `/health` and its large
-    /// `/metrics` late (vLLM 0.32 on two cores: over a second) while it
-    /// serves every request. So when the region's engines answered this
-    /// Envoy's requests since the last tick, most of them successfully,
-    /// the probe is not held against it: `None`, nothing changes. Otherwise
-    /// it is a failed probe ([`Fleet::on_health`]). A probe answered with an
-    /// error status is always a failed one: the engine, or the proxy in
-    /// front of it, said so.
-    pub fn on_health_unanswered(&mut self, cfg: &Config, region: usize) -> Option<HealthChange> {
-        let serving = self
-            .regions
-            .get(region)
-            .is_some_and(|r| r.upstream_seen > 0 && !r.upstream_failing);
-        (!serving).then(|| self.on_health(cfg, region, None))
+    /// connection was reset; Envoy answers a timed-out callout with its own
+    /// 504): a dead engine's sign, or a busy one's. An engine decoding on
+    /// few cores answers its `/health` and its large `/metrics` late (vLLM
+    /// 0.32 on two cores: over a second) while it serves every request. So
+    /// the probe is not held against the region while it shows work: its
+    /// engines answered this Envoy's requests since the last tick, most of
+    /// them successfully, or its last good scrape, less than
+    /// [`BUSY_CREDIT_TICKS`] ticks old, showed requests running or waiting
+    /// (load another Envoy sends it). `None`: nothing changes. Otherwise it
+    /// is a failed probe ([`Fleet::on_health`]). A probe answered with an
+    /// error status is always a failed one: the engine, or a proxy in
+    /// front of it that could not reach it, said so; an engine that died
+    /// refuses connections, which Envoy answers 503.
+    pub fn on_health_unanswered(
+        &mut self,
+        cfg: &Config,
+        region: usize,
+        now_ms: u64,
+    ) -> Option<HealthChange> {
+        let credit_ms = u64::from(cfg.probe.tick_ms) * BUSY_CREDIT_TICKS;
+        let busy = self.regions.get(region).is_some_and(|r| {
+            let serving = r.upstream_seen > 0 && !r.upstream_failing;
+            let working = r
+                .scraped_ms
+                .is_some_and(|t| now_ms.saturating_sub(t) < credit_ms)
+                && r.sample.running.unwrap_or(0.0) + r.sample.waiting.unwrap_or(0.0) > 0.0;
+            serving || working
+        });
+        (!busy).then(|| self.on_health(cfg, region, None))
     }
 
     /// A metrics scrape finished at `now_ms`; `inflight` is this Envoy's

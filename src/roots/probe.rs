@@ -376,7 +376,9 @@ impl Probe {
                     let digest = self.health_release(response);
                     self.release(host, region, digest);
                 }
-                let changed = if status.is_none() {
+                // Envoy answers a callout that timed out with its own 504
+                // ("upstream request timeout"): no answer from the engine.
+                let changed = if matches!(status, None | Some(504)) {
                     self.health_unanswered(host, region)
                 } else {
                     self.health(host, region, rtt)
@@ -493,7 +495,10 @@ impl Probe {
     /// counted in `health_probe_busy`; else a failed probe.
     fn health_unanswered(&mut self, host: &mut dyn ProbeHost, region: usize) -> bool {
         host.count(Stat::Region(region, RegionStat::HealthProbeFailure), 1);
-        match self.fleet.on_health_unanswered(&self.cfg, region) {
+        match self
+            .fleet
+            .on_health_unanswered(&self.cfg, region, host.now_ms())
+        {
             None => {
                 host.count(Stat::Region(region, RegionStat::HealthProbeBusy), 1);
                 false
@@ -675,13 +680,23 @@ pub(crate) mod tests {
         let mut at = T0;
         at += 1000;
         tick(&mut p, &mut host, at);
-        answer_all(&mut p, &mut host, 5, Some(200), VLLM);
-        for _ in 0..5 {
+        let idle = "vllm:num_requests_waiting{model_name=\"m\"} 0.0\nvllm:num_requests_running{model_name=\"m\"} 0.0\n";
+        answer_all(&mut p, &mut host, 5, Some(200), idle);
+        for round in 0..5 {
             host.count(Stat::Region(0, RegionStat::UpstreamRqAnswered), 20);
             at += 1000;
             tick(&mut p, &mut host, at);
             for (token, _, _) in std::mem::take(&mut host.callouts) {
-                p.on_callout_response(&mut host, token, &mut Headerless);
+                // A timed-out callout: no headers, or Envoy's own 504.
+                if round % 2 == 0 {
+                    p.on_callout_response(&mut host, token, &mut Headerless);
+                } else {
+                    let mut timed_out = Answer {
+                        status: Some(504),
+                        ..Answer::default()
+                    };
+                    p.on_callout_response(&mut host, token, &mut timed_out);
+                }
             }
         }
         assert_eq!(host.value(Stat::Region(0, RegionStat::Healthy)), 1);
@@ -698,6 +713,34 @@ pub(crate) mod tests {
             }
         }
         assert_eq!(host.value(Stat::Region(0, RegionStat::Healthy)), 0);
+    }
+
+    #[test]
+    fn an_engine_whose_last_scrape_showed_work_has_ten_ticks_of_credit() {
+        // Busy with another Envoy's requests (this one sends none): its
+        // last good scrape showed 5 running and 3 waiting, then every probe
+        // times out. Busy, not dead, for ten ticks; silent longer, hung.
+        let c = cfg(r#","release":{"ramp_s":0}"#);
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        let mut at = T0 + 1000;
+        tick(&mut p, &mut host, at);
+        answer_all(&mut p, &mut host, 5, Some(200), VLLM);
+        let mut silent = |p: &mut Probe, host: &mut Recorder, ticks: u64| {
+            for _ in 0..ticks {
+                at += 1000;
+                tick(p, host, at);
+                for (token, _, _) in std::mem::take(&mut host.callouts) {
+                    p.on_callout_response(host, token, &mut Headerless);
+                }
+            }
+        };
+        silent(&mut p, &mut host, 8);
+        assert_eq!(host.value(Stat::Region(0, RegionStat::Healthy)), 1);
+        assert_eq!(host.value(Stat::Region(1, RegionStat::Healthy)), 1);
+        silent(&mut p, &mut host, 4);
+        assert_eq!(host.value(Stat::Region(0, RegionStat::Healthy)), 0);
+        assert_eq!(host.value(Stat::Region(1, RegionStat::Healthy)), 0);
     }
 
     #[test]
