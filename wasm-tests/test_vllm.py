@@ -267,3 +267,100 @@ def test_responses_are_followed_only_where_vllm_keeps_them(vllm):
     assert r.route.get("reason") != "response", r.route
     assert r.status == 404, r.body[:300]
     assert r.json()["error"]["message"] == f"Response with id '{lost}' not found.", r.body[:300]
+
+
+def test_a_conversations_believed_cache_stays_within_one_block_of_vllms(vllm):
+    # A conversation with a ~1,100-token system prompt, six turns, pinned to
+    # near. Each turn the router states the tokens it believes near holds
+    # (x-llm-route cached_tokens) and vLLM reports the ones it reused: in
+    # whole 128-token blocks, short of the prompt's last token. Before
+    # issue 45 the belief ran ahead by 29 to 129 tokens every turn.
+    #
+    # The belief is bytes held times the region's engine tokens per byte:
+    # near's figure is first taught by prose of its own (an earlier test
+    # sent it a table of digits, which takes 2.5x the tokens a byte; with
+    # only that and one prose report, the median of two is their mean and
+    # the belief ran 4-5 blocks ahead: see the closing note of issue 45).
+    reports = stat(vllm.envoy, "usage.reports")
+    for i in range(4):
+        r = request(vllm.port, "POST", "/v1/chat/completions",
+                    {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": prose(f"teach{i}", 3000)}]},
+                    headers={"x-llm-residency": "n"})
+        assert r.status == 200, r.body[:200]
+    wait_stat(vllm.envoy, "usage.reports", lambda v: v >= reports + 4)
+    harness.wait_ticks(vllm.envoy, 2)
+    messages = [{"role": "system", "content": prose("ledger-belief", 6000)}]
+    gaps = []
+    for turn in range(6):
+        messages.append({"role": "user", "content": f"Question {turn}: which ship came next, and why?"})
+        r = request(vllm.port, "POST", "/v1/chat/completions",
+                    {"model": MODEL, "max_tokens": 8, "messages": messages}, headers={"x-llm-residency": "n"})
+        assert r.status == 200 and r.route["region"] == "near", (r.status, r.route)
+        actual = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        believed = int(r.route["cached_tokens"])
+        assert actual % BLOCK == 0 and believed % BLOCK == 0, (turn, believed, actual)
+        gaps.append(believed - actual)
+        messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"] or "."})
+    print("believed - reported, per turn:", gaps)
+    assert gaps[0] == 0, gaps
+    assert all(abs(g) <= BLOCK for g in gaps), gaps
+
+
+def restart_vllm(fleet: harness.Fleet, name: str) -> harness.Engine:
+    """Kill region `name`'s vLLM and start a new one on the same port, as
+    a crashed pod comes back: its cache empty."""
+    old = fleet.engines[name]
+    old.kill()
+    new = harness.launch_vllm(name, fleet.run_dir, max_model_len=LIMIT, max_num_seqs=SEQS, port=old.port)
+    fleet.engines[name] = harness.wait_vllm(new)
+    fleet.replicas[name] = [new]
+    return new
+
+
+def test_a_killed_region_loses_no_request_and_its_restart_empties_the_cache(vllm):
+    # far serves a long prompt twice (the second time from its cache); its
+    # engine is then killed: requests keep being answered by the others.
+    # It comes back empty: the router must not believe it still holds
+    # the prompt (before issue 45 it was routed `far/cache` with ~690
+    # believed tokens while vLLM reported 0).
+    prompt = [{"role": "system", "content": prose("restart", 6000)}, {"role": "user", "content": "Summarise."}]
+    body = {"model": MODEL, "max_tokens": 4, "messages": prompt}
+    for _ in range(2):
+        r = request(vllm.port, "POST", "/v1/chat/completions", body, headers={"x-llm-residency": "f"})
+        assert r.status == 200 and r.route["region"] == "far", (r.status, r.route)
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 1024, r.json()["usage"]
+    assert int(r.route["cached_tokens"]) >= 1024, r.route
+    restarts = stat(vllm.envoy, "region.far.engine_restart")
+    vllm.engines["far"].kill()
+    lost = []
+    deadline = time.time() + 30
+    while stat(vllm.envoy, "region.far.healthy") != 0:
+        assert time.time() < deadline, "far never marked unhealthy"
+        r = request(vllm.port, "POST", "/v1/chat/completions",
+                    {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "still there?"}]})
+        if r.status != 200:
+            lost.append((r.status, r.route))
+    assert not lost, lost
+    restart_vllm(vllm, "far")
+    wait_stat(vllm.envoy, "region.far.healthy", lambda v: v == 1, timeout=30)
+    wait_stat(vllm.envoy, "region.far.engine_restart", lambda v: v > restarts, timeout=30)
+    r = request(vllm.port, "POST", "/v1/chat/completions", body, headers={"x-llm-residency": "f"})
+    assert r.status == 200 and r.route["region"] == "far", (r.status, r.route)
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, r.json()["usage"]
+    assert int(r.route["cached_tokens"]) == 0 and r.route["reason"] != "cache", r.route
+
+
+def test_usage_is_read_wherever_vllm_puts_it(vllm):
+    # Asked for prompt logprobs and token ids, vLLM writes `usage` before
+    # them: with a ~1,100-token prompt, ~300 KB follow it. The router
+    # still reads the usage (issue 45, item 6: it read the last 4 KiB).
+    reports = stat(vllm.envoy, "usage.reports")
+    missing = stat(vllm.envoy, "router.usage_missing")
+    r = request(vllm.port, "POST", "/v1/chat/completions",
+                {"model": MODEL, "max_tokens": 2, "prompt_logprobs": 5, "return_token_ids": True,
+                 "messages": [{"role": "user", "content": prose("logprobs", 6000)}]}, timeout=120)
+    assert r.status == 200, r.body[:300]
+    body = r.body.decode()
+    assert len(body) - body.index('"usage"') > 100_000, len(body)
+    wait_stat(vllm.envoy, "usage.reports", lambda v: v > reports)
+    assert stat(vllm.envoy, "router.usage_missing") == missing
