@@ -170,17 +170,33 @@ def merge_engine_flags(base: list, extra: list) -> list:
 
 
 def start_engine(name: str, run_dir: Path, delay_ms: float, mode: str = "vllm", extra: list | None = None,
-                 port: int = 0) -> Engine:
+                 port: int = 0, plain: bool = False) -> Engine:
+    """An emulator replica with the fleet's test settings (network delay,
+    timing, echoed headers, the demo's release digest), `extra` replacing
+    any of them; `plain`: only `extra` beyond the address, name and mode
+    (the emulator as the engine it copies would be started)."""
     log_path = run_dir / f"engine-{name}.log"
-    args = [str(EMULATOR), *merge_engine_flags([
-        "--listen", f"127.0.0.1:{port}", "--name", name, "--mode", mode,
-        "--network-delay-ms", str(delay_ms), "--max-concurrency", "8", "--prefill-ms-per-token", "0.2",
-        "--decode-ms-per-token", "1", "--echo-header", "x-llm-tier", "--echo-header", "x-llm-cluster",
-        "--echo-header", "x-llm-kv-action",
-        # Engines as the docs tell operators to run them: each answer
-        # reports its cached tokens (docs/INSTALL.md).
-        "--enable-cache-report" if mode == "sglang" else "--enable-prompt-tokens-details",
-    ], extra or [])]
+    base = ["--listen", f"127.0.0.1:{port}", "--name", name, "--mode", mode]
+    if not plain:
+        base += [
+            "--network-delay-ms", str(delay_ms), "--max-concurrency", "8", "--prefill-ms-per-token", "0.2",
+            "--decode-ms-per-token", "1", "--echo-header", "x-llm-tier", "--echo-header", "x-llm-cluster",
+            "--echo-header", "x-llm-kv-action",
+            # Engines as the docs tell operators to run them: each answer
+            # reports its cached tokens (docs/INSTALL.md).
+            "--enable-cache-report" if mode == "sglang" else "--enable-prompt-tokens-details",
+            # The release the demo's parity check expects (envoy/envoy.yaml:
+            # no engine reports one by itself, docs/INSTALL.md).
+            "--release", "sha256:release-a",
+        ]
+        if mode == "vllm":
+            # vLLM keeps Responses only with its store on, as the docs tell
+            # operators who serve previous_response_id
+            # (VLLM_ENABLE_RESPONSES_API_STORE=1); and the fleet's engines
+            # answer /v1/embeddings (a route the router does not read), which
+            # a generative vLLM model would answer 404.
+            base += ["--responses-store", "--embedding-model"]
+    args = [str(EMULATOR), *merge_engine_flags(base, extra or [])]
     out = open(log_path, "w")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=out, text=True)
     deadline = time.time() + 15
@@ -298,7 +314,7 @@ def vllm_env(kv_space_gib: int = 1, store: bool = False) -> dict:
     thread pinning to core 0, one OpenMP thread, no hub."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env.update({
-        "VLLM_CPU_KVCACHE_SPACE": str(int(kv_space_gib)),  # whole GiB: vLLM parses an int
+        "VLLM_CPU_KVCACHE_SPACE": str(int(kv_space_gib)),  # whole GiB: vLLM 0.32 refuses "1.0"
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",

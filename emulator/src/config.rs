@@ -13,7 +13,9 @@ use std::ffi::OsString;
 use clap::error::ErrorKind;
 use clap::{ArgAction, CommandFactory, Parser, ValueEnum};
 
-use crate::model::{EngineConfig, Timing, DEFAULT_BLOCK_TOKENS, RADIX_BLOCK_TOKENS};
+use crate::model::{
+    EngineConfig, Timing, DEFAULT_BLOCK_TOKENS, DEFAULT_PREFILL_OVERHEAD_MS, RADIX_BLOCK_TOKENS,
+};
 use crate::openai::CacheReport;
 
 /// Upper bound on any configured duration (one day), far from `Duration`
@@ -27,7 +29,11 @@ const DEFAULT_CACHE_TOKENS: usize = 200_000;
 const DEFAULT_PREFILL_MS_PER_TOKEN: f64 = 0.05;
 const DEFAULT_DECODE_MS_PER_TOKEN: f64 = 2.0;
 const DEFAULT_NETWORK_DELAY_MS: f64 = 0.0;
-const DEFAULT_RELEASE: &str = "sha256:release-a";
+/// Largest `--block-size`: vLLM's own bound on a KV block.
+pub const MAX_BLOCK_SIZE: usize = 1024;
+/// The environment variable that turns vLLM's Responses store on; the
+/// emulator reads it too (`--responses-store` is the same).
+pub const RESPONSES_STORE_ENV: &str = "VLLM_ENABLE_RESPONSES_API_STORE";
 /// vLLM's `--max-model-len` when the emulator is not told.
 pub const DEFAULT_MAX_MODEL_LEN: usize = 32_768;
 pub const DEFAULT_CLIENT_REGION_HEADER: &str = "x-client-region";
@@ -63,7 +69,22 @@ pub struct Config {
     pub prefill_ms_per_token: f64,
     pub decode_ms_per_token: f64,
     pub network_delay_ms: f64,
-    pub release: String,
+    /// Per-request overhead added to every prefill, ms.
+    pub prefill_overhead_ms: f64,
+    /// The release digest `/health` (header `x-release-digest`) and
+    /// `*:release_info` report, for release-parity tests. Neither engine
+    /// reports one: `None` (the default) reports nothing, as they do.
+    pub release: Option<String>,
+    /// vLLM `--block-size`: tokens per KV block, the prefix cache's unit.
+    /// SGLang mode ignores it (token granularity).
+    pub block_size: usize,
+    /// vLLM `VLLM_ENABLE_RESPONSES_API_STORE=1`: `/v1/responses` keeps its
+    /// answers for `GET` and `previous_response_id`. SGLang always does.
+    pub responses_store: bool,
+    /// vLLM serves `/v1/embeddings` only for a pooling model: without this
+    /// the route is Starlette's 404, as on a generative model. SGLang mode
+    /// always serves it.
+    pub embedding_model: bool,
     /// Lowercased header names.
     pub echo_headers: Vec<String>,
     /// Lowercased name of the header that names the client's region.
@@ -103,7 +124,11 @@ impl Config {
             prefill_ms_per_token: DEFAULT_PREFILL_MS_PER_TOKEN,
             decode_ms_per_token: DEFAULT_DECODE_MS_PER_TOKEN,
             network_delay_ms: DEFAULT_NETWORK_DELAY_MS,
-            release: DEFAULT_RELEASE.to_string(),
+            prefill_overhead_ms: DEFAULT_PREFILL_OVERHEAD_MS,
+            release: None,
+            block_size: DEFAULT_BLOCK_TOKENS,
+            responses_store: false,
+            embedding_model: false,
             echo_headers: Vec::new(),
             client_region_header: DEFAULT_CLIENT_REGION_HEADER.to_string(),
             client_delays_ms: BTreeMap::new(),
@@ -145,7 +170,11 @@ impl Config {
             prefill_ms_per_token: cli.prefill_ms_per_token,
             decode_ms_per_token: cli.decode_ms_per_token,
             network_delay_ms: cli.network_delay_ms,
+            prefill_overhead_ms: cli.prefill_overhead_ms,
             release: cli.release,
+            block_size: cli.block_size,
+            responses_store: cli.responses_store,
+            embedding_model: cli.embedding_model,
             echo_headers: cli.echo_header,
             client_region_header: cli.client_region_header,
             client_delays_ms,
@@ -159,13 +188,32 @@ impl Config {
         })
     }
 
+    /// Whether `/v1/responses` answers are kept: vLLM only with its store
+    /// on (`--responses-store`, or `VLLM_ENABLE_RESPONSES_API_STORE=1` in
+    /// the environment, read by `main`); SGLang always.
+    pub fn stores_responses(&self) -> bool {
+        match self.mode {
+            Mode::Vllm => self.responses_store,
+            Mode::Sglang => true,
+        }
+    }
+
+    /// Whether `/v1/embeddings` is served (see `embedding_model`).
+    pub fn serves_embeddings(&self) -> bool {
+        match self.mode {
+            Mode::Vllm => self.embedding_model,
+            Mode::Sglang => true,
+        }
+    }
+
     /// How `usage` reports cached prompt tokens: the flag of this engine's
     /// own dialect (vLLM's flag does nothing to SGLang and vice versa).
     pub fn cache_report(&self) -> CacheReport {
         match self.mode {
             Mode::Vllm if self.prompt_tokens_details => CacheReport::VllmPromptTokensDetails,
+            Mode::Vllm => CacheReport::VllmOff,
             Mode::Sglang if self.cache_report => CacheReport::SglangCacheReport,
-            _ => CacheReport::Off,
+            Mode::Sglang => CacheReport::Off,
         }
     }
 
@@ -173,14 +221,16 @@ impl Config {
         EngineConfig {
             max_concurrency: self.max_concurrency,
             cache_tokens: self.cache_tokens,
-            // vLLM: 16-token blocks; SGLang: a radix tree at token granularity.
+            // vLLM: blocks of --block-size tokens (16 on GPUs, 128 on
+            // CPU); SGLang: a radix tree at token granularity.
             block_tokens: match self.mode {
-                Mode::Vllm => DEFAULT_BLOCK_TOKENS,
+                Mode::Vllm => self.block_size,
                 Mode::Sglang => RADIX_BLOCK_TOKENS,
             },
             timing: Timing {
                 prefill_ms_per_token: self.prefill_ms_per_token,
                 decode_ms_per_token: self.decode_ms_per_token,
+                prefill_overhead_ms: self.prefill_overhead_ms,
             },
         }
     }
@@ -233,9 +283,28 @@ struct Cli {
     /// Delay before every response's first byte, ms (admin endpoints excepted)
     #[arg(long, value_name = "MS", default_value_t = DEFAULT_NETWORK_DELAY_MS, value_parser = millis)]
     network_delay_ms: f64,
-    /// Release digest reported by /health and metrics
-    #[arg(long, value_name = "DIGEST", default_value = DEFAULT_RELEASE, value_parser = printable)]
-    release: String,
+    /// Per-request cost before the first token, whatever the prompt
+    /// (scheduling, first forward pass, HTTP), ms
+    #[arg(long, value_name = "MS", default_value_t = DEFAULT_PREFILL_OVERHEAD_MS, value_parser = millis)]
+    prefill_overhead_ms: f64,
+    /// Release digest reported by /health (x-release-digest) and a
+    /// *:release_info metric, for release-parity tests (no engine reports
+    /// one: without this flag, neither does the emulator)
+    #[arg(long, value_name = "DIGEST", value_parser = printable)]
+    release: Option<String>,
+    /// vLLM's --block-size: tokens per KV block, the prefix cache's unit
+    /// (vLLM: 16 on GPUs, 128 on CPU); reported in vllm:cache_config_info
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_BLOCK_TOKENS, value_parser = block_size)]
+    block_size: usize,
+    /// vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1 (also read from the
+    /// environment): /v1/responses keeps answers for GET and
+    /// previous_response_id; off, as in vLLM, they are not found (404)
+    #[arg(long)]
+    responses_store: bool,
+    /// vLLM: the model is a pooling (embedding) model, so /v1/embeddings is
+    /// served; without it the route is 404, as for a generative model
+    #[arg(long)]
+    embedding_model: bool,
     /// Echo request header NAME as x-echo-NAME (repeatable)
     #[arg(long, value_name = "NAME", value_parser = header_name, action = ArgAction::Append)]
     echo_header: Vec<String>,
@@ -250,7 +319,8 @@ struct Cli {
     /// refused with HTTP 400 in the engine's words; /v1/models reports it
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_MODEL_LEN, value_parser = at_least_one)]
     max_model_len: usize,
-    /// vLLM: report usage.prompt_tokens_details.cached_tokens (omitted when 0)
+    /// vLLM: usage.prompt_tokens_details {cached_tokens,
+    /// created_cache_tokens, multimodal_tokens} on every answer
     #[arg(long)]
     enable_prompt_tokens_details: bool,
     /// vLLM's --enable-force-include-usage: the usage chunk ends every
@@ -296,6 +366,13 @@ fn at_least_one(v: &str) -> Result<usize, String> {
     match v.parse::<usize>() {
         Ok(n) if n >= 1 => Ok(n),
         _ => Err("expected an integer >= 1".to_string()),
+    }
+}
+
+fn block_size(v: &str) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(n) if (1..=MAX_BLOCK_SIZE).contains(&n) => Ok(n),
+        _ => Err(format!("expected an integer from 1 to {MAX_BLOCK_SIZE}")),
     }
 }
 
@@ -360,6 +437,9 @@ mod tests {
         let c = parse(&["--listen", "127.0.0.1:0"]).unwrap();
         assert_eq!(c, Config::new("127.0.0.1:0"));
         assert_eq!(c.engine().block_tokens, 16);
+        assert_eq!(c.engine().timing.prefill_overhead_ms, 10.0);
+        assert_eq!(c.release, None);
+        assert!(!c.stores_responses() && !c.serves_embeddings());
         assert_eq!(c.client_region_header, "x-client-region");
         assert!(c.client_delays_ms.is_empty());
     }
@@ -397,8 +477,21 @@ mod tests {
             "--client-delay-ms=us-east=80.5",
             "--embedding-dim",
             "64",
+            "--prefill-overhead-ms",
+            "3.5",
+            "--block-size",
+            "128",
+            "--responses-store",
+            "--embedding-model",
         ])
         .unwrap();
+        assert_eq!(c.prefill_overhead_ms, 3.5);
+        assert_eq!(c.block_size, 128);
+        assert!(c.responses_store && c.embedding_model);
+        // SGLang: token granularity whatever --block-size says.
+        assert_eq!(c.engine().block_tokens, 1);
+        let v = parse(&["--listen", "a:1", "--block-size", "128"]).unwrap();
+        assert_eq!(v.engine().block_tokens, 128);
         assert_eq!(c.listen, "0.0.0.0:9000");
         assert_eq!(
             (c.name.as_str(), c.mode, c.model.as_str()),
@@ -413,7 +506,7 @@ mod tests {
             ),
             (0.1, 1.0, 40.0)
         );
-        assert_eq!(c.release, "sha256:b");
+        assert_eq!(c.release.as_deref(), Some("sha256:b"));
         assert_eq!(c.embedding_dim, 64);
         assert_eq!(c.echo_headers, vec!["x-request-id", "x-b"]);
         assert_eq!(c.client_region_header, "x-region");
@@ -449,6 +542,9 @@ mod tests {
             &["--listen", "a:1", "--client-delay-ms", "eu=86400001"],
             &["--listen", "a:1", "--embedding-dim", "0"],
             &["--listen", "a:1", "--embedding-dim", "8193"],
+            &["--listen", "a:1", "--block-size", "0"],
+            &["--listen", "a:1", "--block-size", "1025"],
+            &["--listen", "a:1", "--prefill-overhead-ms", "-1"],
         ] {
             let e = parse(args).unwrap_err();
             assert_eq!(e.exit_code(), 2, "{args:?}");
@@ -477,6 +573,8 @@ mod tests {
             "--release",
             "--client-region-header",
             "--embedding-dim",
+            "--block-size",
+            "--prefill-overhead-ms",
         ] {
             let value = if flag == "--mode" { "vllm" } else { "1" };
             let e = parse(&["--listen", "a:1", flag, value, flag, value]).unwrap_err();

@@ -4,12 +4,12 @@
 use std::io::Write;
 use std::process::ExitCode;
 
-use engine_emulator::config::Config;
+use engine_emulator::config::{Config, RESPONSES_STORE_ENV};
 use engine_emulator::server::Server;
 
 fn main() -> ExitCode {
     // Console writes ignore errors: a closed stdout must not panic the replica.
-    let config = match Config::try_parse_from(std::env::args_os()) {
+    let mut config = match Config::try_parse_from(std::env::args_os()) {
         Ok(c) => c,
         Err(e) => {
             // `--help` goes to stdout with 0; a bad command line to stderr
@@ -18,6 +18,14 @@ fn main() -> ExitCode {
             return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
         }
     };
+    // vLLM's own switch for its Responses store (an integer, non-zero on).
+    if std::env::var(RESPONSES_STORE_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<i64>().ok())
+        .is_some_and(|n| n != 0)
+    {
+        config.responses_store = true;
+    }
     let name = config.name.clone();
     let server = match Server::bind(config) {
         Ok(s) => s,

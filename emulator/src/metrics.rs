@@ -6,7 +6,21 @@ use std::fmt::Write as _;
 
 use crate::config::Mode;
 
-pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+/// What vLLM 0.32's prometheus_client sends (text format 1.0.0).
+pub const CONTENT_TYPE: &str = "text/plain; version=1.0.0; charset=utf-8";
+/// What SGLang's sends.
+pub const CONTENT_TYPE_SGLANG: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// The content type of `/metrics` in `mode`.
+pub fn content_type(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Vllm => CONTENT_TYPE,
+        Mode::Sglang => CONTENT_TYPE_SGLANG,
+    }
+}
+
+/// vLLM's finish reasons, one `request_success_total` series each.
+const FINISHED_REASONS: [&str; 5] = ["stop", "length", "abort", "error", "repetition"];
 
 /// Everything `/metrics` reports, captured under one lock so the numbers are
 /// mutually consistent.
@@ -23,6 +37,9 @@ pub struct Snapshot {
     pub capacity_tokens: usize,
     /// Tokens per cache block (vLLM's `block_size`).
     pub block_tokens: usize,
+    /// The context limit (vLLM's `kv_cache_max_concurrency` is the cache
+    /// in contexts of this length).
+    pub max_model_len: usize,
     /// Requests received per path.
     pub requests: Vec<(String, u64)>,
 }
@@ -47,7 +64,10 @@ fn value(v: f64) -> String {
 
 struct Out {
     text: String,
+    /// Every series' labels (vLLM: `engine="0",model_name=...`).
     labels: String,
+    /// `model_name="..."` alone.
+    model_label: String,
 }
 
 impl Out {
@@ -71,19 +91,48 @@ impl Out {
     }
 
     /// vLLM's info gauge of its CacheConfig: every field a label (as
-    /// vLLM 0.10 prints them, sorted), the value 1. The capacity is
-    /// `num_gpu_blocks` blocks of `block_size` tokens.
-    fn vllm_cache_config_info(&mut self, blocks: usize, block_size: usize) {
+    /// vLLM 0.32 prints them, sorted, `engine` among them and no
+    /// `model_name`), the value 1. The capacity is `num_gpu_blocks` blocks
+    /// of `block_size` tokens, `kv_cache_size_tokens` in all; the memory is
+    /// what the tiny model's 512 bytes a token would take.
+    fn vllm_cache_config_info(&mut self, blocks: usize, block_size: usize, max_model_len: usize) {
         let name = "vllm:cache_config_info";
         self.family(name, "gauge", "Information of the LLMEngine CacheConfig");
+        let tokens = blocks.saturating_mul(block_size);
+        let bytes = tokens.saturating_mul(512);
+        let concurrency = value(tokens as f64 / max_model_len.max(1) as f64);
         let _ = writeln!(
             self.text,
-            "{name}{{block_size=\"{block_size}\",cache_dtype=\"auto\",calculate_kv_scales=\"False\",\
-             cpu_kvcache_space_bytes=\"4294967296\",cpu_offload_gb=\"0.0\",enable_prefix_caching=\"True\",\
-             gpu_memory_utilization=\"0.9\",is_attention_free=\"False\",num_cpu_blocks=\"0\",\
-             num_gpu_blocks=\"{blocks}\",num_gpu_blocks_override=\"None\",prefix_caching_hash_algo=\"builtin\",\
-             sliding_window=\"None\",swap_space=\"4.0\",swap_space_bytes=\"4294967296.0\"}} 1.0"
+            "{name}{{_block_size_resolved=\"True\",block_size=\"{block_size}\",cache_dtype=\"auto\",\
+             cache_hit_alignment_tokens=\"None\",effective_attention_block_size=\"{block_size}\",\
+             enable_mamba_shared_prefix_checkpoint=\"False\",enable_prefix_caching=\"True\",engine=\"0\",\
+             gpu_memory_utilization=\"0.92\",hash_block_size=\"None\",is_attention_free=\"False\",\
+             kv_cache_dtype_skip_layers=\"[]\",kv_cache_layout=\"None\",kv_cache_max_concurrency=\"{concurrency}\",\
+             kv_cache_memory_bytes=\"{bytes}\",kv_cache_size_tokens=\"{tokens}\",kv_offloading_backend=\"native\",\
+             kv_offloading_size=\"None\",kv_sharing_fast_prefill=\"False\",mamba_block_size=\"None\",\
+             mamba_cache_dtype=\"auto\",mamba_cache_mode=\"none\",mamba_page_size_padded=\"None\",\
+             mamba_ssm_cache_dtype=\"float32\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{blocks}\",\
+             num_gpu_blocks_override=\"None\",prefix_cache_retention_interval=\"0\",\
+             prefix_caching_hash_algo=\"sha256\",prefix_match_unit=\"None\",replayssm_buffer_len=\"16\",\
+             skip_page_size_padded=\"None\",sliding_window=\"None\",swa_bounded_replay=\"True\",\
+             use_kda_recoverssm=\"False\",use_replayssm=\"False\",user_specified_block_size=\"False\"}} 1.0"
         );
+    }
+
+    /// vLLM's `request_success_total`: one series per finish reason. Every
+    /// emulated generation ends at its length limit.
+    fn vllm_request_success(&mut self, completed: u64) {
+        let name = "vllm:request_success_total";
+        self.family(name, "counter", "Count of successfully processed requests.");
+        for reason in FINISHED_REASONS {
+            let n = if reason == "length" { completed } else { 0 };
+            let _ = writeln!(
+                self.text,
+                "{name}{{engine=\"0\",finished_reason=\"{reason}\",{}}} {}",
+                self.model_label,
+                value(n as f64)
+            );
+        }
     }
 
     fn release_info(&mut self, name: &str, digest: &str) {
@@ -95,16 +144,24 @@ impl Out {
         let _ = writeln!(
             self.text,
             "{name}{{{},digest=\"{}\"}} 1",
-            self.labels,
+            self.model_label,
             escape(digest)
         );
     }
 }
 
-pub fn render(mode: Mode, model: &str, release: &str, s: &Snapshot) -> String {
+/// The page; `release` adds a `*:release_info` gauge carrying it (the
+/// emulator's own, for release-parity tests: no engine has one).
+pub fn render(mode: Mode, model: &str, release: Option<&str>, s: &Snapshot) -> String {
+    let model_label = format!("model_name=\"{}\"", escape(model));
     let mut o = Out {
         text: String::new(),
-        labels: format!("model_name=\"{}\"", escape(model)),
+        // vLLM 0.32 labels every series with its engine core's index.
+        labels: match mode {
+            Mode::Vllm => format!("engine=\"0\",{model_label}"),
+            Mode::Sglang => model_label.clone(),
+        },
+        model_label,
     };
     match mode {
         Mode::Vllm => {
@@ -133,14 +190,12 @@ pub fn render(mode: Mode, model: &str, release: &str, s: &Snapshot) -> String {
                 "Prefix cache hits, in terms of number of cached tokens.",
                 s.hit_tokens,
             );
-            o.counter(
-                "vllm:request_success_total",
-                "Count of successfully processed requests.",
-                s.completed,
-            );
+            o.vllm_request_success(s.completed);
             let block = s.block_tokens.max(1);
-            o.vllm_cache_config_info(s.capacity_tokens / block, block);
-            o.release_info("vllm:release_info", release);
+            o.vllm_cache_config_info(s.capacity_tokens / block, block, s.max_model_len);
+            if let Some(r) = release {
+                o.release_info("vllm:release_info", r);
+            }
         }
         Mode::Sglang => {
             o.gauge(
@@ -190,7 +245,9 @@ pub fn render(mode: Mode, model: &str, release: &str, s: &Snapshot) -> String {
                 o.labels,
                 value(s.capacity_tokens as f64)
             );
-            o.release_info("sglang:release_info", release);
+            if let Some(r) = release {
+                o.release_info("sglang:release_info", r);
+            }
         }
     }
     o.family(
@@ -245,36 +302,56 @@ mod tests {
             completed: 7,
             capacity_tokens: 200_000,
             block_tokens: 16,
+            max_model_len: 4096,
             requests: vec![("/health".into(), 3), ("/metrics".into(), 1)],
         }
     }
 
     #[test]
     fn vllm_names_and_values() {
-        let t = render(Mode::Vllm, "m\"x", "sha256:a", &snap());
+        let t = render(Mode::Vllm, "m\"x", Some("sha256:a"), &snap());
+        let m = "engine=\"0\",model_name=\"m\\\"x\"";
         for line in [
-            "# TYPE vllm:num_requests_running gauge",
-            "vllm:num_requests_running{model_name=\"m\\\"x\"} 2.0",
-            "vllm:num_requests_waiting{model_name=\"m\\\"x\"} 1.0",
-            "vllm:kv_cache_usage_perc{model_name=\"m\\\"x\"} 0.25",
-            "# TYPE vllm:prefix_cache_queries_total counter",
-            "vllm:prefix_cache_queries_total{model_name=\"m\\\"x\"} 400.0",
-            "vllm:prefix_cache_hits_total{model_name=\"m\\\"x\"} 100.0",
-            "vllm:request_success_total{model_name=\"m\\\"x\"} 7.0",
-            "vllm:release_info{model_name=\"m\\\"x\",digest=\"sha256:a\"} 1",
-            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
-            "# TYPE vllm:cache_config_info gauge",
-            "vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",calculate_kv_scales=\"False\",cpu_kvcache_space_bytes=\"4294967296\",cpu_offload_gb=\"0.0\",enable_prefix_caching=\"True\",gpu_memory_utilization=\"0.9\",is_attention_free=\"False\",num_cpu_blocks=\"0\",num_gpu_blocks=\"12500\",num_gpu_blocks_override=\"None\",prefix_caching_hash_algo=\"builtin\",sliding_window=\"None\",swap_space=\"4.0\",swap_space_bytes=\"4294967296.0\"} 1.0",
-            "emulator_http_requests_total{path=\"/health\"} 3.0",
+            "# TYPE vllm:num_requests_running gauge".to_string(),
+            format!("vllm:num_requests_running{{{m}}} 2.0"),
+            format!("vllm:num_requests_waiting{{{m}}} 1.0"),
+            format!("vllm:kv_cache_usage_perc{{{m}}} 0.25"),
+            "# TYPE vllm:prefix_cache_queries_total counter".to_string(),
+            format!("vllm:prefix_cache_queries_total{{{m}}} 400.0"),
+            format!("vllm:prefix_cache_hits_total{{{m}}} 100.0"),
+            "vllm:request_success_total{engine=\"0\",finished_reason=\"length\",model_name=\"m\\\"x\"} 7.0".to_string(),
+            "vllm:request_success_total{engine=\"0\",finished_reason=\"stop\",model_name=\"m\\\"x\"} 0.0".to_string(),
+            "vllm:release_info{model_name=\"m\\\"x\",digest=\"sha256:a\"} 1".to_string(),
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig".to_string(),
+            "# TYPE vllm:cache_config_info gauge".to_string(),
+            "emulator_http_requests_total{path=\"/health\"} 3.0".to_string(),
         ] {
             assert!(t.lines().any(|l| l == line), "missing {line}\n{t}");
         }
+        let info = t
+            .lines()
+            .find(|l| l.starts_with("vllm:cache_config_info{"))
+            .unwrap();
+        for label in [
+            "block_size=\"16\"",
+            "num_gpu_blocks=\"12500\"",
+            "kv_cache_size_tokens=\"200000\"",
+            "kv_cache_max_concurrency=\"48.828125\"",
+            "enable_prefix_caching=\"True\"",
+            ",engine=\"0\",",
+        ] {
+            assert!(info.contains(label), "{label} missing from {info}");
+        }
+        assert!(!info.contains("model_name"));
         assert!(!t.contains("sglang:"));
+        // No digest asked for: no release gauge (vLLM has none).
+        let plain = render(Mode::Vllm, "m", None, &snap());
+        assert!(!plain.contains("release_info"));
     }
 
     #[test]
     fn sglang_names_and_values() {
-        let t = render(Mode::Sglang, "m", "d", &snap());
+        let t = render(Mode::Sglang, "m", Some("d"), &snap());
         for line in [
             "sglang:num_running_reqs{model_name=\"m\"} 2.0",
             "sglang:num_queue_reqs{model_name=\"m\"} 1.0",

@@ -273,17 +273,26 @@ impl PrefixCache {
     }
 }
 
-/// Linear cost model: prefill is compute-bound per uncached prompt token,
-/// decode is memory-bound per output token.
+/// Per-request cost a real engine pays before the first token whatever the
+/// prompt (scheduling, the first forward pass, detokenizing, HTTP): vLLM
+/// 0.32 on CPU measured 9-14 ms for a 10-token prompt, then about 17 us a
+/// token (docs/ARCHITECTURE.md, the emulator's row).
+pub const DEFAULT_PREFILL_OVERHEAD_MS: f64 = 10.0;
+
+/// Linear cost model: a fixed overhead per request, then prefill is
+/// compute-bound per uncached prompt token, decode is memory-bound per
+/// output token.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Timing {
     pub prefill_ms_per_token: f64,
     pub decode_ms_per_token: f64,
+    /// Added once to every request's prefill, cached or not.
+    pub prefill_overhead_ms: f64,
 }
 
 impl Timing {
     pub fn prefill_ms(&self, uncached_tokens: usize) -> f64 {
-        uncached_tokens as f64 * self.prefill_ms_per_token
+        self.prefill_overhead_ms + uncached_tokens as f64 * self.prefill_ms_per_token
     }
 
     pub fn decode_ms(&self, output_tokens: usize) -> f64 {
@@ -399,6 +408,10 @@ pub struct PrefillPlan {
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
     pub uncached_tokens: usize,
+    /// Tokens of the prompt's full blocks the cache holds once the prompt
+    /// is prefilled, less the hit (vLLM 0.32's `created_cache_tokens`: a
+    /// block-aligned prompt's last block is recomputed, and counted).
+    pub created_tokens: usize,
     pub prefill_ms: f64,
 }
 
@@ -434,6 +447,18 @@ impl Engine {
         let hit_blocks = self.cache.lookup(&prompt.blocks).min(max_hit_blocks);
         let cached_tokens = hit_blocks.saturating_mul(block_tokens);
         let uncached_tokens = prompt.tokens.saturating_sub(cached_tokens);
+        // vLLM's `finalize`: what the cache holds of the prompt once it is
+        // prefilled (its full blocks) less what it held before (the hit).
+        let created_tokens = if self.cache.capacity_tokens() == 0 {
+            0
+        } else {
+            prompt
+                .blocks
+                .len()
+                .saturating_mul(block_tokens)
+                .min(prompt.tokens)
+                .saturating_sub(cached_tokens)
+        };
         self.cache.record_query(prompt.tokens, cached_tokens);
         self.cache.acquire(&prompt.blocks);
         if let Some(old) = self.held.insert(id, prompt.blocks.clone()) {
@@ -444,6 +469,7 @@ impl Engine {
             prompt_tokens: prompt.tokens,
             cached_tokens,
             uncached_tokens,
+            created_tokens,
             prefill_ms: self.timing.prefill_ms(uncached_tokens),
         }
     }
@@ -458,6 +484,7 @@ impl Engine {
             prompt_tokens: tokens,
             cached_tokens: 0,
             uncached_tokens: tokens,
+            created_tokens: 0,
             prefill_ms: self.timing.prefill_ms(tokens),
         }
     }
@@ -567,6 +594,7 @@ mod tests {
             timing: Timing {
                 prefill_ms_per_token: 1.0,
                 decode_ms_per_token: 1.0,
+                prefill_overhead_ms: 0.0,
             },
         };
         let mut e = Engine::new(config);
@@ -689,9 +717,16 @@ mod tests {
         let t = Timing {
             prefill_ms_per_token: 0.5,
             decode_ms_per_token: 2.0,
+            prefill_overhead_ms: 0.0,
         };
         assert_eq!(t.prefill_ms(10), 5.0);
         assert_eq!(t.decode_ms(3), 6.0);
+        // The overhead is paid once a request, even fully cached.
+        let o = Timing {
+            prefill_overhead_ms: 10.0,
+            ..t
+        };
+        assert_eq!((o.prefill_ms(10), o.prefill_ms(0)), (15.0, 10.0));
     }
 
     #[test]
@@ -745,18 +780,21 @@ mod tests {
             timing: Timing {
                 prefill_ms_per_token: 0.1,
                 decode_ms_per_token: 1.0,
+                prefill_overhead_ms: 0.0,
             },
         });
         let p = Prompt::from_tokens(&ids(250, 1), 16); // 15 full blocks
         assert_eq!((p.tokens, p.blocks.len()), (250, 15));
         let first = e.admit(1, &p);
         assert_eq!((first.cached_tokens, first.uncached_tokens), (0, 250));
+        assert_eq!(first.created_tokens, 240, "15 new full blocks");
         assert!((first.prefill_ms - 25.0).abs() < 1e-9);
         assert!(e.cache.usage() > 0.0);
         e.finish(1, 1.0);
         assert_eq!(e.cache.usage(), 0.0);
         let second = e.admit(2, &p);
         assert_eq!((second.cached_tokens, second.uncached_tokens), (240, 10));
+        assert_eq!(second.created_tokens, 0, "every full block was cached");
         assert_eq!((e.cache.query_tokens(), e.cache.hit_tokens()), (500, 240));
         e.record_success();
         assert_eq!(e.completed(), 1);
@@ -785,6 +823,7 @@ mod tests {
             timing: Timing {
                 prefill_ms_per_token: 0.5,
                 decode_ms_per_token: 1.0,
+                prefill_overhead_ms: 0.0,
             },
         });
         e.admit(1, &a);
@@ -809,12 +848,14 @@ mod tests {
             timing: Timing {
                 prefill_ms_per_token: 0.0,
                 decode_ms_per_token: 0.0,
+                prefill_overhead_ms: 0.0,
             },
         });
         let p = Prompt::from_tokens(&ids(32, 0), 16); // exactly 2 blocks
         e.admit(1, &p);
         let again = e.admit(2, &p);
         assert_eq!((again.cached_tokens, again.uncached_tokens), (16, 16));
+        assert_eq!(again.created_tokens, 16, "as vLLM counts it");
         // Token granularity (SGLang's radix cache): all but the last token.
         let mut r = Engine::new(EngineConfig {
             max_concurrency: 1,
@@ -823,6 +864,7 @@ mod tests {
             timing: Timing {
                 prefill_ms_per_token: 0.0,
                 decode_ms_per_token: 0.0,
+                prefill_overhead_ms: 0.0,
             },
         });
         let p = Prompt::from_tokens(&ids(37, 0), RADIX_BLOCK_TOKENS);

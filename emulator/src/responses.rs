@@ -18,8 +18,9 @@
 //! What the emulator does not do: background mode (refused), tools (echoed,
 //! never called), `GET ...?stream=true` replays, logprobs. vLLM keeps
 //! nothing unless started with `VLLM_ENABLE_RESPONSES_API_STORE=1` (it then
-//! silently treats `store` as false); the emulator behaves as a vLLM started
-//! with the store enabled, bounded to [`STORE_CAPACITY`] answers.
+//! silently treats `store` as false), and neither does the emulator in vLLM
+//! mode unless `--responses-store` (or that variable) turns its store on,
+//! bounded to [`STORE_CAPACITY`] answers; SGLang mode always stores.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -188,10 +189,22 @@ pub fn cannot_cancel(mode: Mode) -> Refusal {
     Refusal::nested(400, "Cannot cancel a synchronous response.", INVALID, param)
 }
 
-/// The prompt does not leave room for one output token. vLLM (serving.py
-/// `_validate_generator_input`) says so in its Responses wording; SGLang's
-/// tokenizer manager in its usual one.
-pub fn context_refusal(mode: Mode, prompt_tokens: usize, max_model_len: usize) -> Option<Refusal> {
+/// The context rule on `/v1/responses`. vLLM 0.32: its general rule
+/// ([`crate::openai::vllm_context_refusal`]: an output limit above the
+/// context, then a prompt longer than it), except that a prompt of exactly
+/// the context is refused by the Responses code itself (serving.py
+/// `_validate_generator_input`), in its own words. SGLang: its tokenizer
+/// manager's refusal of a prompt that leaves no room.
+pub fn context_refusal(
+    mode: Mode,
+    prompt_tokens: usize,
+    max_output_tokens: Option<usize>,
+    max_model_len: usize,
+) -> Option<Refusal> {
+    if mode == Mode::Vllm && prompt_tokens != max_model_len {
+        let requested = max_output_tokens.map(|n| ("max_output_tokens", n));
+        return crate::openai::vllm_context_refusal(prompt_tokens, requested, max_model_len);
+    }
     if prompt_tokens < max_model_len {
         return None;
     }
@@ -306,10 +319,21 @@ pub fn parse_request(mode: Mode, body: &[u8]) -> Result<ResponsesRequest, Refusa
     let max_output_tokens = match opt_int(mode, obj, "max_output_tokens")? {
         None => None,
         Some(n) if n >= 1 => Some(usize::try_from(n).unwrap_or(usize::MAX)),
-        // SamplingParams refuses it (a ValueError: 400 BadRequestError).
+        // SamplingParams refuses it (a ValueError: 400 BadRequestError);
+        // vLLM 0.32 names the parameter.
         Some(n) => {
-            let msg = format!("max_tokens must be at least 1, got {n}.");
-            return Err(Refusal::nested(400, &msg, "BadRequestError", None));
+            return Err(match mode {
+                Mode::Vllm => {
+                    let msg = format!(
+                        "max_tokens must be at least 1, got {n}. (parameter=max_tokens, value={n})"
+                    );
+                    Refusal::nested(400, &msg, "BadRequestError", Some("max_tokens"))
+                }
+                Mode::Sglang => {
+                    let msg = format!("max_tokens must be at least 1, got {n}.");
+                    Refusal::nested(400, &msg, "BadRequestError", None)
+                }
+            });
         }
     };
     if background {
@@ -571,6 +595,8 @@ pub struct Answer {
     pub text: String,
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
+    /// vLLM's `cache_write_tokens` (see `model::PrefillPlan`).
+    pub created_tokens: usize,
     pub output_tokens: usize,
     /// The output limit the engine applied (see [`output_budget`]).
     pub limit: usize,
@@ -599,6 +625,7 @@ impl Answer {
                 "input_tokens": self.prompt_tokens,
                 "input_tokens_details": {
                     "cached_tokens": self.cached_tokens,
+                    "cache_write_tokens": self.created_tokens,
                     "input_tokens_per_turn": [],
                     "cached_tokens_per_turn": [],
                 },
@@ -640,9 +667,23 @@ impl Answer {
         json!({"type": "output_text", "text": self.text, "annotations": [], "logprobs": logprobs})
     }
 
+    /// The finished text part of a stream's last events: vLLM says
+    /// `logprobs: null`, SGLang leaves it out.
+    fn done_part(&self) -> Value {
+        match self.mode {
+            Mode::Vllm => self.text_part(Value::Null),
+            Mode::Sglang => json!({"type": "output_text", "text": self.text, "annotations": []}),
+        }
+    }
+
+    /// The output message item; vLLM 0.32 adds `phase` (null).
     fn message(&self, status: &str, content: Vec<Value>) -> Value {
-        json!({"id": self.msg_id, "type": "message", "role": "assistant", "status": status,
-               "content": content})
+        let mut m = json!({"id": self.msg_id, "type": "message", "role": "assistant",
+                           "status": status, "content": content});
+        if let (Mode::Vllm, Value::Object(map)) = (self.mode, &mut m) {
+            map.insert("phase".into(), Value::Null);
+        }
+        m
     }
 }
 
@@ -670,7 +711,71 @@ pub fn response_json(echo: &Map<String, Value>, a: &Answer, done: bool) -> Value
     r.insert("output".into(), output);
     r.insert("usage".into(), usage);
     r.insert("max_output_tokens".into(), json!(a.limit));
+    if a.mode == Mode::Vllm {
+        // vLLM 0.32's sampling and disaggregation fields.
+        r.insert("presence_penalty".into(), json!(0.0));
+        r.insert("frequency_penalty".into(), json!(0.0));
+        r.insert("kv_transfer_params".into(), Value::Null);
+        r.insert("ec_transfer_params".into(), Value::Null);
+    }
     Value::Object(r)
+}
+
+/// vLLM 0.32's `ResponsesResponse` field order.
+const VLLM_ORDER: [&str; 32] = [
+    "id",
+    "created_at",
+    "incomplete_details",
+    "instructions",
+    "metadata",
+    "model",
+    "object",
+    "output",
+    "parallel_tool_calls",
+    "temperature",
+    "tool_choice",
+    "tools",
+    "top_p",
+    "background",
+    "max_output_tokens",
+    "max_tool_calls",
+    "previous_response_id",
+    "prompt",
+    "reasoning",
+    "service_tier",
+    "status",
+    "text",
+    "top_logprobs",
+    "truncation",
+    "usage",
+    "user",
+    "presence_penalty",
+    "frequency_penalty",
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "input_messages",
+    "output_messages",
+];
+
+/// A response body as sent: in vLLM mode its top-level fields in vLLM's
+/// order (any other after them), else as serde_json orders them.
+pub fn response_bytes(mode: Mode, response: &Value) -> Vec<u8> {
+    let Value::Object(map) = response else {
+        return serde_json::to_vec(response).unwrap_or_default();
+    };
+    if mode == Mode::Sglang {
+        return serde_json::to_vec(response).unwrap_or_default();
+    }
+    let mut pairs: Vec<(&str, Vec<u8>)> = VLLM_ORDER
+        .iter()
+        .filter_map(|k| Some((*k, crate::openai::j(map.get(*k)?.clone()))))
+        .collect();
+    for (k, v) in map {
+        if !VLLM_ORDER.contains(&k.as_str()) {
+            pairs.push((k.as_str(), crate::openai::j(v.clone())));
+        }
+    }
+    crate::openai::ordered(&pairs)
 }
 
 /// One SSE event as both engines write them: `event: TYPE` and the JSON.
@@ -741,7 +846,7 @@ pub fn stream_delta(a: &Answer, i: usize, delta: &str) -> Vec<u8> {
 pub fn stream_tail(echo: &Map<String, Value>, a: &Answer) -> Vec<u8> {
     let seq = FIRST_DELTA_SEQ.saturating_add(a.output_tokens);
     let out = a.output_index();
-    let part = json!({"type": "output_text", "text": a.text, "annotations": []});
+    let part = a.done_part();
     let mut bytes = sse(
         "response.output_text.done",
         seq,
@@ -793,6 +898,7 @@ mod tests {
             text: crate::openai::output_text(tokens),
             prompt_tokens: 40,
             cached_tokens: 32,
+            created_tokens: 0,
             output_tokens: tokens,
             limit,
             cache_report: false,
@@ -928,8 +1034,8 @@ mod tests {
         let e = req(json!({"input": "x", "max_output_tokens": 0})).unwrap_err();
         assert_eq!(
             err_json(&e)["error"],
-            json!({"message": "max_tokens must be at least 1, got 0.",
-                   "type": "BadRequestError", "param": null, "code": 400})
+            json!({"message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+                   "type": "BadRequestError", "param": "max_tokens", "code": 400})
         );
         let e = req(json!({"input": "x", "background": true})).unwrap_err();
         assert_eq!(
@@ -967,12 +1073,29 @@ mod tests {
                    "type": "invalid_request_error", "param": "response_id", "code": 400})
         );
         assert!(err_json(&cannot_cancel(Mode::Sglang))["error"]["param"].is_null());
-        assert!(context_refusal(Mode::Vllm, 99, 100).is_none());
-        let c = context_refusal(Mode::Vllm, 100, 100).unwrap();
+        assert!(context_refusal(Mode::Vllm, 99, None, 100).is_none());
+        // vLLM 0.32: a prompt of exactly the context, in the Responses
+        // code's words ...
+        let c = context_refusal(Mode::Vllm, 100, None, 100).unwrap();
         assert_eq!(
-            err_json(&c)["error"]["message"],
-            "The engine prompt length 100 exceeds the max_model_len 100. Please reduce prompt."
+            err_json(&c)["error"],
+            json!({"message": "The engine prompt length 100 exceeds the max_model_len 100. Please reduce prompt.",
+                   "type": "invalid_request_error", "param": "input", "code": 400})
         );
+        // ... a longer one in the general rule's, and an output limit above
+        // the context first, named as sent.
+        let c = context_refusal(Mode::Vllm, 101, Some(5), 100).unwrap();
+        assert_eq!(err_json(&c)["error"]["param"], "input_tokens");
+        let c = context_refusal(Mode::Vllm, 101, Some(101), 100).unwrap();
+        assert_eq!(
+            err_json(&c)["error"],
+            json!({"message": "max_output_tokens=101 cannot be greater than max_model_len=100. Please request fewer output tokens. (parameter=max_output_tokens, value=101)",
+                   "type": "BadRequestError", "param": "max_output_tokens", "code": 400})
+        );
+        // A fitting prompt with a large limit is served (cut at the context).
+        assert!(context_refusal(Mode::Vllm, 90, Some(100), 100).is_none());
+        assert!(context_refusal(Mode::Sglang, 100, None, 100).is_some());
+        assert!(context_refusal(Mode::Sglang, 90, Some(100), 100).is_none());
     }
 
     #[test]

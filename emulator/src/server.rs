@@ -91,6 +91,8 @@ enum Route {
     ResponseCancel,
     Embeddings,
     Health,
+    /// `GET /version` (vLLM).
+    Version,
     Models,
     Metrics,
     AdminStats,
@@ -100,8 +102,9 @@ enum Route {
 }
 
 impl Route {
-    const ALL: [Route; 14] = [
+    const ALL: [Route; 15] = [
         Route::Health,
+        Route::Version,
         Route::Metrics,
         Route::Chat,
         Route::ChatRender,
@@ -151,6 +154,7 @@ impl Route {
             Route::ResponseCancel => "/v1/responses/{response_id}/cancel",
             Route::Embeddings => "/v1/embeddings",
             Route::Health => "/health",
+            Route::Version => "/version",
             Route::Models => "/v1/models",
             Route::Metrics => "/metrics",
             Route::AdminStats => "/admin/stats",
@@ -465,7 +469,7 @@ fn json_reply(status: u16, body: impl Into<Bytes>, echo: &Echo) -> Reply {
 }
 
 fn error_reply(status: u16, message: &str, kind: &str, echo: &Echo) -> Reply {
-    json_reply(status, openai::error_body(message, kind), echo)
+    json_reply(status, openai::error_body(status, message, kind), echo)
 }
 
 fn refusal_reply(r: Refusal, extra: Vec<(HeaderName, String)>, echo: &Echo) -> Reply {
@@ -561,6 +565,16 @@ async fn dispatch(
     body: &[u8],
     echo: &Echo,
 ) -> Reply {
+    // Routes the emulated engine does not have: vLLM serves embeddings only
+    // for a pooling model, SGLang has no /version.
+    let absent = match route {
+        Route::Embeddings => !shared.config.serves_embeddings(),
+        Route::Version => shared.config.mode == Mode::Sglang,
+        _ => false,
+    };
+    if absent {
+        return refusal_reply(Refusal::route_not_found(), Vec::new(), echo);
+    }
     if route == Route::NotFound {
         if path.starts_with("/v1/responses/") {
             // Say `GET /v1/responses/{id}/input_items`: no route in vLLM.
@@ -576,6 +590,7 @@ async fn dispatch(
             return refusal_reply(Refusal::method_not_allowed(), allow, echo);
         }
         let body = openai::error_body(
+            405,
             &format!("method {} not allowed on {}", method, route.path()),
             INVALID,
         );
@@ -594,7 +609,8 @@ async fn dispatch(
         .await;
     if inference_route && fail_status != 0 {
         let name = vec![(X_ENGINE_REPLICA, shared.config.name.clone())];
-        let body = openai::error_body("injected failure (admin fail_status)", "server_error");
+        let msg = "injected failure (admin fail_status)";
+        let body = openai::error_body(fail_status, msg, "server_error");
         return respond(fail_status, JSON, name, echo, ReplyBody::full(body));
     }
     match route {
@@ -606,6 +622,7 @@ async fn dispatch(
         Route::ResponseCancel => cancel_response(shared, Route::response_id(path), echo),
         Route::Embeddings => embed(shared, body, echo).await,
         Route::Health => health(shared, echo),
+        Route::Version => json_reply(200, Bytes::from_static(br#"{"version":"0.32.0"}"#), echo),
         Route::Models => {
             let owner = shared.config.mode.as_str();
             let list = openai::model_list(
@@ -649,8 +666,8 @@ fn render_chat(shared: &Shared, method: &Method, path: &str, body: &[u8], echo: 
         Ok(r) => r,
         Err(msg) => return error_reply(400, &msg, INVALID, echo),
     };
-    if let Some(msg) = openai::context_error(&req, cfg.max_model_len, cfg.mode) {
-        return json_reply(400, openai::context_error_body(&msg, cfg.mode), echo);
+    if let Some(r) = openai::context_refusal(&req, cfg.max_model_len, cfg.mode) {
+        return refusal_reply(r, Vec::new(), echo);
     }
     let rendered = json!({
         "request_id": shared.fresh_hex(),
@@ -663,15 +680,33 @@ fn render_chat(shared: &Shared, method: &Method, path: &str, body: &[u8], echo: 
     json_reply(200, rendered.to_string(), echo)
 }
 
+/// `GET /health`: vLLM answers an empty 200 (503 once its engine is
+/// dead), SGLang a small JSON body; the release digest only when
+/// `--release` gives one.
 fn health(shared: &Shared, echo: &Echo) -> Reply {
     let healthy = shared.lock().healthy;
-    let digest = vec![(X_RELEASE_DIGEST, shared.config.release.clone())];
-    let (status, body): (u16, &'static [u8]) = if healthy {
-        (200, br#"{"status":"ok"}"#)
-    } else {
-        (503, br#"{"status":"unhealthy"}"#)
-    };
-    respond(status, JSON, digest, echo, ReplyBody::full(body))
+    let digest: Vec<_> = shared
+        .config
+        .release
+        .iter()
+        .map(|r| (X_RELEASE_DIGEST, r.clone()))
+        .collect();
+    let status = if healthy { 200 } else { 503 };
+    match shared.config.mode {
+        Mode::Vllm => {
+            let mut r = respond(status, JSON, digest, echo, ReplyBody::full(Bytes::new()));
+            r.headers_mut().remove(CONTENT_TYPE);
+            r
+        }
+        Mode::Sglang => {
+            let body: &'static [u8] = if healthy {
+                br#"{"status":"ok"}"#
+            } else {
+                br#"{"status":"unhealthy"}"#
+            };
+            respond(status, JSON, digest, echo, ReplyBody::full(body))
+        }
+    }
 }
 
 fn request_counts(st: &State) -> Vec<(String, u64)> {
@@ -704,14 +739,15 @@ fn metrics_page(shared: &Shared, echo: &Echo) -> Reply {
                 completed: st.engine.completed(),
                 capacity_tokens: st.engine.cache.capacity_tokens(),
                 block_tokens: st.engine.cache.block_tokens(),
+                max_model_len: cfg.max_model_len,
                 requests: request_counts(&st),
             };
-            metrics::render(cfg.mode, &cfg.model, &cfg.release, &snapshot)
+            metrics::render(cfg.mode, &cfg.model, cfg.release.as_deref(), &snapshot)
         }
     };
     respond(
         200,
-        metrics::CONTENT_TYPE,
+        metrics::content_type(cfg.mode),
         Vec::new(),
         echo,
         ReplyBody::full(text),
@@ -826,21 +862,20 @@ async fn inference(shared: &Arc<Shared>, kind: Kind, body: &[u8], echo: &Echo) -
         Err(msg) => return error_reply(400, &msg, INVALID, echo),
     };
     let cfg = &shared.config;
-    if let Some(m) = req
-        .model
-        .as_deref()
-        .filter(|m| cfg.check_model && *m != cfg.model && !cfg.lora_modules.iter().any(|l| l == m))
-    {
-        let msg = format!("The model `{m}` does not exist.");
-        return error_reply(404, &msg, "NotFoundError", echo);
+    if let Some(r) = unknown_model(cfg, req.model.as_deref()) {
+        return refusal_reply(r, Vec::new(), echo);
     }
-    if let Some(msg) = openai::context_error(&req, shared.config.max_model_len, shared.config.mode)
-    {
-        let body = openai::context_error_body(&msg, shared.config.mode);
-        return json_reply(400, body, echo);
+    if let Some(r) = openai::context_refusal(&req, cfg.max_model_len, cfg.mode) {
+        return refusal_reply(r, Vec::new(), echo);
     }
-    let block_tokens = shared.config.engine().block_tokens;
-    let prompt = Prompt::from_tokens(&req.prompt, block_tokens);
+    let tokens = openai::output_tokens(&req, cfg.max_model_len);
+    let block_tokens = cfg.engine().block_tokens;
+    // vLLM keys a salted prompt's blocks apart; SGLang has no salt.
+    let salt = match cfg.mode {
+        Mode::Vllm => req.cache_salt.as_deref(),
+        Mode::Sglang => None,
+    };
+    let prompt = Prompt::salted(&req.prompt, block_tokens, salt);
 
     let (slot, plan, queue_ms) = prefill(shared, |e, id| e.admit(id, &prompt)).await;
     let id = slot.id;
@@ -858,8 +893,14 @@ async fn inference(shared: &Arc<Shared>, kind: Kind, body: &[u8], echo: &Echo) -
     };
     let usage = Usage {
         prompt_tokens: plan.prompt_tokens,
-        completion_tokens: req.max_tokens,
+        completion_tokens: tokens,
         cached_tokens: plan.cached_tokens,
+        // vLLM 0.32's chat endpoint reports it, its completions endpoint
+        // leaves it null.
+        created_tokens: match kind {
+            Kind::Chat => Some(plan.created_tokens),
+            Kind::Completion => None,
+        },
         report: shared.config.cache_report(),
     };
     let decode_ms_per_token = shared.lock().engine.timing.decode_ms_per_token;
@@ -871,30 +912,51 @@ async fn inference(shared: &Arc<Shared>, kind: Kind, body: &[u8], echo: &Echo) -
 
     if req.stream {
         let mut tail = Vec::new();
-        if req.include_usage || shared.config.force_include_usage {
+        let with_usage = req.include_usage || shared.config.force_include_usage;
+        if with_usage {
             tail.extend(openai::usage_chunk(kind, &meta, usage));
         }
         tail.extend_from_slice(openai::SSE_DONE);
-        let tokens = req.max_tokens;
+        let mode = cfg.mode;
         let render = Box::new(move |range: std::ops::Range<usize>| {
             let mut events = Vec::new();
             for i in range {
                 let text = openai::token_text(i);
-                let last = i.saturating_add(1) == tokens;
-                events.extend(openai::stream_chunk(kind, &meta, &text, i == 0, last));
+                let (first, last) = (i == 0, i.saturating_add(1) == tokens);
+                events.extend(match mode {
+                    Mode::Vllm => {
+                        openai::vllm_stream_chunks(kind, &meta, &text, first, last, !with_usage)
+                    }
+                    Mode::Sglang => openai::stream_chunk(kind, &meta, &text, first, last),
+                });
             }
             events
         });
         headers.push((CACHE_CONTROL, "no-cache".to_string()));
+        let content_type = match mode {
+            Mode::Vllm => EVENT_STREAM_UTF8,
+            Mode::Sglang => "text/event-stream",
+        };
         let body = ReplyBody::events(tokens, decode_ms_per_token, render, tail, on_done);
-        respond(200, "text/event-stream", headers, echo, body)
+        respond(200, content_type, headers, echo, body)
     } else {
-        let text = openai::output_text(req.max_tokens);
+        let text = openai::output_text(tokens);
         let full = openai::full_response(kind, &meta, &text, usage);
-        let decode_ms = decode_ms_per_token * req.max_tokens as f64;
+        let decode_ms = decode_ms_per_token * tokens as f64;
         let body = ReplyBody::after(decode_ms, full, on_done);
         respond(200, JSON, headers, echo, body)
     }
+}
+
+/// vLLM's 404 for a request naming a model that is neither the served one
+/// nor an adapter, when `--check-model` asks for the check.
+fn unknown_model(cfg: &Config, model: Option<&str>) -> Option<Refusal> {
+    let m = model.filter(|m| {
+        cfg.check_model && *m != cfg.model && !cfg.lora_modules.iter().any(|l| l == m)
+    })?;
+    let mut aliases = vec![cfg.model.as_str()];
+    aliases.extend(cfg.lora_modules.iter().map(String::as_str));
+    Some(openai::unknown_model(m, &aliases))
 }
 
 /// Admission (FIFO, through the scheduler) and prefill of one engine
@@ -956,6 +1018,9 @@ async fn create_response(shared: &Arc<Shared>, body: &[u8], echo: &Echo) -> Repl
         Ok(r) => r,
         Err(r) => return refusal_reply(r, Vec::new(), echo),
     };
+    if let Some(r) = unknown_model(cfg, req.model.as_deref()) {
+        return refusal_reply(r, Vec::new(), echo);
+    }
     let prev = match req.previous_response_id.as_deref() {
         None => None,
         Some(pid) => {
@@ -973,7 +1038,9 @@ async fn create_response(shared: &Arc<Shared>, body: &[u8], echo: &Echo) -> Repl
         Ok(ids) => ids,
         Err(msg) => return refusal_reply(Refusal::bad_request(mode, &msg, None), Vec::new(), echo),
     };
-    if let Some(r) = responses::context_refusal(mode, ids.len(), cfg.max_model_len) {
+    if let Some(r) =
+        responses::context_refusal(mode, ids.len(), req.max_output_tokens, cfg.max_model_len)
+    {
         return refusal_reply(r, Vec::new(), echo);
     }
     let (tokens, limit) =
@@ -996,12 +1063,14 @@ async fn create_response(shared: &Arc<Shared>, body: &[u8], echo: &Echo) -> Repl
         text: openai::output_text(tokens),
         prompt_tokens: plan.prompt_tokens,
         cached_tokens: plan.cached_tokens,
+        created_tokens: plan.created_tokens,
         output_tokens: tokens,
         limit,
         cache_report: cfg.cache_report,
     };
     let full = responses::response_json(&req.echo, &answer, true);
-    let stored = req.store.then(|| {
+    // vLLM keeps nothing unless its store is on (`store` is then ignored).
+    let stored = (req.store && cfg.stores_responses()).then(|| {
         let s = Stored {
             response: full.clone(),
             messages,
@@ -1040,7 +1109,7 @@ async fn create_response(shared: &Arc<Shared>, body: &[u8], echo: &Echo) -> Repl
         let body = ReplyBody::events(tokens, decode_ms_per_token, render, tail, on_done);
         respond(200, EVENT_STREAM_UTF8, headers, echo, body)
     } else {
-        let bytes = serde_json::to_vec(&full).unwrap_or_default();
+        let bytes = responses::response_bytes(mode, &full);
         let decode_ms = decode_ms_per_token * tokens as f64;
         respond(
             200,
@@ -1062,7 +1131,7 @@ fn retrieve_response(shared: &Shared, id: &str, echo: &Echo) -> Reply {
     let found = shared.lock().responses.get(id).map(|s| s.response.clone());
     match found {
         Some(response) => {
-            let bytes = serde_json::to_vec(&response).unwrap_or_default();
+            let bytes = responses::response_bytes(shared.config.mode, &response);
             respond(200, JSON, name, echo, ReplyBody::full(bytes))
         }
         None => refusal_reply(responses::not_found(id), name, echo),

@@ -26,9 +26,17 @@ struct Emulator {
 }
 
 impl Emulator {
+    /// With no per-request overhead unless `args` set one, so the timing
+    /// checks below measure the per-token costs alone.
     fn start(args: &[&str]) -> Emulator {
+        let overhead: &[&str] = if args.contains(&"--prefill-overhead-ms") {
+            &[]
+        } else {
+            &["--prefill-overhead-ms", "0"]
+        };
         let mut child = Command::new(BIN)
             .args(["--listen", "127.0.0.1:0"])
+            .args(overhead)
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -237,6 +245,8 @@ fn prefix_cache_metrics_and_streaming() {
         "--echo-header",
         "x-missing",
         "--enable-prompt-tokens-details",
+        "--release",
+        "sha256:release-a",
     ]);
     let content = long_prompt();
     // The engine's own tokens: o200k_base over the Llama-3-style template.
@@ -310,23 +320,24 @@ fn prefix_cache_metrics_and_streaming() {
     assert!(m
         .header("content-type")
         .unwrap()
-        .starts_with("text/plain; version=0.0.4"));
+        .starts_with("text/plain; version=1.0.0"));
     let text = m.text();
     // Nothing is running: cached blocks nobody holds count as free, as in
     // vLLM's kv_cache_usage_perc.
     let usage = "0.0";
     for line in [
         "# TYPE vllm:num_requests_running gauge".to_string(),
-        "vllm:num_requests_running{model_name=\"m1\"} 0.0".to_string(),
-        "vllm:num_requests_waiting{model_name=\"m1\"} 0.0".to_string(),
-        format!("vllm:kv_cache_usage_perc{{model_name=\"m1\"}} {usage}"),
+        "vllm:num_requests_running{engine=\"0\",model_name=\"m1\"} 0.0".to_string(),
+        "vllm:num_requests_waiting{engine=\"0\",model_name=\"m1\"} 0.0".to_string(),
+        format!("vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m1\"}} {usage}"),
         "# TYPE vllm:prefix_cache_queries_total counter".to_string(),
         format!(
-            "vllm:prefix_cache_queries_total{{model_name=\"m1\"}} {}.0",
+            "vllm:prefix_cache_queries_total{{engine=\"0\",model_name=\"m1\"}} {}.0",
             2 * prompt_tokens
         ),
-        format!("vllm:prefix_cache_hits_total{{model_name=\"m1\"}} {cached}.0"),
-        "vllm:request_success_total{model_name=\"m1\"} 2.0".to_string(),
+        format!("vllm:prefix_cache_hits_total{{engine=\"0\",model_name=\"m1\"}} {cached}.0"),
+        "vllm:request_success_total{engine=\"0\",finished_reason=\"length\",model_name=\"m1\"} 2.0"
+            .to_string(),
         "vllm:release_info{model_name=\"m1\",digest=\"sha256:release-a\"} 1".to_string(),
         "emulator_http_requests_total{path=\"/v1/chat/completions\"} 2.0".to_string(),
         "emulator_http_requests_total{path=\"/metrics\"} 1.0".to_string(),
@@ -336,7 +347,8 @@ fn prefix_cache_metrics_and_streaming() {
         assert!(has_line(&text, &line), "missing {line:?} in\n{text}");
     }
 
-    // Streaming: one event per token, usage chunk, then [DONE].
+    // Streaming: vLLM's role chunk, one event per token, usage chunk,
+    // then [DONE].
     let s = c.post_json(
         "/v1/chat/completions",
         &chat(
@@ -345,7 +357,10 @@ fn prefix_cache_metrics_and_streaming() {
         ),
     );
     assert_eq!(s.status, 200);
-    assert_eq!(s.header("content-type"), Some("text/event-stream"));
+    assert_eq!(
+        s.header("content-type"),
+        Some("text/event-stream; charset=utf-8")
+    );
     assert_eq!(
         s.header("x-engine-cached-tokens"),
         Some(cached.to_string().as_str())
@@ -353,17 +368,20 @@ fn prefix_cache_metrics_and_streaming() {
     let text = s.text();
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
     let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
-    assert_eq!(events.len(), 5 + 1 + 1);
-    let chunks: Vec<Value> = events[..6]
+    assert_eq!(events.len(), 1 + 5 + 1 + 1);
+    let chunks: Vec<Value> = events[..7]
         .iter()
         .map(|e| serde_json::from_str(e.strip_prefix("data: ").unwrap()).unwrap())
         .collect();
     assert_eq!(chunks[0]["object"], "chat.completion.chunk");
-    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    assert_eq!(chunks[4]["choices"][0]["finish_reason"], "length");
-    assert_eq!(chunks[5]["usage"]["completion_tokens"], 5);
     assert_eq!(
-        chunks[5]["usage"]["prompt_tokens_details"]["cached_tokens"],
+        chunks[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
+    assert_eq!(chunks[5]["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunks[6]["usage"]["completion_tokens"], 5);
+    assert_eq!(
+        chunks[6]["usage"]["prompt_tokens_details"]["cached_tokens"],
         cached
     );
 
@@ -399,7 +417,9 @@ fn prefix_cache_metrics_and_streaming() {
         (health.status, health.header("x-release-digest")),
         (200, Some("sha256:release-a"))
     );
-    assert_eq!(health.json()["status"], "ok");
+    // vLLM's /health: an empty 200.
+    assert_eq!(health.text(), "");
+    assert_eq!(health.header("content-type"), None);
 }
 
 #[test]
@@ -558,7 +578,7 @@ fn paused_engine_queues_requests_fifo() {
         let m = admin.request("GET", "/metrics", &[], b"").text();
         if has_line(
             &m,
-            "vllm:num_requests_waiting{model_name=\"emulated-model\"} 1.0",
+            "vllm:num_requests_waiting{engine=\"0\",model_name=\"emulated-model\"} 1.0",
         ) {
             break;
         }
@@ -688,9 +708,10 @@ fn sse_events(text: &str) -> Vec<Value> {
 
 #[test]
 fn context_limit_usage_reports_and_radix_matching() {
-    // vLLM dialect: 400 in vLLM's words past --max-model-len, the limit in
-    // /v1/models, cached_tokens omitted when nothing hit, the usage chunk
-    // forced into every stream.
+    // vLLM 0.32 dialect: a prompt past --max-model-len or an output limit
+    // above it refused in its words, a fitting prompt served and cut at the
+    // context; the limit in /v1/models, the prompt details on every answer,
+    // the usage chunk forced into every stream.
     let emu = Emulator::start(&[
         "--max-model-len",
         "64",
@@ -710,31 +731,38 @@ fn context_limit_usage_reports_and_radix_matching() {
     let e = r.json();
     assert_eq!(e["error"]["type"], "BadRequestError");
     assert_eq!(e["error"]["code"], 400);
-    let msg = e["error"]["message"].as_str().unwrap();
-    assert!(
-        msg.starts_with(
-            "This model's maximum context length is 64 tokens. However, your request has "
-        ),
-        "{msg}"
+    assert_eq!(e["error"]["param"], "input_tokens");
+    assert_eq!(
+        e["error"]["message"],
+        "This model's maximum context length is 64 tokens. However, your prompt contains at least 65 input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value=65)"
     );
+    // A fitting prompt asking for more than the room left: served, cut.
     let r = c.post_json(
         "/v1/chat/completions",
         &chat("hi", json!({"max_tokens": 60})),
     );
-    assert_eq!(r.status, 400);
-    assert!(r.json()["error"]["message"]
-        .as_str()
-        .unwrap()
-        .starts_with("'max_tokens' or 'max_completion_tokens' is too large: 60."));
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 64 - prompt);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    // An output limit above the context: refused, named as sent.
     let r = c.post_json(
         "/v1/chat/completions",
-        &chat("hi", json!({"max_tokens": 2})),
+        &chat("hi", json!({"max_completion_tokens": 65})),
+    );
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["param"], "max_completion_tokens");
+    let r = c.post_json(
+        "/v1/chat/completions",
+        &chat("hi there", json!({"max_tokens": 2})),
     );
     assert_eq!(r.status, 200);
     let u = &r.json()["usage"];
-    assert!(
-        u.get("prompt_tokens_details").is_none(),
-        "omitted when 0: {u}"
+    assert_eq!(
+        u["prompt_tokens_details"],
+        json!({"cached_tokens": 0, "created_cache_tokens": 0, "multimodal_tokens": null}),
+        "reported at 0: {u}"
     );
     // Streamed without asking for usage: forced, in the last event only.
     let r = c.post_json(
@@ -742,10 +770,10 @@ fn context_limit_usage_reports_and_radix_matching() {
         &chat("hi", json!({"max_tokens": 3, "stream": true})),
     );
     let events = sse_events(&r.text());
-    assert_eq!(events.len(), 4);
-    assert!(events[..3].iter().all(|e| e.get("usage").is_none()));
-    assert_eq!(events[3]["choices"], json!([]));
-    assert!(events[3]["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(events.len(), 1 + 3 + 1);
+    assert!(events[..4].iter().all(|e| e.get("usage").is_none()));
+    assert_eq!(events[4]["choices"], json!([]));
+    assert!(events[4]["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
     drop(c);
 
     // SGLang dialect: its own words, cached_tokens always reported, and
@@ -1036,18 +1064,22 @@ fn typed_events(text: &str) -> Vec<(String, Value)> {
         .collect()
 }
 
+/// The sum of the samples whose line starts with `name` (vLLM's
+/// `request_success_total` has one series per finish reason).
 fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.rsplit(' ').next())
-        .unwrap()
-        .parse()
-        .unwrap()
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|l| l.starts_with(name))
+        .map(|l| l.rsplit(' ').next().unwrap().parse().unwrap())
+        .collect();
+    assert!(!values.is_empty(), "no {name} in\n{text}");
+    values.iter().sum()
 }
 
 #[test]
 fn responses_chain_through_the_prefix_cache_and_store() {
     let emu = Emulator::start(&[
+        "--responses-store",
         "--name",
         "r1",
         "--model",
@@ -1240,7 +1272,13 @@ fn responses_chain_through_the_prefix_cache_and_store() {
 
 #[test]
 fn responses_stream_events_as_vllm_sends_them() {
-    let emu = Emulator::start(&["--prefill-ms-per-token", "0", "--decode-ms-per-token", "20"]);
+    let emu = Emulator::start(&[
+        "--prefill-ms-per-token",
+        "0",
+        "--decode-ms-per-token",
+        "20",
+        "--responses-store",
+    ]);
     let mut c = emu.connect();
     let t = Instant::now();
     let r = c.post_json(
@@ -1310,6 +1348,7 @@ fn responses_stream_events_as_vllm_sends_them() {
 #[test]
 fn embeddings_take_the_queue_and_are_deterministic() {
     let emu = Emulator::start(&[
+        "--embedding-model",
         "--model",
         "m1",
         "--prefill-ms-per-token",
@@ -1399,6 +1438,8 @@ fn embeddings_take_the_queue_and_are_deterministic() {
 #[test]
 fn responses_and_embeddings_refuse_bad_input_without_crashing() {
     let emu = Emulator::start(&[
+        "--responses-store",
+        "--embedding-model",
         "--max-model-len",
         "64",
         "--prefill-ms-per-token",
@@ -1428,22 +1469,46 @@ fn responses_and_embeddings_refuse_bad_input_without_crashing() {
         assert_eq!(e["error"]["code"], 400, "{e}");
         assert!(e["error"]["message"].is_string());
     }
-    // Past the context: vLLM's Responses wording.
+    // Past the context: vLLM 0.32's general wording.
     let r = c.post_json(
         "/v1/responses",
         &json!({"input": "many different words here ".repeat(20)}),
     );
     assert_eq!(r.status, 400);
-    let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
-    assert!(
-        msg.starts_with("The engine prompt length ")
-            && msg.ends_with(" exceeds the max_model_len 64. Please reduce prompt."),
-        "{msg}"
+    let e = r.json();
+    assert_eq!(
+        (&e["error"]["type"], &e["error"]["param"]),
+        (&json!("BadRequestError"), &json!("input_tokens"))
     );
-    // Output is clamped to the context left, not refused.
+    // Exactly the context: the Responses code's own wording.
+    let mut words = String::new();
+    while engine_emulator::tokenizer::chat(&json!([{"role": "user", "content": words}]))
+        .unwrap()
+        .len()
+        < 64
+    {
+        words.push_str(" x");
+    }
+    let n = engine_emulator::tokenizer::chat(&json!([{"role": "user", "content": words}]))
+        .unwrap()
+        .len();
+    if n == 64 {
+        let r = c.post_json("/v1/responses", &json!({ "input": words }));
+        assert_eq!(
+            r.json()["error"]["message"],
+            "The engine prompt length 64 exceeds the max_model_len 64. Please reduce prompt."
+        );
+    }
+    // Output is clamped to the context left, not refused, up to the
+    // context; above it, refused.
     let r = c.post_json(
         "/v1/responses",
         &json!({"input": "hi", "max_output_tokens": 1000}),
+    );
+    assert_eq!(r.json()["error"]["param"], "max_output_tokens");
+    let r = c.post_json(
+        "/v1/responses",
+        &json!({"input": "hi", "max_output_tokens": 64}),
     );
     assert_eq!(r.status, 200);
     let v = r.json();
@@ -1568,4 +1633,102 @@ fn sglang_responses_and_embeddings_in_its_words() {
         cached + 3 >= prompt && cached < prompt + 1,
         "{cached} of {prompt}"
     );
+}
+
+#[test]
+fn vllm_defaults_look_like_vllm_032() {
+    // No flags: no Responses store, no embeddings (a generative model), an
+    // empty /health without a digest, vLLM's /version, its 404 for a model
+    // it does not serve (with --check-model).
+    let emu = Emulator::start(&["--model", "m", "--check-model"]);
+    let mut c = emu.connect();
+    let h = c.request("GET", "/health", &[], b"");
+    assert_eq!((h.status, h.text()), (200, String::new()));
+    assert_eq!(h.header("x-release-digest"), None);
+    let v = c.request("GET", "/version", &[], b"");
+    assert_eq!(v.json(), json!({"version": "0.32.0"}));
+    let r = c.post_json("/v1/embeddings", &json!({"model": "m", "input": "hi"}));
+    assert_eq!((r.status, r.json()), (404, json!({"detail": "Not Found"})));
+    let r = c.post_json(
+        "/v1/responses",
+        &json!({"model": "m", "input": "hi", "max_output_tokens": 2}),
+    );
+    assert_eq!(r.status, 200);
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    let not_found = json!({"error": {"message": format!("Response with id '{id}' not found."),
+        "type": "invalid_request_error", "param": "response_id", "code": 404}});
+    let g = c.request("GET", &format!("/v1/responses/{id}"), &[], b"");
+    assert_eq!((g.status, g.json()), (404, not_found.clone()));
+    let next = c.post_json(
+        "/v1/responses",
+        &json!({"model": "m", "input": "and", "previous_response_id": id}),
+    );
+    assert_eq!((next.status, next.json()), (404, not_found));
+    let r = c.post_json(
+        "/v1/chat/completions",
+        &json!({"model": "x", "messages": [{"role": "user", "content": "hi"}]}),
+    );
+    assert_eq!(
+        (r.status, r.json()),
+        (
+            404,
+            json!({"error": {"message": "The model `x` does not exist. Valid aliases: m.",
+                             "type": "NotFoundError", "param": "model", "code": 404}})
+        )
+    );
+    let m = c.request("GET", "/metrics", &[], b"").text();
+    assert!(!m.contains("release_info"));
+    assert!(m.contains("block_size=\"16\""));
+    drop(c);
+
+    // The store's environment variable, as vLLM reads it.
+    let mut child = Command::new(BIN)
+        .args(["--listen", "127.0.0.1:0"])
+        .env("VLLM_ENABLE_RESPONSES_API_STORE", "1")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let emu = Emulator {
+        child,
+        addr: line.trim().rsplit(' ').next().unwrap().to_string(),
+    };
+    let mut c = emu.connect();
+    let r = c.post_json(
+        "/v1/responses",
+        &json!({"input": "hi", "max_output_tokens": 2}),
+    );
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    let g = c.request("GET", &format!("/v1/responses/{id}"), &[], b"");
+    assert_eq!(g.status, 200);
+}
+
+#[test]
+fn the_per_request_overhead_is_paid_by_every_request() {
+    let emu = Emulator::start(&[
+        "--prefill-overhead-ms",
+        "150",
+        "--prefill-ms-per-token",
+        "0",
+        "--decode-ms-per-token",
+        "0",
+    ]);
+    let mut c = emu.connect();
+    for _ in 0..2 {
+        // The second is fully cached but for its last token: still paid.
+        let t = Instant::now();
+        let r = c.post_json(
+            "/v1/chat/completions",
+            &chat("hi", json!({"max_tokens": 1})),
+        );
+        assert_eq!(r.status, 200);
+        assert!(
+            t.elapsed() >= Duration::from_millis(150),
+            "{:?}",
+            t.elapsed()
+        );
+    }
 }

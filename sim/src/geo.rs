@@ -405,6 +405,7 @@ impl Envoy {
                 prompt_tokens: usize::try_from(prompt).unwrap_or(usize::MAX),
                 completion_tokens: 1,
                 cached_tokens: usize::try_from(cached).unwrap_or(usize::MAX),
+                created_tokens: None,
                 report: openai::CacheReport::SglangCacheReport,
             };
             host.response_chunk = openai::usage_chunk(openai::Kind::Chat, &meta, usage);

@@ -30,6 +30,7 @@
 use crate::rng::Rng;
 use crate::topology::{Outage, Region, Topology};
 use crate::trace::{mix, TraceRequest};
+use engine_emulator::model::DEFAULT_PREFILL_OVERHEAD_MS;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,6 +126,7 @@ fn regions(slots: [u32; 3], decode_ms: f64) -> Vec<Region> {
         max_concurrency: slots,
         prefill_ms_per_token: 0.09,
         decode_ms_per_token: decode_ms,
+        prefill_overhead_ms: DEFAULT_PREFILL_OVERHEAD_MS,
         cache_tokens: 600_000,
         region_rtt_ms: BTreeMap::new(),
         replicas: 1,
@@ -451,6 +453,7 @@ fn continents(engines: [Engines; 3], decode_ms: f64) -> Topology {
             max_concurrency: e.slots,
             prefill_ms_per_token: e.prefill_ms,
             decode_ms_per_token: decode_ms,
+            prefill_overhead_ms: DEFAULT_PREFILL_OVERHEAD_MS,
             cache_tokens: e.cache_tokens,
             region_rtt_ms: INTER_REGION_RTT_MS
                 .iter()

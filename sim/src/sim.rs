@@ -671,6 +671,7 @@ impl<'a> Sim<'a> {
                     timing: Timing {
                         prefill_ms_per_token: r.prefill_ms_per_token,
                         decode_ms_per_token: r.decode_ms_per_token,
+                        prefill_overhead_ms: r.prefill_overhead_ms,
                     },
                 };
                 (0..r.replicas.max(1))
@@ -983,9 +984,10 @@ impl Sim<'_> {
                         completed: s.engine.completed(),
                         capacity_tokens: c.capacity_tokens(),
                         block_tokens: c.block_tokens(),
+                        max_model_len: openai::MAX_OUTPUT_TOKENS,
                         requests: Vec::new(),
                     };
-                    a.body = exposition::render(EngineMode::Vllm, trace::MODEL, "", &sample)
+                    a.body = exposition::render(EngineMode::Vllm, trace::MODEL, None, &sample)
                         .into_bytes();
                 }
             }
@@ -1615,6 +1617,7 @@ mod tests {
     use super::*;
     use crate::geo::Slots;
     use crate::trace::TraceRequest;
+    use engine_emulator::model::DEFAULT_PREFILL_OVERHEAD_MS;
 
     fn fleet(extra: &str) -> Topology {
         fleet_with(2, extra)
@@ -1668,7 +1671,9 @@ mod tests {
         // cached: 0.5 ms of prefill each.
         let n = engine_tokens(&[("sys-1", 100)]);
         assert_ne!(n, 100, "the engine does not share the trace's token count");
-        let prefill = n as f64 * 0.5;
+        // The engine's per-request overhead (the fleet's default), then
+        // 0.5 ms a token.
+        let prefill = DEFAULT_PREFILL_OVERHEAD_MS + n as f64 * 0.5;
         let w = Workload::new(&f, vec![req(1000.0, "s1", "na", &[("sys-1", 100)], 5)]).unwrap();
         for p in PolicyName::ALL {
             let r = run(&f, &w, p, &Deployment::Oracle, None).unwrap();
@@ -1695,7 +1700,8 @@ mod tests {
         let seg = [("doc", 400u32)];
         let n = engine_tokens(&seg);
         let hit = (n - 1) / 16 * 16;
-        let (cold, warm) = (n as f64 * 0.5, (n - hit) as f64 * 0.5);
+        let o = DEFAULT_PREFILL_OVERHEAD_MS;
+        let (cold, warm) = (o + n as f64 * 0.5, o + (n - hit) as f64 * 0.5);
         // Three at once on a 2-slot engine: the third waits for the first
         // to finish (cold prefill + 99 × 10 ms decode), then hits the cache.
         let trace = vec![
@@ -1845,7 +1851,7 @@ mod tests {
         )
         .unwrap();
         let w = Workload::new(&f, vec![req(1000.0, "s1", "eu", &[("sys-1", 100)], 5)]).unwrap();
-        let prefill = engine_tokens(&[("sys-1", 100)]) as f64 * 0.5;
+        let prefill = DEFAULT_PREFILL_OVERHEAD_MS + engine_tokens(&[("sys-1", 100)]) as f64 * 0.5;
         let near = Deployment::Global("near".into());
         for p in PolicyName::ALL.into_iter().skip(1) {
             let rec = &run(&f, &w, p, &near, None).unwrap().records[0];
