@@ -73,7 +73,7 @@ def test_a_prompt_beyond_every_region_goes_to_the_largest_limit_and_its_engine_a
     # (16,384, the largest) takes it and SGLang refuses it in its words.
     r = chat(fleet.port, [{"role": "user", "content": filler("ctx-huge", 80_000)}])
     assert r.status == 400, r.body
-    assert r.replica == "far" and r.route["reason"] == "context", (r.headers, r.route)
+    assert r.route["region"] == "far" and r.route["reason"] == "context", (r.headers, r.route)
     assert r.json()["message"].startswith("The input ("), r.body
     assert r.json()["message"].endswith("is longer than the model's context length (16384 tokens)."), r.body
     after = inference_counts(fleet)
@@ -101,7 +101,10 @@ def test_an_output_above_every_limit_is_refused_at_the_edge_as_the_engine_would(
     assert r.replica == "mid", r.headers
     assert r.json()["choices"][0]["finish_reason"] == "length", r.body
     u = r.json()["usage"]
-    assert u["prompt_tokens"] + u["completion_tokens"] == LIMITS["mid"], u
+    # Cut at the context (the emulator also caps an answer at 4,096 tokens,
+    # to keep a test from holding a slot: real vLLM's exact cut is checked in
+    # test_vllm.py).
+    assert u["prompt_tokens"] + u["completion_tokens"] <= LIMITS["mid"] and u["completion_tokens"] < 12_000, u
     after = inference_counts(fleet)
     assert after["mid"] == before["mid"] + 1 and after["far"] == before["far"], (before, after)
     assert fleet.envoy.stat("wasmcustom.llm_geo_router.router.context_rejected") == rejected + 1
@@ -116,7 +119,7 @@ def test_a_residency_pin_keeps_a_long_prompt_where_it_is_pinned(fleet_factory):
     # Pinned to near, whose 4,096 tokens the estimate says it exceeds: the
     # pin holds, and near's engine refuses it in its own words.
     r = chat(fleet.port, long, headers={"x-llm-residency": "here"})
-    assert r.status == 400 and r.replica == "near", (r.status, r.headers)
+    assert r.status == 400 and r.route["region"] == "near", (r.status, r.route)
     assert r.json()["error"]["message"].startswith("This model's maximum context length is 4096 tokens."), r.body
     # Unpinned, it goes where it fits.
     r = chat(fleet.port, long)
@@ -144,5 +147,5 @@ def test_a_region_whose_engine_does_not_list_the_model_is_passed_over(fleet_fact
     # Listed nowhere: near, whose engine answers in its own words.
     r = chat(fleet.port, msgs, model="nobody-serves-this")
     assert r.status == 404, r.body
-    assert r.json()["error"]["message"] == "The model `nobody-serves-this` does not exist.", r.body
+    assert r.json()["error"]["message"] == "The model `nobody-serves-this` does not exist. Valid aliases: emulated-model.", r.body
     assert r.route["region"] == "near", r.route
