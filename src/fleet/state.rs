@@ -10,6 +10,7 @@ use std::collections::VecDeque;
 use crate::config::Config;
 use crate::engines::metrics::{CacheCapacity, EngineSample};
 use crate::fleet::assess::{assess, Assessment, Signals};
+use crate::fleet::drain::drain_rate;
 use crate::fleet::ladder::Ladder;
 use crate::fleet::restart::{Restart, RestartWatch};
 use crate::fleet::snapshot::{RegionState, Snapshot, TunedWeights};
@@ -352,20 +353,13 @@ impl Fleet {
         HealthChange::None
     }
 
-    /// A health probe that got no answer at all (it timed out, or its
-    /// connection was reset; Envoy answers a timed-out callout with its own
-    /// 504): a dead engine's sign, or a busy one's. An engine decoding on
-    /// few cores answers its `/health` and its large `/metrics` late (vLLM
-    /// 0.32 on two cores: over a second) while it serves every request. So
-    /// the probe is not held against the region while it shows work: its
-    /// engines answered this Envoy's requests since the last tick, most of
-    /// them successfully, or its last good scrape, less than
-    /// [`BUSY_CREDIT_TICKS`] ticks old, showed requests running or waiting
-    /// (load another Envoy sends it). `None`: nothing changes. Otherwise it
-    /// is a failed probe ([`Fleet::on_health`]). A probe answered with an
-    /// error status is always a failed one: the engine, or a proxy in
-    /// front of it that could not reach it, said so; an engine that died
-    /// refuses connections, which Envoy answers 503.
+    /// A health probe that got no answer (timed out, Envoy's 504, or reset):
+    /// a dead engine's sign or a busy one's (vLLM 0.32 decoding on two cores
+    /// answers `/health` after over a second). Not held against a region
+    /// that shows work: its engines answered this Envoy's requests since the
+    /// last tick, mostly successfully, or its last good scrape, under
+    /// [`BUSY_CREDIT_TICKS`] ticks old, showed requests running or waiting.
+    /// `None`: nothing changes; else a failed probe ([`Fleet::on_health`]).
     pub fn on_health_unanswered(
         &mut self,
         cfg: &Config,
@@ -800,33 +794,6 @@ impl Fleet {
             .collect();
         (Some(free), clock)
     }
-}
-
-/// The engine's drain rate after a scrape that read `completed` at
-/// `now_ms`, from the reading before (`last`): the rate over the interval,
-/// folded into the EWMA with the weight `probe.demand_alpha` has per
-/// `probe.tick_ms` (so the average spans the same time whatever the scrape
-/// period). No counter: no rate; a counter that went back (the engine
-/// restarted) or no time between the readings: the rate stands.
-fn drain_rate(
-    cfg: &Config,
-    rate: Option<f64>,
-    last: Option<(f64, u64)>,
-    completed: Option<f64>,
-    now_ms: u64,
-) -> Option<f64> {
-    let c = completed?;
-    let Some((c0, t0)) = last else {
-        return rate;
-    };
-    if c < c0 || now_ms <= t0 {
-        return rate;
-    }
-    let dt_ms = (now_ms - t0) as f64;
-    let sample = (c - c0) / (dt_ms / 1000.0);
-    let per_tick = f64::from(cfg.probe.tick_ms.max(1));
-    let a = 1.0 - (1.0 - cfg.probe.demand_alpha).powf(dt_ms / per_tick);
-    Some(rate.map_or(sample, |old| old + a * (sample - old)))
 }
 
 #[cfg(test)]
