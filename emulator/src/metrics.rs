@@ -190,6 +190,13 @@ pub fn render(mode: Mode, model: &str, release: Option<&str>, s: &Snapshot) -> S
                 "Prefix cache hits, in terms of number of cached tokens.",
                 s.hit_tokens,
             );
+            // Every prompt token, cached or not (vLLM 0.32's
+            // `prompt_tokens_total`; back to 0 at `/admin/reset`).
+            o.counter(
+                "vllm:prompt_tokens_total",
+                "Number of prefill tokens processed.",
+                s.query_tokens,
+            );
             o.vllm_request_success(s.completed);
             let block = s.block_tokens.max(1);
             o.vllm_cache_config_info(s.capacity_tokens / block, block, s.max_model_len);

@@ -297,7 +297,7 @@ impl Tuner {
     /// The prefill time `region`'s observations show (every region's with
     /// `None`): least squares of `observed − rtt − w_queue·queue` on a
     /// per-request part and a rate, shrunk towards `prior`, the rate as if
-    /// it were 8 observations at the typical prompt, the per-request part
+    /// it were 8 observations of the prompts' spread, the per-request part
     /// as 2; the rate kept within [¼×, 4×] of the configured `rate0`.
     /// `None` below `MIN_REGION_SAMPLES`.
     fn fit_prefill(
@@ -328,7 +328,13 @@ impl Tuner {
         }
         // Ridge on both: minimise Σ(y − a − b·u)² + λa(a − a0)² + λb(b − b0)².
         let (la, a0) = (PER_REQUEST_PRIOR_WEIGHT, prior.per_request_ms);
-        let lb = 8.0 * suu / n;
+        // The rate's prior weighs as 8 observations of the slope: with a
+        // per-request part in the model, what tells the rate is the spread
+        // of the prompts around their mean, not their size (a prior scaled
+        // by the mean square would pin the rate and push the rest into the
+        // per-request part).
+        let spread = (suu / n - (su / n).powi(2)).max(0.0);
+        let lb = 8.0 * spread + 1e-3 * suu / n;
         let (m11, m12, m22) = (n + la, su, suu + lb);
         let (r1, r2) = (sy + la * a0, suy + lb * prior.ms_per_token);
         let det = m11 * m22 - m12 * m12;
