@@ -860,18 +860,7 @@ class Fleet:
         loopback round trips may read 0 ms, so not wait_snapshot)."""
         for name in DEMO_REGIONS:
             self.engines[name] = start_llama(name, self.run_dir, ctx=slot_ctx * slots, parallel=slots)
-        self.replicas = {n: [e] for n, e in self.engines.items()}
-        demo = plugin_config(yaml.safe_load(DEMO_CONFIG.read_text()))
-        regions = [{**r, "engine": "llamacpp"} for r in demo["regions"]]
-        overrides = {**(overrides or {}), "regions": regions}
-        if shared:
-            self.exchange_ports = [free_port() for _ in range(envoys)]
-        for i in range(envoys):
-            peers = (self.exchange_ports[i], self.exchange_ports) if shared else None
-            cfg = render_config(self.engines, free_port(), free_port(), overrides, peers=peers)
-            self.envoys.append(start_envoy(self.run_dir, cfg, name=f"envoy{i}"))
-        self.wait_limits()
-        return self
+        return self.start_envoys_for_engines("llamacpp", overrides, envoys, shared)
 
     def start_vllm(self, overrides: dict | None = None, envoys: int = 1, shared: bool = False,
                    max_model_len: int = 4096, vllm: dict[str, dict] | None = None) -> "Fleet":
@@ -890,9 +879,16 @@ class Fleet:
             for e in launched:
                 stop_vllm(e)
             raise
+        return self.start_envoys_for_engines("vllm", overrides, envoys, shared)
+
+    def start_envoys_for_engines(self, engine: str, overrides: dict | None, envoys: int,
+                                 shared: bool) -> "Fleet":
+        """The Envoys in front of real engines already in `self.engines`,
+        envoy/envoy.yaml's regions with every `engine` set to `engine`;
+        ready once every probe has every region healthy and its limit read."""
         self.replicas = {n: [e] for n, e in self.engines.items()}
         demo = plugin_config(yaml.safe_load(DEMO_CONFIG.read_text()))
-        regions = [{**r, "engine": "vllm"} for r in demo["regions"]]
+        regions = [{**r, "engine": engine} for r in demo["regions"]]
         overrides = {**(overrides or {}), "regions": regions}
         if shared:
             self.exchange_ports = [free_port() for _ in range(envoys)]
