@@ -33,6 +33,8 @@ pub struct Snapshot {
     pub query_tokens: u64,
     pub hit_tokens: u64,
     pub completed: u64,
+    /// Output tokens generated (`generation_tokens_total`).
+    pub generated: u64,
     /// The prefix cache's capacity, in tokens (whole blocks).
     pub capacity_tokens: usize,
     /// Tokens per cache block (vLLM's `block_size`).
@@ -197,6 +199,11 @@ pub fn render(mode: Mode, model: &str, release: Option<&str>, s: &Snapshot) -> S
                 "Number of prefill tokens processed.",
                 s.query_tokens,
             );
+            o.counter(
+                "vllm:generation_tokens_total",
+                "Number of generation tokens processed.",
+                s.generated,
+            );
             o.vllm_request_success(s.completed);
             let block = s.block_tokens.max(1);
             o.vllm_cache_config_info(s.capacity_tokens / block, block, s.max_model_len);
@@ -232,6 +239,11 @@ pub fn render(mode: Mode, model: &str, release: Option<&str>, s: &Snapshot) -> S
                 "sglang:prompt_tokens_total",
                 "Number of prefill tokens processed.",
                 s.query_tokens,
+            );
+            o.counter(
+                "sglang:generation_tokens_total",
+                "Number of generation tokens processed.",
+                s.generated,
             );
             o.gauge(
                 "sglang:page_size",
@@ -307,6 +319,7 @@ mod tests {
             query_tokens: 400,
             hit_tokens: 100,
             completed: 7,
+            generated: 90,
             capacity_tokens: 200_000,
             block_tokens: 16,
             max_model_len: 4096,

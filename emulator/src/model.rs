@@ -424,6 +424,8 @@ pub struct Engine {
     /// Blocks each running request holds, released when it ends.
     held: HashMap<RequestId, Vec<u64>>,
     completed: u64,
+    /// Output tokens of the completed requests (`generation_tokens_total`).
+    generated: u64,
 }
 
 impl Engine {
@@ -434,6 +436,7 @@ impl Engine {
             timing: config.timing,
             held: HashMap::new(),
             completed: 0,
+            generated: 0,
         }
     }
 
@@ -518,13 +521,19 @@ impl Engine {
         next
     }
 
-    /// Counts a request whose response was completely delivered.
-    pub fn record_success(&mut self) {
+    /// Counts a request whose response was completely delivered, with the
+    /// output tokens it generated.
+    pub fn record_success(&mut self, generated_tokens: usize) {
         self.completed = self.completed.saturating_add(1);
+        self.generated = self.generated.saturating_add(generated_tokens as u64);
     }
 
     pub fn completed(&self) -> u64 {
         self.completed
+    }
+
+    pub fn generated(&self) -> u64 {
+        self.generated
     }
 
     /// Clears cache and counters; running/waiting requests are untouched
@@ -532,6 +541,7 @@ impl Engine {
     pub fn reset(&mut self) {
         self.cache.clear();
         self.completed = 0;
+        self.generated = 0;
     }
 }
 
@@ -796,7 +806,7 @@ mod tests {
         assert_eq!((second.cached_tokens, second.uncached_tokens), (240, 10));
         assert_eq!(second.created_tokens, 0, "every full block was cached");
         assert_eq!((e.cache.query_tokens(), e.cache.hit_tokens()), (500, 240));
-        e.record_success();
+        e.record_success(3);
         assert_eq!(e.completed(), 1);
         e.reset();
         assert_eq!((e.completed(), e.cache.query_tokens()), (0, 0));

@@ -737,6 +737,7 @@ fn metrics_page(shared: &Shared, echo: &Echo) -> Reply {
                 query_tokens: st.engine.cache.query_tokens(),
                 hit_tokens: st.engine.cache.hit_tokens(),
                 completed: st.engine.completed(),
+                generated: st.engine.generated(),
                 capacity_tokens: st.engine.cache.capacity_tokens(),
                 block_tokens: st.engine.cache.block_tokens(),
                 max_model_len: cfg.max_model_len,
@@ -906,7 +907,7 @@ async fn inference(shared: &Arc<Shared>, kind: Kind, body: &[u8], echo: &Echo) -
     let decode_ms_per_token = shared.lock().engine.timing.decode_ms_per_token;
     // With the last bytes: count the success, then give the slot back.
     let on_done = Box::new(move || {
-        slot.shared.lock().engine.record_success();
+        slot.shared.lock().engine.record_success(tokens);
         drop(slot);
     });
 
@@ -1084,7 +1085,7 @@ async fn create_response(shared: &Arc<Shared>, body: &[u8], echo: &Echo) -> Repl
     let on_done = Box::new(move || {
         {
             let mut st = slot.shared.lock();
-            st.engine.record_success();
+            st.engine.record_success(tokens);
             if let Some((id, s)) = stored {
                 st.responses.insert(id, s);
             }
@@ -1189,7 +1190,7 @@ async fn embed(shared: &Arc<Shared>, body: &[u8], echo: &Echo) -> Reply {
     };
     let bytes = embeddings::response_body(mode, &meta, &vectors, req.base64, prompt_tokens);
     let on_done = Box::new(move || {
-        slot.shared.lock().engine.record_success();
+        slot.shared.lock().engine.record_success(0);
         drop(slot);
     });
     respond(

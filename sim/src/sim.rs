@@ -306,6 +306,7 @@ struct Figures {
     query_tokens: u64,
     hit_tokens: u64,
     completed: u64,
+    generated: u64,
 }
 
 impl Figures {
@@ -318,6 +319,7 @@ impl Figures {
             query_tokens: s.engine.cache.query_tokens(),
             hit_tokens: s.engine.cache.hit_tokens(),
             completed: s.engine.completed(),
+            generated: s.engine.generated(),
         }
     }
 }
@@ -358,6 +360,7 @@ impl Prometheus {
                 ("completed", sum(|x| x.completed as f64).to_string()),
                 ("prefix_queries", sum(|x| x.query_tokens as f64).to_string()),
                 ("prefix_hits", sum(|x| x.hit_tokens as f64).to_string()),
+                ("generation", sum(|x| x.generated as f64).to_string()),
                 ("scraped", secs(oldest)),
             ] {
                 result.push(json!({
@@ -982,6 +985,7 @@ impl Sim<'_> {
                         query_tokens: c.query_tokens(),
                         hit_tokens: c.hit_tokens(),
                         completed: s.engine.completed(),
+                        generated: s.engine.generated(),
                         capacity_tokens: c.capacity_tokens(),
                         block_tokens: c.block_tokens(),
                         max_model_len: openai::MAX_OUTPUT_TOKENS,
@@ -1475,10 +1479,11 @@ impl Sim<'_> {
             return;
         }
         let work = self.work;
+        let out = self.live.get(i).map_or(1, |l| l.output_tokens).max(1);
         let next = match self.station_mut(i) {
             Some(s) => {
                 s.held.remove(&i);
-                s.engine.record_success();
+                s.engine.record_success(out as usize);
                 match work.prepared.get(i).and_then(|p| p.sequence.as_ref()) {
                     Some(seq) => s.engine.finish_generated(i as u64, now, seq),
                     None => s.engine.finish(i as u64, now),

@@ -215,11 +215,16 @@ impl Router {
         {
             return 0;
         }
+        // What the engine's cache took in: the prompt it prefilled and the
+        // answer it generated (`Fleet::on_engine_clock`).
         let tokens = match usage {
             Some(crate::learning::usage::Usage {
                 prompt_tokens,
                 cached_tokens: Some(c),
-            }) => prompt_tokens.saturating_sub(c) as f64,
+                completion_tokens,
+            }) => prompt_tokens
+                .saturating_sub(c)
+                .saturating_add(completion_tokens.unwrap_or(0)) as f64,
             _ => {
                 let b = learning.belief(served);
                 b.prompt_bytes.saturating_sub(b.believed_bytes) as f64 * learning.tokens_per_byte
@@ -314,6 +319,7 @@ mod tests {
         let usage = crate::learning::usage::Usage {
             prompt_tokens: 3000,
             cached_tokens: Some(0),
+            completion_tokens: None,
         };
         let report = second.usage_report(usage, 1).unwrap();
         assert_eq!((report.region, report.believed_bytes), (1, 0));

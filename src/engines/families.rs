@@ -101,6 +101,11 @@ pub struct EngineSample {
     /// restart sends back, watched where there is no prefix-cache counter
     /// (`EngineSample::restart_counter`).
     pub prompt_tokens: Option<f64>,
+    /// Cumulative output tokens the engine generated, summed over all
+    /// series (vLLM and SGLang `generation_tokens_total`, llama.cpp
+    /// `tokens_predicted_total`): its cache keeps an answer's blocks as it
+    /// keeps a prompt's, so they age the cache too (`Fleet::on_engine_clock`).
+    pub generation_tokens: Option<f64>,
     /// When the engine's serving process started (Unix seconds), from the
     /// `process_start_time_seconds` every Python Prometheus client exports
     /// (vLLM's and SGLang's servers); the largest over its series. Another
@@ -170,6 +175,9 @@ pub(crate) enum Series {
     /// Prompt tokens taken, cached or not (vLLM's and SGLang's
     /// `prompt_tokens_total`).
     PromptTokens,
+    /// Output tokens generated (vLLM's and SGLang's
+    /// `generation_tokens_total`, llama.cpp's `tokens_predicted_total`).
+    GenerationTokens,
     /// SGLang's `page_size`: the tokens per block of its cache.
     PageSize,
     /// `process_start_time_seconds`: when the serving process started.
@@ -246,6 +254,7 @@ const VLLM_SERIES: &[(&str, Series)] = &[
     ("vllm:gpu_prefix_cache_hit_rate", Series::HitRate),
     ("vllm:request_success_total", Series::Completed),
     ("vllm:prompt_tokens_total", Series::PromptTokens),
+    ("vllm:generation_tokens_total", Series::GenerationTokens),
     ("vllm:cache_config_info", Series::CacheConfigInfo),
     ("process_start_time_seconds", Series::ProcessStart),
 ];
@@ -257,6 +266,7 @@ const SGLANG_SERIES: &[(&str, Series)] = &[
     ("sglang:cache_hit_rate", Series::HitRate),
     ("sglang:num_requests_total", Series::Completed),
     ("sglang:prompt_tokens_total", Series::PromptTokens),
+    ("sglang:generation_tokens_total", Series::GenerationTokens),
     ("sglang:page_size", Series::PageSize),
     ("sglang:max_total_num_tokens", Series::MaxTotalTokens),
     ("process_start_time_seconds", Series::ProcessStart),
@@ -271,6 +281,7 @@ const LLAMACPP_SERIES: &[(&str, Series)] = &[
     ("llamacpp:requests_processing", Series::Running),
     ("llamacpp:prompt_tokens_total", Series::PrefixMisses),
     ("llamacpp:prompt_tokens_cached_total", Series::PrefixReused),
+    ("llamacpp:tokens_predicted_total", Series::GenerationTokens),
 ];
 
 /// Running sum of the series of one name.
@@ -314,6 +325,7 @@ pub(crate) struct Totals {
     hit_rate: Accumulator,
     completed: Accumulator,
     prompt_tokens: Accumulator,
+    generation_tokens: Accumulator,
     page_size: Option<u32>,
     process_start: Option<f64>,
     pub(crate) capacity: CapacitySum,
@@ -340,6 +352,7 @@ impl Totals {
             Series::HitRate => (Some(&mut self.hit_rate), Some(ratio)),
             Series::Completed => (Some(&mut self.completed), count),
             Series::PromptTokens => (Some(&mut self.prompt_tokens), count),
+            Series::GenerationTokens => (Some(&mut self.generation_tokens), count),
             Series::PageSize => {
                 let page = crate::engines::capacity::block_tokens_of(value);
                 self.page_size = self.page_size.max(page);
@@ -399,6 +412,7 @@ impl Totals {
                 .prompt_tokens
                 .total()
                 .or_else(|| self.prefix_misses.total()),
+            generation_tokens: self.generation_tokens.total(),
             process_start_s: self.process_start,
         }
     }
@@ -496,6 +510,7 @@ vllm:time_to_first_token_seconds_count{{engine=\"0\",model_name=\"{m}\"}} 42.0\n
                 cache_capacity: Some(CacheCapacity::Tokens(74_864)),
                 block_tokens: Some(16),
                 prompt_tokens: None,
+                generation_tokens: None,
                 process_start_s: None,
             }
         );
@@ -537,6 +552,7 @@ vllm:gpu_prefix_cache_hits{model_name=\"qwen\"} 512\n";
                 cache_capacity: None,
                 block_tokens: None,
                 prompt_tokens: None,
+                generation_tokens: None,
                 process_start_s: None,
             }
         );
@@ -620,6 +636,7 @@ sglang:max_total_num_tokens{{{tp1}}} 262144.0\n"
                 block_tokens: Some(1),
                 // No prefix counter: its restarts are watched on this.
                 prompt_tokens: Some(8_128_902.0),
+                generation_tokens: None,
                 process_start_s: None,
             }
         );
@@ -698,6 +715,7 @@ llamacpp:n_busy_slots_per_decode 3.6\n";
                 cache_capacity: None,
                 block_tokens: None,
                 prompt_tokens: Some(5210.0),
+                generation_tokens: Some(912.0),
                 process_start_s: None,
             }
         );

@@ -64,6 +64,9 @@ fn metric(engine: EngineKind, signal: &str) -> Option<&'static [&'static [&'stat
             "vllm:gpu_prefix_cache_hits_total",
         ]],
         (EngineKind::Vllm, "cache") => &[&["vllm:cache_config_info"]],
+        (EngineKind::Vllm, "generation") => &[&["vllm:generation_tokens_total"]],
+        (EngineKind::Sglang, "generation") => &[&["sglang:generation_tokens_total"]],
+        (EngineKind::Llamacpp, "generation") => &[&["llamacpp:tokens_predicted_total"]],
         (EngineKind::Sglang, "waiting") => &[&["sglang:num_queue_reqs"]],
         (EngineKind::Sglang, "running" | "replicas" | "scraped") => &[&["sglang:num_running_reqs"]],
         (EngineKind::Sglang, "kv") => &[&["sglang:token_usage"]],
@@ -90,7 +93,7 @@ fn metric(engine: EngineKind, signal: &str) -> Option<&'static [&'static [&'stat
 }
 
 /// Each signal and its aggregation (empty: the series themselves).
-const SIGNALS: [(&str, &str); 12] = [
+const SIGNALS: [(&str, &str); 13] = [
     ("waiting", "sum"),
     ("running", "sum"),
     ("kv", "avg"),
@@ -100,6 +103,7 @@ const SIGNALS: [(&str, &str); 12] = [
     ("prefix_hits", "sum"),
     ("hit_rate", "avg"),
     ("prompt_tokens", "sum"),
+    ("generation", "sum"),
     ("block", "max"),
     ("scraped", "min"),
     ("cache", ""),
@@ -276,6 +280,7 @@ pub fn parse_answer(cfg: &Config, body: &[u8]) -> Result<HashMap<usize, RegionLo
                 .or(engine.and_then(EngineKind::default_block_tokens)),
             cache_capacity: capacity.remove(&i).and_then(CapacitySum::into_capacity),
             prompt_tokens: sig.get("prompt_tokens").copied(),
+            generation_tokens: sig.get("generation").copied(),
             // Several replicas' start times do not add up: the summed
             // counters tell their restarts.
             process_start_s: None,
@@ -375,6 +380,7 @@ mod tests {
                 "prefix_queries",
             ),
             (format!("sum(llamacpp:prompt_tokens_cached_total{sel})"), "prefix_hits"),
+            (format!("sum(llamacpp:tokens_predicted_total{sel})"), "generation"),
             (format!("min(timestamp(llamacpp:requests_processing{sel}))"), "scraped"),
         ] {
             assert!(q.contains(&part(&inner, signal)), "{signal}: {q}");
@@ -388,7 +394,7 @@ mod tests {
             );
         }
         assert!(!q.contains("vllm:") && !q.contains("sglang:"), "{q}");
-        assert_eq!(q.matches(" or ").count(), 5, "six signals: {q}");
+        assert_eq!(q.matches(" or ").count(), 6, "seven signals: {q}");
         let body = answer(&[
             series("edge", "waiting", "3"),
             series("edge", "running", "8"),

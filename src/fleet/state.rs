@@ -10,6 +10,7 @@ use std::collections::VecDeque;
 use crate::config::Config;
 use crate::engines::metrics::{CacheCapacity, EngineSample};
 use crate::fleet::assess::{assess, Assessment, Signals};
+use crate::fleet::cache_clock::{cache_model, engine_intake};
 use crate::fleet::drain::drain_rate;
 use crate::fleet::ladder::Ladder;
 use crate::fleet::restart::{Restart, RestartWatch};
@@ -443,14 +444,14 @@ impl Fleet {
         }
     }
 
-    /// After a good scrape: the engine's prefilled tokens so far, from its
-    /// prefix-cache counters, time the region's cache (`calibration`).
+    /// After a good scrape: what the engine's cache took in so far
+    /// (`cache_clock::engine_intake`) times the region's cache.
     pub fn on_engine_clock(&mut self, region: usize, now_ms: u64) {
         let Some(r) = self.regions.get_mut(region) else {
             return;
         };
-        if let (Some(q), Some(h)) = (r.sample.prefix_queries, r.sample.prefix_hits) {
-            r.calibration.on_engine_tokens(now_ms, (q - h).max(0.0));
+        if let Some(intake) = engine_intake(&r.sample, r.block_tokens) {
+            r.calibration.on_engine_tokens(now_ms, intake);
         }
     }
 
@@ -747,7 +748,8 @@ impl Fleet {
             .collect();
         let mut regions = regions;
         for (state, r) in regions.iter_mut().zip(&self.regions) {
-            (state.cache_free_tokens, state.cache_clock) = Self::cache_model(state, r);
+            (state.cache_free_tokens, state.cache_clock) =
+                cache_model(state.cache_tokens, state.replicas, &r.calibration);
         }
         Snapshot {
             version: self.version,
@@ -761,38 +763,6 @@ impl Fleet {
             weights: fit.map(|f| TunedWeights { w_queue: f.w_queue }),
             regions,
         }
-    }
-}
-
-/// Points of the intake clock a snapshot carries per region.
-const CACHE_CLOCK_POINTS: usize = 48;
-
-impl Fleet {
-    /// What the region's prefix cache holds, and
-    /// the intake clock that ages its entries, both per engine replica (a
-    /// replica caches only what it served itself); none while the capacity
-    /// is unknown. The clock is the engine's own where it exports its
-    /// prefix-cache counters (all proxies' traffic), else this Envoy's
-    /// reported answers.
-    fn cache_model(state: &RegionState, r: &Region) -> (Option<f64>, Vec<(u64, f64)>) {
-        let Some(capacity) = state.cache_tokens.filter(|c| *c > 0) else {
-            return (None, Vec::new());
-        };
-        let replicas = f64::from(state.replicas.unwrap_or(1).max(1));
-        // The whole capacity, not less what running requests pin
-        // (`kv_cache_usage`): a running request's blocks are either new
-        // intake, which the clock already charges, or reused prefixes,
-        // which leave the free queue without pushing anything out. Less
-        // the pinned share, scenario a's believed caches halved (cache
-        // hits 0.76 -> 0.64, docs/ROUTING.md).
-        let free = capacity as f64 / replicas;
-        let clock = r
-            .calibration
-            .clock_for(free * replicas, CACHE_CLOCK_POINTS)
-            .into_iter()
-            .map(|(t, tokens)| (t, tokens / replicas))
-            .collect();
-        (Some(free), clock)
     }
 }
 
@@ -1256,5 +1226,30 @@ mod tests {
             ..report
         };
         assert_eq!(f.on_usage(&short), Some(Verdict::Refuted));
+    }
+    #[test]
+    fn the_cache_clock_counts_what_the_engine_allocates() {
+        let c =
+            Config::parse(br#"{"regions":[{"name":"a","cluster":"c","capacity_rps":1}]}"#).unwrap();
+        let mut f = Fleet::new(&c, 0);
+        let scrape = |f: &mut Fleet, at: u64, missed: f64, generated: f64, done: f64| {
+            let sample = EngineSample {
+                waiting: Some(0.0),
+                prefix_queries: Some(10_000.0 + missed),
+                prefix_hits: Some(10_000.0),
+                generation_tokens: Some(generated),
+                completed: Some(done),
+                block_tokens: Some(128),
+                ..EngineSample::default()
+            };
+            f.on_metrics(&c, 0, Some(sample), 0.0, at);
+            f.on_engine_clock(0, at);
+        };
+        scrape(&mut f, 1000, 0.0, 0.0, 0.0);
+        // Two requests: 900 prompt tokens missed, 100 generated; each one's
+        // last block is partly filled (63.5 tokens of 128 on average).
+        scrape(&mut f, 2000, 900.0, 100.0, 2.0);
+        let clock = f.calibration(0).unwrap().clock_for(1e9, 8);
+        assert_eq!(clock.last(), Some(&(2000, 900.0 + 100.0 + 2.0 * 63.5)));
     }
 }

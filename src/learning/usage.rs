@@ -29,6 +29,9 @@ pub struct Usage {
     /// answer does not say (vLLM without `--enable-prompt-tokens-details`,
     /// SGLang without `--enable-cache-report`).
     pub cached_tokens: Option<u64>,
+    /// Tokens of the answer (`completion_tokens`, Responses'
+    /// `output_tokens`); `None` when the usage does not say.
+    pub completion_tokens: Option<u64>,
 }
 
 /// Reads a response body chunk by chunk for its `usage` objects, keeping
@@ -265,9 +268,17 @@ impl UsageScan {
 }
 
 fn parse(v: &Value) -> Option<Usage> {
-    let (prompt, details) = match v.get("prompt_tokens") {
-        Some(p) => (p, v.get("prompt_tokens_details")),
-        None => (v.get("input_tokens")?, v.get("input_tokens_details")),
+    let (prompt, details, completion) = match v.get("prompt_tokens") {
+        Some(p) => (
+            p,
+            v.get("prompt_tokens_details"),
+            v.get("completion_tokens"),
+        ),
+        None => (
+            v.get("input_tokens")?,
+            v.get("input_tokens_details"),
+            v.get("output_tokens"),
+        ),
     };
     let prompt_tokens = prompt.as_u64()?;
     let cached_tokens = details
@@ -277,6 +288,7 @@ fn parse(v: &Value) -> Option<Usage> {
     Some(Usage {
         prompt_tokens,
         cached_tokens,
+        completion_tokens: completion.and_then(Value::as_u64),
     })
 }
 
@@ -417,6 +429,7 @@ mod tests {
     const VLLM_USAGE: Usage = Usage {
         prompt_tokens: 5210,
         cached_tokens: Some(4096),
+        completion_tokens: Some(2),
     };
 
     /// A vLLM 0.32 chat answer to a request with `"prompt_logprobs": 5` and
@@ -516,6 +529,7 @@ mod tests {
         let want = Some(Usage {
             prompt_tokens: 3001,
             cached_tokens: Some(2048),
+            completion_tokens: Some(300),
         });
         assert_eq!(feed(&[s.as_bytes()]).usage(), want);
         assert_eq!(feed_sized(s.as_bytes(), random_sizes(3, 40)), want);
@@ -532,6 +546,7 @@ mod tests {
         let want = Some(Usage {
             prompt_tokens: 3001,
             cached_tokens: Some(1024),
+            completion_tokens: Some(0),
         });
         assert_eq!(feed(&[s.as_bytes()]).usage(), want);
         assert_eq!(feed_sized(s.as_bytes(), || 1), want);
@@ -540,6 +555,7 @@ mod tests {
         let want = Some(Usage {
             prompt_tokens: 3001,
             cached_tokens: Some(2000),
+            completion_tokens: Some(1),
         });
         assert_eq!(feed(&[s.as_bytes()]).usage(), want);
         assert_eq!(feed_sized(s.as_bytes(), || 7), want);
@@ -573,6 +589,7 @@ mod tests {
         let want = Some(Usage {
             prompt_tokens: 12,
             cached_tokens: Some(4),
+            completion_tokens: None,
         });
         // One as long as the buffer is read; one byte longer is abandoned.
         for (size, want) in [
@@ -619,7 +636,8 @@ mod tests {
             u,
             Usage {
                 prompt_tokens: 1200,
-                cached_tokens: Some(1024)
+                cached_tokens: Some(1024),
+                completion_tokens: Some(10),
             }
         );
         // Without the details (vLLM without --enable-prompt-tokens-details).
@@ -641,7 +659,8 @@ mod tests {
             t.usage(),
             Some(Usage {
                 prompt_tokens: 31750,
-                cached_tokens: Some(2448)
+                cached_tokens: Some(2448),
+                completion_tokens: Some(50),
             })
         );
         // Without the usage chunk: token chunks say `"usage":null`, and the
@@ -657,7 +676,8 @@ mod tests {
             feed(&[body]).usage(),
             Some(Usage {
                 prompt_tokens: 300,
-                cached_tokens: Some(256)
+                cached_tokens: Some(256),
+                completion_tokens: Some(5),
             })
         );
     }
