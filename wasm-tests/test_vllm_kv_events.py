@@ -435,13 +435,17 @@ def test_the_routers_belief_against_vllms_kv_events(fleet):
     # The workload's premise: the engines evicted, and reused prefixes.
     assert sum(h.removed for h in events.held.values()) > 0, figures
     assert actual > 0, figures
-    # The issue's targets for the directory. Three runs at this commit:
+    # The issue's targets for the directory. Before the intake clock
+    # counted the answers and the partly filled last blocks (three runs):
     # agreement 0.900 / 0.975 / 0.975, believed/actual 1.256 / 1.100 /
-    # 1.051 (the router spread the conversations differently each time;
-    # the first run's excess mostly prefixes mid had evicted and the router
-    # still believed). A run that misses them is marked an expected failure
-    # with its figures, for the lead to decide; the targets are not
-    # loosened.
+    # 1.051, mostly prefixes an engine had evicted and the router still
+    # believed. Since (five runs): agreement 0.925 / 0.975 / 0.975 / 0.975
+    # / 1.0, believed/actual 1.104 / 1.021 / 1.027 / 1.114 / 1.056; the
+    # rest is mostly the first turns' estimate, before a region's first
+    # usage report teaches its tokens per byte (4 bytes a token assumed;
+    # this text has 5). The router spreads the conversations differently
+    # each run. A run that misses them is marked an expected failure with
+    # its figures, for the lead to decide; the targets are not loosened.
     missed = []
     if agreement < AGREEMENT_TARGET:
         missed.append(f"hit/miss agreement {agreement:.3f} < {AGREEMENT_TARGET}")
