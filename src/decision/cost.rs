@@ -1,7 +1,7 @@
 //! One expected time to first token per region, in milliseconds: the cost
 //! the decision minimises (`choice`), term by term.
 //!
-//! `ttft(r) = rtt(r) + prefill_ms_per_token(r)·uncached_tokens(r) + w_queue·queue_ms(r) + x(r)`
+//! `ttft(r) = rtt(r) + prefill_ms_per_token(r)·uncached_tokens(r) + w_queue·queue_ms(r) + x(r) + e(r)`
 //!
 //! * `rtt(r)`: the least of the probe's recent health round trips, else the
 //!   configured `rtt_ms`.
@@ -16,7 +16,11 @@
 //! * `x(r)`: the externality, the delay this request adds to the requests
 //!   that arrive at `r` while it is there ([`externality_ms`]); left out
 //!   where a region holds the prompt.
+//! * `e(r)`: the cache's externality, the re-prefill the uncached tokens'
+//!   footprint in `r`'s cache causes to the prefixes it then evicts sooner
+//!   (`footprint`).
 
+use crate::decision::footprint::footprint_tokens;
 use crate::decision::inputs::{region_slots, Inputs};
 use crate::engines::capacity::servable_tokens;
 use crate::fleet::snapshot::{RegionState, Snapshot};
@@ -103,6 +107,9 @@ pub struct Cost {
     /// The expected wait itself (unweighted, without the externality):
     /// what the tuner compares with observed TTFT.
     pub wait_ms: f64,
+    /// The cache the prefill takes there, priced: the re-prefill it causes
+    /// later to the prefixes the region then evicts sooner (`footprint`).
+    pub footprint_ms: f64,
     pub total_ms: f64,
     /// The prompt's tokens as this region's engine counts them (estimated
     /// with its measured tokens per byte).
@@ -304,6 +311,11 @@ pub(super) fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
             let uncached = prompt_tokens - cached_tokens;
             let rtt_ms = rtt;
             let prefill_ms = prefill_fixed + prefill_rate * uncached as f64;
+            let footprint_ms = state.map_or(0.0, |s| {
+                let clock = inp.clocks.get(i).map_or(&[][..], Vec::as_slice);
+                prefill_rate
+                    * footprint_tokens(s, clock, &snap.reuse_gaps, uncached as f64, inp.now_ms)
+            });
             let wait = queue_ms(occupancy, slots, region.service_ms);
             // The externality (`load_ms`) is added by `price_externality`
             // where it applies: not for a prompt some region holds.
@@ -314,7 +326,8 @@ pub(super) fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
                 queue_ms: queue,
                 load_ms: 0.0,
                 wait_ms: wait,
-                total_ms: rtt_ms + prefill_ms + queue,
+                footprint_ms,
+                total_ms: rtt_ms + prefill_ms + queue + footprint_ms,
                 prompt_tokens,
                 cached_tokens,
                 occupancy,
@@ -337,7 +350,7 @@ pub(super) fn price_externality(inp: &Inputs, costs: &mut [Cost]) {
         let x = externality_ms(c.occupancy, region_slots(inp, i), service + c.prefill_ms);
         c.load_ms = x;
         c.queue_ms += x;
-        c.total_ms = c.rtt_ms + c.prefill_ms + c.queue_ms;
+        c.total_ms = c.rtt_ms + c.prefill_ms + c.queue_ms + c.footprint_ms;
     }
 }
 

@@ -24,6 +24,7 @@ impl Routed {
                 ("; prefill_ms=", c.prefill_ms),
                 ("; wait_ms=", c.queue_ms - c.load_ms),
                 ("; load_ms=", c.load_ms),
+                ("; footprint_ms=", c.footprint_ms),
             ] {
                 s.push_str(label);
                 push_one_decimal(&mut s, v);

@@ -14,6 +14,9 @@ pub struct Inputs<'a> {
     pub snapshot_index: &'a [Option<usize>],
     /// Per configured region: blocks of the prompt it holds.
     pub cached_blocks: &'a [u32],
+    /// Per configured region: its engine's intake clock with this Envoy's
+    /// prefills placed in it (empty: its cache is not modelled).
+    pub clocks: &'a [Vec<(u64, f64)>],
     /// Per configured region: this Envoy's in-flight requests now.
     pub inflight: &'a [f64],
     /// The prompt's tokens, estimated fleet-wide (see

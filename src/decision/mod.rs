@@ -1,6 +1,7 @@
 //! Where a request goes. The decision over explicit inputs: what it reads
 //! (`inputs`), one expected time to
-//! first token per region (`cost`), the load guard (`load_guard`), and the
+//! first token per region (`cost`), the cache a prefill takes priced
+//! (`footprint`), the load guard (`load_guard`), and the
 //! choice of region and its reason (`choice`). The router's decision
 //! pipeline around it: one request end to end (`pipeline`), a request
 //! whose body is not read (`placement`), the decision header (`header`),
@@ -9,6 +10,7 @@
 
 pub mod choice;
 pub mod cost;
+pub mod footprint;
 pub mod header;
 pub mod inputs;
 pub mod load_guard;

@@ -329,6 +329,7 @@ impl Router {
             inp.now_ms,
             &Prompt {
                 cached_blocks: &lookup.cached_blocks,
+                clocks: &clocks,
                 tokens: prompt_tokens,
                 bytes: req.prompt.bytes,
                 tokens_per_byte: fleet_tpb,
@@ -411,6 +412,9 @@ impl Router {
 pub(super) struct Prompt<'a> {
     /// Per configured region: blocks of the prompt it holds.
     pub cached_blocks: &'a [u32],
+    /// Per configured region: its engine's intake clock, with this
+    /// Envoy's prefills (empty: not modelled).
+    pub clocks: &'a [Vec<(u64, f64)>],
     /// Its tokens, estimated fleet-wide at `tokens_per_byte`.
     pub tokens: u64,
     /// Bytes of canonical prompt text.
@@ -432,6 +436,7 @@ impl<'a> Prompt<'a> {
     pub(super) fn unread(allowed: Option<&'a [bool]>) -> Self {
         Prompt {
             cached_blocks: &[],
+            clocks: &[],
             tokens: 0,
             bytes: 0,
             tokens_per_byte: tokens::PRIOR_TOKENS_PER_BYTE,
@@ -461,6 +466,7 @@ pub(super) fn cost_decision(
         snapshot,
         snapshot_index,
         cached_blocks: prompt.cached_blocks,
+        clocks: prompt.clocks,
         inflight,
         prompt_tokens: prompt.tokens,
         prompt_bytes: prompt.bytes,

@@ -1,6 +1,7 @@
 //! An engine's drain rate (requests it finishes a second), from the
 //! completions counter each scrape reads: what the queue term divides the
-//! waiting requests by.
+//! waiting requests by; and the rate of any other counter read the same
+//! way (`CounterRate`: the prefix-cache hits).
 
 use crate::config::Config;
 
@@ -29,4 +30,27 @@ pub(crate) fn drain_rate(
     let per_tick = f64::from(cfg.probe.tick_ms.max(1));
     let a = 1.0 - (1.0 - cfg.probe.demand_alpha).powf(dt_ms / per_tick);
     Some(rate.map_or(sample, |old| old + a * (sample - old)))
+}
+
+/// A counter's rate over the probe's scrapes (`drain_rate`), with the
+/// reading it is measured from.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct CounterRate {
+    last: Option<(f64, u64)>,
+    /// Per second (EWMA over time); absent when the engine reports none.
+    pub rate: Option<f64>,
+}
+
+impl CounterRate {
+    /// A scrape read `value` at `now_ms`.
+    pub fn observe(&mut self, cfg: &Config, value: Option<f64>, now_ms: u64) {
+        self.rate = drain_rate(cfg, self.rate, self.last, value, now_ms);
+        self.last = match (value, self.last) {
+            // Two answers in the same millisecond: keep the older reading
+            // as the base of the next rate.
+            (Some(_), Some((_, t))) if t >= now_ms => self.last,
+            (Some(c), _) => Some((c, now_ms)),
+            (None, _) => None,
+        };
+    }
 }

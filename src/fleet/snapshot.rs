@@ -28,6 +28,11 @@ pub struct Snapshot {
     /// The declare-disaster assessment.
     #[serde(default)]
     pub assessment: crate::fleet::assess::Assessment,
+    /// How long the deployment's prompts wait to be used again: the share
+    /// of reused tokens per gap bucket (`learning::reuse`); empty: none
+    /// seen yet.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reuse_gaps: Vec<f64>,
     pub regions: Vec<RegionState>,
 }
 
@@ -64,6 +69,10 @@ pub struct RegionState {
     /// (the router then takes the queue as scraped).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drain_rps: Option<f64>,
+    /// Tokens the engine's prefix cache serves a second, measured from its
+    /// hits counter like `drain_rps`; absent: not measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hit_tokens_per_s: Option<f64>,
     /// When the engine counts were scraped (the answer's arrival, ms since
     /// the Unix epoch); absent before the first good scrape.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -191,6 +200,7 @@ impl Default for RegionState {
             inflight_at_scrape: 0.0,
             peer_inflight_delta: 0.0,
             drain_rps: None,
+            hit_tokens_per_s: None,
             scraped_ms: None,
             metrics_ok: false,
             load_unknown: false,

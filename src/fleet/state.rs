@@ -11,11 +11,12 @@ use crate::config::Config;
 use crate::engines::metrics::{CacheCapacity, EngineSample};
 use crate::fleet::assess::{assess, Assessment, Signals};
 use crate::fleet::cache_clock::{cache_model, engine_intake};
-use crate::fleet::drain::drain_rate;
+use crate::fleet::drain::CounterRate;
 use crate::fleet::ladder::Ladder;
 use crate::fleet::restart::{Restart, RestartWatch};
 use crate::fleet::snapshot::{RegionState, Snapshot, TunedWeights};
 use crate::learning::calibration::{RegionCalibration, Verdict};
+use crate::learning::reuse::ReuseGaps;
 use crate::learning::tuning::{Fit, Observation, Tuner};
 use crate::learning::usage::UsageReport;
 
@@ -33,11 +34,11 @@ struct Region {
     peer_inflight_delta: f64,
     /// When the last good scrape was answered (Unix ms).
     scraped_ms: Option<u64>,
-    /// The engine's completions counter at a scrape, and when.
-    completed_at: Option<(f64, u64)>,
-    /// Requests the engine finishes per second (EWMA over time), measured
-    /// from its completions counter; absent when it reports none.
-    drain_rps: Option<f64>,
+    /// Requests the engine finishes per second (EWMA over time), from its
+    /// completions counter; and the tokens its prefix cache serves a
+    /// second, from its hits counter.
+    drain: CounterRate,
+    hits: CounterRate,
     metrics_ok: bool,
     /// Consecutive failed scrapes.
     scrape_failures: u32,
@@ -120,6 +121,8 @@ pub struct Fleet {
     /// A level set at runtime by an operator; wins over the controller and
     /// over `ladder.forced_level`.
     override_level: Option<u8>,
+    /// How long the deployment's prompts wait to be used again.
+    reuse: ReuseGaps,
 }
 
 /// What changed in a health transition, for the log.
@@ -151,8 +154,8 @@ impl Fleet {
                     inflight_at_scrape: 0.0,
                     peer_inflight_delta: 0.0,
                     scraped_ms: None,
-                    completed_at: None,
-                    drain_rps: None,
+                    drain: CounterRate::default(),
+                    hits: CounterRate::default(),
                     metrics_ok: false,
                     scrape_failures: 0,
                     release: None,
@@ -186,6 +189,7 @@ impl Fleet {
             last_waiting: None,
             assessment: Assessment::Ok,
             override_level: None,
+            reuse: ReuseGaps::default(),
         }
     }
 
@@ -397,14 +401,8 @@ impl Fleet {
         match sample {
             Some(s) => {
                 restart = r.restarts.observe(&s, r.replicas.unwrap_or(1));
-                r.drain_rps = drain_rate(cfg, r.drain_rps, r.completed_at, s.completed, now_ms);
-                r.completed_at = match (s.completed, r.completed_at) {
-                    // Two answers in the same millisecond: keep the older
-                    // reading as the base of the next rate.
-                    (Some(_), Some((_, t))) if t >= now_ms => r.completed_at,
-                    (Some(c), _) => Some((c, now_ms)),
-                    (None, _) => None,
-                };
+                r.drain.observe(cfg, s.completed, now_ms);
+                r.hits.observe(cfg, s.prefix_hits, now_ms);
                 if let Some(CacheCapacity::Tokens(t)) = s.cache_capacity {
                     r.cache_tokens = Some(t);
                 }
@@ -514,6 +512,7 @@ impl Fleet {
     /// An engine's usage of one answered request, reported by a router.
     pub fn on_usage(&mut self, r: &UsageReport) -> Option<Verdict> {
         let region = self.regions.get_mut(usize::from(r.region))?;
+        self.reuse.on_report(r);
         Some(region.calibration.on_report(r))
     }
 
@@ -708,7 +707,8 @@ impl Fleet {
                 }),
                 inflight_at_scrape: r.inflight_at_scrape,
                 peer_inflight_delta: r.peer_inflight_delta,
-                drain_rps: r.drain_rps.filter(|_| r.metrics_ok),
+                drain_rps: r.drain.rate.filter(|_| r.metrics_ok),
+                hit_tokens_per_s: r.hits.rate.filter(|_| r.metrics_ok),
                 scraped_ms: r.scraped_ms,
                 metrics_ok: r.metrics_ok,
                 // The streak the assessment counts as the metrics signal
@@ -761,6 +761,7 @@ impl Fleet {
             level_changed_ms: self.ladder.changed_ms,
             assessment: self.assessment,
             weights: fit.map(|f| TunedWeights { w_queue: f.w_queue }),
+            reuse_gaps: self.reuse.normalised(),
             regions,
         }
     }

@@ -492,6 +492,7 @@ vllm:num_requests_running{model_name=\"m\"} 8.0\nvllm:num_requests_waiting{model
                 snapshot: Some(snap),
                 snapshot_index: &[Some(0), Some(1)],
                 cached_blocks: &[0, 0],
+                clocks: &[],
                 inflight: &[0.0, 0.0],
                 prompt_tokens: 100,
                 prompt_bytes: 400,
