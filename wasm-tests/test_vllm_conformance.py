@@ -462,3 +462,91 @@ def test_emulator_vllm_mode_matches_vllm_032(engines):
     assert not undeclared, "undeclared differences from vLLM 0.32:\n" + "\n".join(
         f"  {k}: {v}" for k, v in sorted(undeclared.items()))
     assert not stale, f"DELIBERATE entries that no longer match any difference: {stale}"
+
+
+# ------------------------------------------- the answer, as the engine keeps it
+
+# An answer as a trained model writes it: text the tokenizer would make of
+# it again token for token (a random-weight model's answers are not: they
+# are token ids the tokenizer never produces, special ones among them,
+# which vLLM leaves out of the text).
+TRAINED_ANSWER = ("Roman aqueducts carried water over long distances by gravity alone. Engineers surveyed "
+                  "gentle gradients, often less than one metre per kilometre, and built channels of stone, "
+                  "brick and concrete.\n\n1. **Sources**: springs and rivers in the hills.\n2. **Bridges**: "
+                  "arcades such as the Pont du Gard, about 1,000,000 m\u00b3 a day in 97 AD.\n\n"
+                  "Na\u00efve r\u00e9sum\u00e9s of their upkeep (\u6771\u4eac, \u041c\u043e\u0441\u043a\u0432\u0430) "
+                  "list crews who cleared lime deposits every few years:\n\n```python\n"
+                  "def slope(drop_m, length_km):\n    return drop_m / (length_km * 1000)\n```\n\n"
+                  "Most of them stayed in use for centuries, and several still carry water today.")
+
+
+def cached(usage: dict) -> int:
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def test_vllm_keeps_an_answer_and_a_clients_next_turn_reaches_it(engines):
+    """What the router and the simulator believe of a conversation's
+    answer (docs/ENGINES.md, "The answer"), against vLLM 0.32:
+
+    1. The engine keeps the blocks it computed for the answer: a next
+       request extending prompt + answer (as token ids) is served
+       floor((prompt + answer - 1) / B) x B tokens from the cache.
+    2. A client's next turn reaches them through the chat template and the
+       tokenizer when the answer's text tokenizes back to the answer's
+       tokens, as a trained model's answers do: the cache serves the whole
+       first turn, answer included, in whole blocks.
+    3. A random-weight model's own answer does not come back through its
+       text (shown, not asserted: it depends on the weights)."""
+    real, _ = engines
+    # 1. Token ids: 300 prompt tokens, 200 generated; 499 computed.
+    prompt = ids(300, 9001)
+    s, _, b = call(real, "POST", "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 200,
+                                                     "temperature": 0, "ignore_eos": True,
+                                                     "return_token_ids": True})
+    assert s == 200, b[:300]
+    first = loads(b)
+    answer = first["choices"][0]["token_ids"]
+    assert len(answer) == 200, first["choices"][0].get("finish_reason")
+    s, _, b = call(real, "POST", "/v1/completions", {"model": MODEL, "prompt": prompt + answer + ids(20, 9002),
+                                                     "max_tokens": 1})
+    assert s == 200, b[:300]
+    held = cached(loads(b)["usage"])
+    assert held == (300 + 200 - 1) // BLOCK * BLOCK == 384, held  # the prompt alone would be 256
+    # 2. A trained model's answer, through the chat template: plant the
+    # first turn as the engine would have computed it (the rendered prompt,
+    # the answer's tokens and the end of turn the model stops on, sampled
+    # but never computed), then send the next turn as a client does.
+    turn1 = [{"role": "user", "content": " ".join(f"w{i % 97}" for i in range(400))}]
+    rendered = loads(call(real, "POST", "/tokenize", {"model": MODEL, "messages": turn1,
+                                                      "add_generation_prompt": True})[2])["tokens"]
+    text = loads(call(real, "POST", "/tokenize", {"model": MODEL, "prompt": TRAINED_ANSWER,
+                                                  "add_special_tokens": False})[2])["tokens"]
+    eot = loads(call(real, "POST", "/tokenize", {"model": MODEL, "prompt": "<|eot_id|>",
+                                                 "add_special_tokens": False})[2])["tokens"]
+    assert len(eot) == 1, eot
+    s, _, b = call(real, "POST", "/v1/completions", {"model": MODEL, "prompt": rendered + text + eot,
+                                                     "max_tokens": 1})
+    assert s == 200, b[:300]
+    turn2 = turn1 + [{"role": "assistant", "content": TRAINED_ANSWER},
+                     {"role": "user", "content": "And how were they maintained?"}]
+    again = loads(call(real, "POST", "/tokenize", {"model": MODEL, "messages": turn2,
+                                                   "add_generation_prompt": True})[2])["tokens"]
+    assert again[:len(rendered) + len(text) + 1] == rendered + text + eot  # the round trip is exact
+    s, _, b = call(real, "POST", "/v1/chat/completions", {"model": MODEL, "messages": turn2, "max_tokens": 1})
+    assert s == 200, b[:300]
+    held = cached(loads(b)["usage"])
+    whole = (len(rendered) + len(text)) // BLOCK * BLOCK
+    assert len(rendered) // BLOCK < (len(rendered) + len(text)) // BLOCK  # the answer fills a block
+    assert held == whole > len(rendered) // BLOCK * BLOCK, (held, len(rendered), len(text))
+    # 3. The random-weight model's own answer, sent back as its text.
+    s, _, b = call(real, "POST", "/v1/chat/completions", {"model": MODEL, "messages": turn1, "max_tokens": 128,
+                                                          "temperature": 0, "ignore_eos": True})
+    assert s == 200, b[:300]
+    own = loads(b)
+    p1 = own["usage"]["prompt_tokens"]
+    turn2 = turn1 + [{"role": "assistant", "content": own["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "And how were they maintained?"}]
+    s, _, b = call(real, "POST", "/v1/chat/completions", {"model": MODEL, "messages": turn2, "max_tokens": 1})
+    assert s == 200, b[:300]
+    print(f"random weights: turn 1 {p1} prompt + 128 answer tokens; turn 2 served "
+          f"{cached(loads(b)['usage'])} from the cache (the prompt's blocks: {p1 // BLOCK * BLOCK})")
