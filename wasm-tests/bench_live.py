@@ -9,7 +9,8 @@ Routers (each in front of its own fresh set of three engine emulators, near
 5 ms, mid 40 ms, far 120 ms away as in the demo, so every run starts with
 cold caches):
 
-- `plugin`: Envoy from envoy/envoy.yaml (harness.render_config), told only
+- `plugin`: Envoy from envoy/envoy.yaml (harness.render_config, its
+  exchange kept: a deployment of this one Envoy, as shipped), told only
   what an operator knows: each region's slots (max_concurrency) and a
   capacity estimate from them at the default service time; prefill rate,
   service time and RTT at their defaults (`plugin_overrides`);
@@ -529,7 +530,12 @@ class PluginRun(RouterRun):
 
     def __init__(self, run_dir: Path, engines: dict, overrides: dict):
         self.extra = {}
-        cfg = harness.render_config(engines, harness.free_port(), harness.free_port(), overrides)
+        # As envoy/envoy.yaml ships, its exchange kept: a deployment of this
+        # one Envoy (its peers' cluster lists only itself, so it has nobody
+        # to share with; bench_live_geo.py runs one Envoy per client region).
+        own = harness.free_port()
+        cfg = harness.render_config(engines, harness.free_port(), harness.free_port(), overrides,
+                                    peers=(own, [own]))
         self.envoy = harness.start_envoy(run_dir, cfg, name="envoy")
         fleet = harness.Fleet(run_dir, engines=engines, envoys=[self.envoy])
         fleet.wait_snapshot(self.envoy)

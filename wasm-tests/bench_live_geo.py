@@ -43,7 +43,9 @@ Routers, each on fresh emulators and a fresh WAN Envoy (cold caches):
 
 - `geo_router`: one Envoy 1.40 with the plugin per client region
   (envoy/envoy.yaml via harness.render_config; each its own probe, prefix
-  directory and shared data), its clusters the WAN listeners of its vantage
+  directory and shared data, the client regions' Envoys one deployment
+  sharing through the exchange as envoy/envoy.yaml ships it; `--exchange
+  off`: each on its own), its clusters the WAN listeners of its vantage
   (each region's cluster: that region, then the others at priority 1, as in
   envoy/envoy.yaml), configured with only what an operator knows: region
   names, clusters, `max_concurrency` (slots) and `capacity_rps` = slots x
@@ -327,13 +329,17 @@ def geo_plugin_regions(geo: Geo) -> list[dict]:
             for r in geo.regions]
 
 
-def geo_router_config(geo: Geo, vantage: str, lanes: dict, admin_port: int, port: int, extra: dict) -> dict:
+def geo_router_config(geo: Geo, vantage: str, lanes: dict, admin_port: int, port: int, extra: dict,
+                      peers: tuple[int, list[int]] | None = None) -> dict:
     """envoy/envoy.yaml with the plugin's regions replaced and its clusters
     replaced by the WAN listeners of this vantage: each region's cluster is
     its own lane, then (priority 1, for retries) the other regions' lanes,
-    every endpoint naming its region in metadata, as in envoy/envoy.yaml."""
+    every endpoint naming its region in metadata, as in envoy/envoy.yaml.
+    `peers`: this Envoy's place in the deployment's exchange, as shipped
+    (harness.set_exchange); None: each Envoy on its own."""
     overrides = harness.deep_merge({"regions": geo_plugin_regions(geo)}, extra)
-    cfg = harness.render_config(None, admin_port, port, overrides)
+    cfg = harness.render_config(None, admin_port, port, overrides, peers=peers)
+    kept = [c for c in cfg["static_resources"]["clusters"] if c["name"] == harness.PEERS_CLUSTER]
 
     def ep(r: str) -> dict:
         return {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": lanes[vantage, r]}}},
@@ -347,7 +353,7 @@ def geo_router_config(geo: Geo, vantage: str, lanes: dict, admin_port: int, port
             groups.append({"priority": 1, "lb_endpoints": [ep(o) for o in others]})
         clusters.append({"name": f"region_{r}", "connect_timeout": "1s", "type": "STATIC",
                          "load_assignment": {"cluster_name": f"region_{r}", "endpoints": groups}})
-    cfg["static_resources"]["clusters"] = clusters
+    cfg["static_resources"]["clusters"] = clusters + kept
     # The route for requests a failed-open router never saw: the region an
     # operator in this client region knows to be nearest.
     for rt in harness.routes(cfg):
@@ -373,13 +379,18 @@ def wait_probed(envoy: harness.Envoy, regions: list[str], timeout: float = 30.0)
 class GeoRouter(Deployment):
     name = "geo_router"
 
-    def __init__(self, run_dir: Path, geo: Geo, lanes: dict, concurrency: int, extra: dict):
+    def __init__(self, run_dir: Path, geo: Geo, lanes: dict, concurrency: int, extra: dict,
+                 exchange: bool = True):
         super().__init__()
         self.geo = geo
         self.config_regions = geo_plugin_regions(geo)
+        # As envoy/envoy.yaml ships: the client regions' Envoys share through
+        # the exchange (one deployment); without it each is on its own.
+        ports = [harness.free_port() for _ in geo.clients]
         try:
-            for v in geo.clients:
-                cfg = geo_router_config(geo, v, lanes, harness.free_port(), harness.free_port(), extra)
+            for i, v in enumerate(geo.clients):
+                peers = (ports[i], ports) if exchange else None
+                cfg = geo_router_config(geo, v, lanes, harness.free_port(), harness.free_port(), extra, peers)
                 env = harness.start_envoy(run_dir, cfg, name=f"envoy-geo-{v}", concurrency=concurrency)
                 self.envoys.append(env)
                 self.entry[v] = env.port
@@ -987,6 +998,9 @@ def main() -> int:
                          "lowest demand-weighted RTT of each seed's trace)")
     ap.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated subset of {','.join(ROUTERS)}")
     ap.add_argument("--envoy-concurrency", type=int, default=1, help="worker threads of each router Envoy")
+    ap.add_argument("--exchange", choices=["on", "off"], default="on",
+                    help="the geo-router's Envoys share through the exchange, as envoy/envoy.yaml ships "
+                         "(on, the default), or each is on its own (off)")
     ap.add_argument("--plugin-config", type=json.loads, default={},
                     help="JSON merged into the geo-router's plugin configuration (default: none)")
     ap.add_argument("--max-inflight", type=int, default=256, help="client threads in flight at most")
@@ -1123,7 +1137,8 @@ def run_once(args, routers: list[str], versions: dict, runs_root: Path):
             wan, lanes, hop_ports = start_wan(run_dir, engines, vantages, hops)
             try:
                 if name == "geo_router":
-                    dep = GeoRouter(run_dir, geo, lanes, args.envoy_concurrency, args.plugin_config)
+                    dep = GeoRouter(run_dir, geo, lanes, args.envoy_concurrency, args.plugin_config,
+                                    exchange=args.exchange == "on")
                 elif name in ("ring_hash", "least_request", "mesh"):
                     dep = EnvoyLb(name, run_dir, geo, lanes, args.envoy_concurrency)
                 elif name.endswith("_per_region"):
