@@ -106,8 +106,10 @@ impl Default for TuningConfig {
         TuningConfig {
             window: 512,
             min_samples: 32,
-            w_queue_min: 0.5,
-            w_queue_max: 4.0,
+            // Pinned at 1: as shipped, fitting it paid nothing (docs/ROUTING.md,
+            // "What each rule is worth": the queue's fitted weight).
+            w_queue_min: 1.0,
+            w_queue_max: 1.0,
         }
     }
 }
@@ -401,9 +403,19 @@ mod tests {
         assert_eq!(Observation::decode(&bad.encode()), None);
     }
 
+    /// The queue weight free to be fitted, as an operator may set it (the
+    /// default pins it at 1).
+    fn fitted() -> TuningConfig {
+        TuningConfig {
+            w_queue_min: 0.5,
+            w_queue_max: 4.0,
+            ..TuningConfig::default()
+        }
+    }
+
     #[test]
     fn learns_the_true_prefill_rate_and_queue_weight() {
-        let cfg = TuningConfig::default();
+        let cfg = fitted();
         let mut t = Tuner::new(&cfg);
         let mut x = 1u32;
         for i in 0..400u32 {
@@ -422,6 +434,12 @@ mod tests {
         assert!((r0 - 0.3).abs() < 0.05, "{r0}");
         assert!((r1 - 0.1).abs() < 0.02, "{r1} {:?}", fit);
         assert!(fit.w_queue > 1.5, "{}", fit.w_queue);
+        // As shipped the weight is pinned at 1 whatever the data, and the
+        // prefill rates are learnt all the same.
+        let pinned = t.fit(&TuningConfig::default(), 1.0, &[0.1, 0.1]).unwrap();
+        assert_eq!(pinned.w_queue, 1.0);
+        let r0 = pinned.prefill[0].unwrap().ms_per_token;
+        assert!((r0 - 0.3).abs() < 0.1, "{r0}");
     }
 
     #[test]
@@ -493,7 +511,7 @@ mod tests {
 
     #[test]
     fn queue_weight_cannot_collapse() {
-        let cfg = TuningConfig::default();
+        let cfg = fitted();
         let mut t = Tuner::new(&cfg);
         // A window with no queueing at all, and one where queueing never hurt.
         for i in 0..200u32 {
