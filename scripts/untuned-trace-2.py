@@ -29,10 +29,8 @@ tokens of the distinct prefixes the trace sends (default: 1M / 500k / 300k
 tokens)."""
 
 import argparse
-import json
-import math
 import random
-from pathlib import Path
+from untuned_fleet import lognormal, write
 
 CLIENTS = ["na-east", "na-west", "eu", "in", "au"]
 SHARE = [0.35, 0.15, 0.25, 0.15, 0.10]
@@ -47,9 +45,6 @@ DECODE_MS = 20.0
 DURATION_MS = 300_000.0
 BURST_EVERY_MS, BURST_MS, BURST_FACTOR = 60_000.0, 15_000.0, 3.0
 
-
-def lognormal(rng, median, sigma, lo, hi):
-    return int(round(min(hi, max(lo, median * math.exp(rng.gauss(0.0, sigma))))))
 
 
 def rate_at(base, t_ms):
@@ -115,28 +110,7 @@ def main():
             [(f"file-{h}", headers[h]), (f"{name}-ctx", lognormal(rng, 250, 0.6, 20, 2000))],
             lognormal(rng, 24, 0.5, 4, 128))
     trace = [r for r in trace if r["t_ms"] < DURATION_MS]
-    trace.sort(key=lambda r: r["t_ms"])
-    cache = {name: c for name, (_, _, c, _) in REGIONS.items()}
-    if args.cache_share is not None:
-        distinct = {}
-        for r in trace:
-            for sid, n_tok in r["segments"]:
-                distinct[sid] = n_tok
-        total = sum(distinct.values())
-        cache = {name: max(1000, int(total * args.cache_share)) for name in REGIONS}
-    regions = []
-    for name, (slots, prefill, _, rtts) in REGIONS.items():
-        regions.append({
-            "name": name, "rtt_ms": dict(zip(CLIENTS, rtts)), "max_concurrency": slots,
-            "prefill_ms_per_token": prefill, "decode_ms_per_token": DECODE_MS, "cache_tokens": cache[name],
-            "region_rtt_ms": {b: ms for (a, b), ms in INTER.items() if a == name},
-        })
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fleet.json").write_text(json.dumps({"client_regions": CLIENTS, "regions": regions}, indent=1) + "\n")
-    with open(out / "trace.jsonl", "w") as f:
-        for r in trace:
-            f.write(json.dumps(r, separators=(",", ":")) + "\n")
+    cache = write(args.out, trace, CLIENTS, REGIONS, INTER, DECODE_MS, args.cache_share)
     sessions = len({r["session"] for r in trace})
     print(f"{len(trace)} requests, {sessions} sessions, caches {cache}")
 

@@ -17,10 +17,8 @@ tokens of the distinct prefixes the trace sends (default: large caches,
 600k-800k tokens per region)."""
 
 import argparse
-import json
-import math
 import random
-from pathlib import Path
+from untuned_fleet import lognormal, write
 
 CLIENTS = ["sa", "eu", "sea"]
 # name: (slots, prefill ms/token, cache tokens, rtt from sa / eu / sea)
@@ -35,9 +33,6 @@ INTER = {("ord", "dub"): 80.0, ("ord", "gru"): 128.0, ("ord", "sin"): 210.0,
 DECODE_MS = 18.0
 DURATION_MS = 360_000.0
 
-
-def lognormal(rng, median, sigma, lo, hi):
-    return int(round(min(hi, max(lo, median * math.exp(rng.gauss(0.0, sigma))))))
 
 
 def zipf_pick(rng, n, s):
@@ -104,29 +99,7 @@ def main():
             # The next turn comes after this one's expected duration and a
             # think (or tool) time, whatever the router does.
             at += o * DECODE_MS
-    trace.sort(key=lambda r: r["t_ms"])
-    cache = {name: c for name, (_, _, c, _) in REGIONS.items()}
-    if args.cache_share is not None:
-        # Distinct prefix tokens the trace sends: each distinct segment once.
-        distinct = {}
-        for r in trace:
-            for sid, n_tok in r["segments"]:
-                distinct[sid] = n_tok
-        total = sum(distinct.values())
-        cache = {name: max(1000, int(total * args.cache_share)) for name in REGIONS}
-    regions = []
-    for name, (slots, prefill, _, rtts) in REGIONS.items():
-        regions.append({
-            "name": name, "rtt_ms": dict(zip(CLIENTS, rtts)), "max_concurrency": slots,
-            "prefill_ms_per_token": prefill, "decode_ms_per_token": DECODE_MS, "cache_tokens": cache[name],
-            "region_rtt_ms": {b: ms for (a, b), ms in INTER.items() if a == name},
-        })
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fleet.json").write_text(json.dumps({"client_regions": CLIENTS, "regions": regions}, indent=1) + "\n")
-    with open(out / "trace.jsonl", "w") as f:
-        for r in trace:
-            f.write(json.dumps(r, separators=(",", ":")) + "\n")
+    cache = write(args.out, trace, CLIENTS, REGIONS, INTER, DECODE_MS, args.cache_share)
     print(f"{len(trace)} requests, {n} sessions, caches {cache}")
 
 
