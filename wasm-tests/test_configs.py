@@ -51,7 +51,7 @@ BAD = [
     ({"headers": {"cluster": "Bad Header"}}, "headers.cluster"),
     ({"tiers": {"default": "gold"}}, "tiers.default"),
     ({"cost": {"placement_floor": 1.5}}, "cost.placement_floor"),
-    ({"tuning": {"w_queue_min": 0}}, "tuning.w_queue_min"),
+    ({"tuning": {"min_samples": 0}}, "tuning.min_samples"),
     ({"typo_field": 1}, "unknown field `typo_field`"),
 ]
 
@@ -84,7 +84,7 @@ def test_a_removed_field_is_accepted_with_one_warning_naming_its_replacement(run
     def removed_fields(plugin):
         plugin.setdefault("cost", {}).update({"w_rtt": 1.5, "tie_ms": 3, "w_queue": 2,
                                               "bounded_load_floor": 0.7, "placement_floor": 0.3})
-        plugin.setdefault("tuning", {}).update({"w_rtt_min": 0.5, "enabled": False})
+        plugin.setdefault("tuning", {}).update({"w_rtt_min": 0.5, "enabled": False, "w_queue_min": 0})
         plugin.setdefault("probe", {}).update({"rtt_alpha": 0.3})
         plugin.setdefault("prefix", {}).update({"bytes_per_token": 3.5})
         plugin.setdefault("directory", {}).update({"learn_from_usage": False})
@@ -102,7 +102,8 @@ def test_a_removed_field_is_accepted_with_one_warning_naming_its_replacement(run
                            ("directory.learn_from_usage", "always read and learnt from"),
                            ("tuning.enabled", "always fitted on the observed TTFT"),
                            ("cost.bounded_load_floor", "leaves the region holding it only when"),
-                           ("cost.w_queue", "fitted on the observed TTFT within tuning.w_queue_min")]:
+                           ("cost.w_queue", "the queue enters the cost unweighted"),
+                           ("tuning.w_queue_min", "the queue enters the cost unweighted")]:
         lines = [l for l in out.splitlines() if f"{field} is no longer a setting" in l]
         assert len(lines) == 1, (field, lines or out[-3000:])
         assert instead in lines[0] and "next release refuses it" in lines[0], lines[0]

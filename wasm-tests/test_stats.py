@@ -224,7 +224,7 @@ def test_dashboard_queries_only_exported_metrics_and_labels(scraped):
     for m in ("llm_geo_router_region_rq_total", "llm_geo_router_router_decision", "llm_geo_router_ladder_level",
               "llm_geo_router_ladder_capacity_ratio_pct", "llm_geo_router_ladder_demand_rps",
               "llm_geo_router_ladder_capacity_rps", "llm_geo_router_assessment_state",
-              "llm_geo_router_region_healthy", "llm_geo_router_tuning_w_queue_milli",
+              "llm_geo_router_region_healthy", "llm_geo_router_tuning_observations",
               "llm_geo_router_region_upstream_failure"):
         assert m in used, f"no dashboard panel uses {m}"
 

@@ -500,14 +500,6 @@ impl Report<'_> {
         self.decision().costs.get(i)
     }
 
-    fn weights_source(&self) -> &'static str {
-        if self.snapshot.weights.is_some() {
-            "tuned (snapshot)"
-        } else {
-            "configured"
-        }
-    }
-
     /// Configured regions the snapshot does not report on: the core assumes
     /// them healthy with their configured figures.
     fn unreported(&self) -> Vec<&str> {
@@ -544,6 +536,7 @@ impl Report<'_> {
                     "prefill_ms": c.prefill_ms,
                     "wait_ms": c.queue_ms - c.load_ms,
                     "load_ms": c.load_ms,
+                    "footprint_ms": c.footprint_ms,
                     "total_ms": c.total_ms,
                 })
             })
@@ -567,10 +560,6 @@ impl Report<'_> {
             "history_replayed": self.replayed,
             "prompt_tokens": self.routed.prompt_tokens,
             "stream": self.routed.stream,
-            "weights": {
-                "w_queue": self.routed.weights.w_queue,
-                "source": self.weights_source(),
-            },
             "regions": regions,
             "region": self.name(d.region),
             "reason": d.reason.as_str(),
@@ -594,18 +583,15 @@ impl Report<'_> {
 
     fn table(&self) -> String {
         let d = self.decision();
-        let w = self.routed.weights;
         let mut out = format!(
             "request    POST {}: {} prompt tokens (estimated), stream={}\n\
-             snapshot   version {}, level {}, weights w_queue={} ({})\n\
+             snapshot   version {}, level {}\n\
              directory  {} earlier request(s) replayed; now_ms={}\n",
             self.req_path,
             self.routed.prompt_tokens,
             self.routed.stream,
             self.snapshot.version,
             self.snapshot.level,
-            w.w_queue,
-            self.weights_source(),
             self.replayed,
             self.now_ms,
         );
@@ -638,10 +624,11 @@ impl Report<'_> {
             "prefill_ms",
             "wait_ms",
             "load_ms",
+            "footprint_ms",
             "total_ms",
         ];
         let yes = |b: bool| if b { "yes" } else { "no" }.to_string();
-        let mut rows: Vec<[String; 11]> = vec![header.map(str::to_string)];
+        let mut rows: Vec<[String; 12]> = vec![header.map(str::to_string)];
         for (i, r) in self.cfg.regions.iter().enumerate() {
             let marker = if i == d.region { "*" } else { " " };
             let name = format!("{marker}{}", r.name);
@@ -657,12 +644,13 @@ impl Report<'_> {
                     format!("{:.1}", c.prefill_ms),
                     format!("{:.1}", c.queue_ms - c.load_ms),
                     format!("{:.1}", c.load_ms),
+                    format!("{:.1}", c.footprint_ms),
                     format!("{:.1}", c.total_ms),
                 ],
                 None => std::array::from_fn(|k| if k == 0 { name.clone() } else { "-".into() }),
             });
         }
-        let mut widths = [0usize; 11];
+        let mut widths = [0usize; 12];
         for row in &rows {
             for (w, cell) in widths.iter_mut().zip(row) {
                 *w = (*w).max(cell.len());

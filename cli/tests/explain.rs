@@ -71,6 +71,16 @@ fn a_cold_prompt_goes_to_the_nearest_region() {
         "{near}"
     );
     assert!((num(near, "total_ms") - num(near, "load_ms") - 102.0).abs() < 1e-9);
+    // Every region's terms add up to its total, the cache's footprint
+    // among them (0 here: no region's cache has turned over).
+    for r in v["regions"].as_array().unwrap() {
+        let terms: f64 = ["rtt_ms", "prefill_ms", "wait_ms", "load_ms", "footprint_ms"]
+            .iter()
+            .map(|k| num(r, k))
+            .sum();
+        assert!((terms - num(r, "total_ms")).abs() < 1e-9, "{r}");
+        assert_eq!(num(r, "footprint_ms"), 0.0, "{r}");
+    }
     assert!((num(region(&v, "far"), "total_ms") - 217.0).abs() < 1e-9);
     assert!(v["migration"].is_null());
     let text = v["decision"].as_str().unwrap();
@@ -118,7 +128,7 @@ fn the_table_shows_every_region_and_the_decision() {
     };
     assert_eq!(
         row("mid"),
-        ["*mid", "yes", "yes", "no", "432", "1.0", "40.0", "10.6", "0.0", "0.0", "50.6"]
+        ["*mid", "yes", "yes", "no", "432", "1.0", "40.0", "10.6", "0.0", "0.0", "0.0", "50.6"]
     );
     assert_eq!(row("near")[4], "0");
     assert!(

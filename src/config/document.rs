@@ -630,7 +630,7 @@ mod tests {
         assert!(c.warnings[2].contains("usage.prompt_tokens"));
         assert!(c.warnings[3].starts_with("directory.learn_from_usage is no longer"));
         assert!(c.warnings[4].starts_with("tuning.enabled is no longer a setting"));
-        assert!(c.warnings[4].contains("tuning.w_queue_min"));
+        assert!(c.warnings[4].contains("the prefill times are always fitted"));
     }
 
     #[test]

@@ -8,6 +8,12 @@ const HELD_SHARE_BOUND_GONE: &str =
      the in-flight work; it leaves the region holding it only when that region is full and its \
      wait exceeds what the move costs (docs/ROUTING.md, \"What each rule is worth\")";
 
+/// What replaced the queue's fitted weight (three removed fields).
+const QUEUE_WEIGHT_GONE: &str =
+    "nothing: the queue enters the cost unweighted, a predicted ms of wait as one ms, \
+     like every other term; a weight fitted on the observed TTFT paid nothing as shipped \
+     (docs/ROUTING.md, \"What each rule is worth\")";
+
 /// Fields an earlier release took and this one does not: `(section, field,
 /// what replaced it)`. A configuration that still sets one is accepted, the
 /// field ignored, with one warning naming the replacement (for one release;
@@ -62,13 +68,9 @@ pub const REMOVED_FIELDS: &[(&str, &str, &str)] = &[
          at a region while it is there, from the region's occupancy and slots, \
          with no cap to set (docs/ROUTING.md, \"What each rule is worth\")",
     ),
-    (
-        "cost",
-        "w_queue",
-        "the fitted queue weight: it starts at 1 (a predicted ms of wait is a ms, \
-         like every other term) and is fitted on the observed TTFT within \
-         tuning.w_queue_min and tuning.w_queue_max; set both to one value to pin it",
-    ),
+    ("cost", "w_queue", QUEUE_WEIGHT_GONE),
+    ("tuning", "w_queue_min", QUEUE_WEIGHT_GONE),
+    ("tuning", "w_queue_max", QUEUE_WEIGHT_GONE),
     ("cost", "bounded_load_epsilon", HELD_SHARE_BOUND_GONE),
     ("cost", "bounded_load_floor", HELD_SHARE_BOUND_GONE),
     (
@@ -87,9 +89,8 @@ pub const REMOVED_FIELDS: &[(&str, &str, &str)] = &[
     (
         "tuning",
         "enabled",
-        "nothing: the queue weight and prefill rates are always fitted on the \
-         observed TTFT; to pin the queue weight set tuning.w_queue_min and \
-         tuning.w_queue_max to it",
+        "nothing: the prefill times are always fitted on the observed TTFT \
+         (docs/ROUTING.md, \"Online tuning\")",
     ),
     (
         "probe",
@@ -161,10 +162,15 @@ mod tests {
                 "tuning":{"w_rtt_min":0.5,"w_rtt_max":2,"w_queue_max":3},"probe":{"rtt_alpha":0.3}}"#,
         )
         .unwrap();
-        assert_eq!(c.tuning.w_queue_max, 3.0);
-        assert_eq!(c.warnings.len(), 3, "{:?}", c.warnings);
+        assert_eq!(c.warnings.len(), 4, "{:?}", c.warnings);
         assert!(
-            c.warnings[2].contains("probe.rtt_window"),
+            c.warnings[2].starts_with("tuning.w_queue_max is no longer a setting")
+                && c.warnings[2].contains("unweighted"),
+            "{:?}",
+            c.warnings
+        );
+        assert!(
+            c.warnings[3].contains("probe.rtt_window"),
             "{:?}",
             c.warnings
         );

@@ -132,7 +132,7 @@ fn passed_over(costs: &[Cost], from: usize, region: usize) -> Option<PassedOver>
     let c = costs.get(region)?;
     Some(PassedOver {
         region: from,
-        wait_ms: f.wait_ms.max(f.queue_ms - f.load_ms),
+        wait_ms: f.wait_ms,
         move_ms: move_ms(f, c),
     })
 }
@@ -254,7 +254,6 @@ pub fn rendezvous(key: u64, region: &str) -> u64 {
 pub(super) mod tests {
     use super::*;
     use crate::config::Config;
-    use crate::decision::inputs::Weights;
 
     pub(crate) fn cfg() -> Config {
         Config::parse(
@@ -291,7 +290,6 @@ pub(super) mod tests {
             first_block: Some(42),
             allowed: None,
             fits: u64::MAX,
-            weights: Weights::configured(c),
             now_ms: 0,
         })
     }
@@ -316,7 +314,6 @@ pub(super) mod tests {
             first_block: Some(7),
             allowed,
             fits: u64::MAX,
-            weights: Weights::configured(c),
             now_ms: 0,
         }
     }
@@ -395,7 +392,6 @@ pub(super) mod tests {
             first_block: Some(key),
             allowed: None,
             fits: u64::MAX,
-            weights: Weights::configured(c),
             now_ms: 0,
         })
     }

@@ -1,7 +1,7 @@
 //! One expected time to first token per region, in milliseconds: the cost
 //! the decision minimises (`choice`), term by term.
 //!
-//! `ttft(r) = rtt(r) + prefill_ms_per_token(r)·uncached_tokens(r) + w_queue·queue_ms(r) + x(r) + e(r)`
+//! `ttft(r) = rtt(r) + prefill_ms_per_token(r)·uncached_tokens(r) + queue_ms(r) + x(r) + e(r)`
 //!
 //! * `rtt(r)`: the least of the probe's recent health round trips, else the
 //!   configured `rtt_ms`.
@@ -97,15 +97,15 @@ impl Reason {
 pub struct Cost {
     pub rtt_ms: f64,
     pub prefill_ms: f64,
-    /// The queue term: the request's own expected wait for a slot, weighted
-    /// (`w_queue × wait_ms`), plus `load_ms`.
+    /// The queue term: the request's own expected wait for a slot
+    /// (`wait_ms`), plus `load_ms`.
     pub queue_ms: f64,
     /// Of `queue_ms`, the externality: the delay this request adds to the
     /// requests that arrive at the region while it is there
     /// ([`externality_ms`]); 0 where a region holds the prompt.
     pub load_ms: f64,
-    /// The expected wait itself (unweighted, without the externality):
-    /// what the tuner compares with observed TTFT.
+    /// The expected wait itself (without the externality): what the tuner
+    /// takes from observed TTFT.
     pub wait_ms: f64,
     /// The cache the prefill takes there, priced: the re-prefill it causes
     /// later to the prefixes the region then evicts sooner (`footprint`).
@@ -266,7 +266,6 @@ fn erfc(x: f64) -> f64 {
 pub(super) fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
     let cfg = inp.config;
     let block_bytes = f64::from(cfg.prefix.block_bytes);
-    let w = inp.weights;
     cfg.regions
         .iter()
         .enumerate()
@@ -319,7 +318,7 @@ pub(super) fn region_costs(inp: &Inputs, snap: &Snapshot) -> Vec<Cost> {
             let wait = queue_ms(occupancy, slots, region.service_ms);
             // The externality (`load_ms`) is added by `price_externality`
             // where it applies: not for a prompt some region holds.
-            let queue = w.w_queue * wait;
+            let queue = wait;
             Cost {
                 rtt_ms,
                 prefill_ms,

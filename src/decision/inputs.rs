@@ -37,35 +37,9 @@ pub struct Inputs<'a> {
     /// Per configured region (bit i): whether the request fits its context
     /// limit (`limits::check`); `u64::MAX` when none is known.
     pub fits: u64,
-    /// Cost weights in force (configured, or tuned by the probe).
-    pub weights: Weights,
     /// Now (ms since the Unix epoch): how long the engines have drained
     /// since their scrape.
     pub now_ms: u64,
-}
-
-/// The tunable weights of the cost.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Weights {
-    pub w_queue: f64,
-}
-
-impl Weights {
-    /// Before the probe has fitted anything: the queue weight's start.
-    pub fn configured(cfg: &Config) -> Self {
-        Weights {
-            w_queue: cfg.tuning.w_queue_start(),
-        }
-    }
-
-    /// The weights the snapshot carries (tuned by the probe), else the
-    /// configured ones.
-    pub fn in_force(cfg: &Config, snapshot: Option<&Snapshot>) -> Self {
-        snapshot.and_then(|s| s.weights).map_or_else(
-            || Weights::configured(cfg),
-            |w| Weights { w_queue: w.w_queue },
-        )
-    }
 }
 
 /// Slots region `i` runs at once: its `max_concurrency` times the

@@ -28,8 +28,8 @@ pub(super) fn holds_prompt(costs: &[Cost], prompt_tokens: u64) -> bool {
 /// * A prompt some candidate holds (`held`: at least half of it beyond what
 ///   every other candidate holds), at a candidate holding more of it than
 ///   every room region (moving forces a cache miss): marked only when the
-///   move pays. It has no free slot, and its expected wait for one (the
-///   larger of `wait_ms` and the tuned queue term) exceeds what the move
+///   move pays. It has no free slot, and its expected wait for one
+///   (`wait_ms`) exceeds what the move
 ///   costs (`move_ms`: the prefill of the tokens not held there, plus the
 ///   round trip and wait difference). While the holder has a free slot, its
 ///   wait is 0 and the prompt stays.
@@ -102,8 +102,7 @@ pub(super) fn apply_load_guard(inp: &Inputs, costs: &mut [Cost], held: bool) {
                 let cheapest_move = others()
                     .map(|o| move_ms(c, o))
                     .fold(f64::INFINITY, f64::min);
-                let wait = c.wait_ms.max(c.queue_ms);
-                (c.wait_ms > 0.0 && wait > cheapest_move, true)
+                (c.wait_ms > 0.0 && c.wait_ms > cheapest_move, true)
             } else {
                 (over_share.get(i).copied().unwrap_or(false), false)
             }
@@ -135,21 +134,17 @@ mod tests {
         assert_eq!((d.region, d.reason), (1, Reason::Cache));
         assert!(d.costs.iter().all(|c| !c.over_bound));
         assert_eq!(d.passed_over, None);
-        // Whatever the others' load and the weights, while the holder has a
-        // free slot the guard never passes it over.
-        for w_queue in [0.0, 0.2, 1.0, 3.0] {
-            for holder in 0..8 {
-                for other in 0..12 {
-                    let mut s = snap(&c);
-                    s.regions[1].running = f64::from(holder);
-                    s.regions[0].running = f64::from(other);
-                    s.regions[2].running = f64::from(other / 2);
-                    let mut inp = inputs(&c, &s, &[0, 62, 0], None);
-                    inp.weights.w_queue = w_queue;
-                    let d = decide(&inp);
-                    assert!(!d.costs[1].over_bound, "{holder} {other} {w_queue}");
-                    assert_ne!(d.reason, Reason::LoadOverride, "{holder} {other} {w_queue}");
-                }
+        // Whatever the others' load, while the holder has a free slot the
+        // guard never passes it over.
+        for holder in 0..8 {
+            for other in 0..12 {
+                let mut s = snap(&c);
+                s.regions[1].running = f64::from(holder);
+                s.regions[0].running = f64::from(other);
+                s.regions[2].running = f64::from(other / 2);
+                let d = decide(&inputs(&c, &s, &[0, 62, 0], None));
+                assert!(!d.costs[1].over_bound, "{holder} {other}");
+                assert_ne!(d.reason, Reason::LoadOverride, "{holder} {other}");
             }
         }
     }
@@ -160,42 +155,35 @@ mod tests {
         // Moving the 1000-token prompt from mid (holds 992 tokens) to near
         // costs 0.5 ms x 992 tokens of prefill minus 35 ms of round trip:
         // 461 ms. mid's wait at occupancy n is (n + 1 - 8) / 8 x 1000 ms.
-        let at = |n: f64, w_queue: f64| {
+        let at = |n: f64| {
             let mut s = snap(&c);
             s.regions[1].running = 8.0;
             s.regions[1].waiting = n - 8.0;
-            let mut inp = inputs(&c, &s, &[0, 62, 0], None);
-            inp.weights.w_queue = w_queue;
-            decide(&inp)
+            decide(&inputs(&c, &s, &[0, 62, 0], None))
         };
         // Full, 125 ms of wait: cheaper than the move; it stays.
-        let d = at(8.0, 1.0);
+        let d = at(8.0);
         assert_eq!((d.region, d.reason), (1, Reason::Cache));
         assert_eq!(d.costs[1].wait_ms, 125.0);
-        // 625 ms of wait: the cost itself moves it (w_queue 1).
-        let d = at(12.0, 1.0);
+        // 375 ms of wait: still below the move's 461 ms; it stays.
+        let d = at(10.0);
+        assert_eq!((d.region, d.reason), (1, Reason::Cache));
+        assert!(!d.costs[1].over_bound);
+        // 625 ms of wait: the move pays, and the guard marks mid.
+        let d = at(12.0);
         assert_eq!((d.region, d.reason), (0, Reason::Load));
-        let p = d.passed_over.unwrap();
-        assert_eq!((p.region, p.wait_ms, p.move_ms), (1, 625.0, 461.0));
-        // With the queue's weight tuned down to 0.2 the cost would stay (125
-        // weighted ms); the guard compares the wait itself and moves it.
-        let d = at(12.0, 0.2);
-        assert_eq!((d.region, d.reason), (0, Reason::LoadOverride));
         assert!(d.costs[1].over_bound);
         let p = d.passed_over.unwrap();
         assert_eq!((p.region, p.wait_ms, p.move_ms), (1, 625.0, 461.0));
-        // ... but not while the wait is below the move's cost.
-        let d = at(10.0, 0.2);
-        assert_eq!((d.region, d.reason), (1, Reason::Cache));
         // Nowhere with a free slot: staying in the queue beats moving it.
         let mut s = snap(&c);
         for r in &mut s.regions {
             r.running = 8.0;
             r.waiting = 8.0;
         }
-        let mut inp = inputs(&c, &s, &[0, 62, 0], None);
-        inp.weights.w_queue = 0.2;
-        assert_eq!(decide(&inp).reason, Reason::Cache);
+        let d = decide(&inputs(&c, &s, &[0, 62, 0], None));
+        assert_eq!(d.reason, Reason::Cache);
+        assert!(d.costs.iter().all(|c| !c.over_bound));
     }
 
     #[test]

@@ -18,7 +18,7 @@ use crate::cache::stored_responses::ResponseMap;
 use crate::config::{Config, HolderUnavailable};
 use crate::decision::choice;
 use crate::decision::cost::{self, Decision};
-use crate::decision::inputs::{Inputs, Weights};
+use crate::decision::inputs::Inputs;
 use crate::decision::migration::{self, KvAction};
 use crate::fleet::snapshot::Snapshot;
 use crate::fleet::tokens;
@@ -65,7 +65,6 @@ pub struct Routed {
     /// (`stream_options.include_usage`; every Responses API stream).
     pub stream_usage: bool,
     pub prompt_tokens: u64,
-    pub weights: Weights,
     /// Shared-data calls this decision made (reads; the writes come with
     /// `Router::learn`).
     pub shared_data_calls: u32,
@@ -321,7 +320,7 @@ impl Router {
         let first_block = req.prompt.first_block.or(session.map(|s| s.hash));
         let fleet_tpb = tokens::fleet_tokens_per_byte(inp.snapshot, model);
         let prompt_tokens = tokens::tokens_of(req.prompt.bytes, fleet_tpb);
-        let (mut decision, weights) = cost_decision(
+        let mut decision = cost_decision(
             cfg,
             inp.snapshot,
             inp.snapshot_index,
@@ -398,7 +397,6 @@ impl Router {
             stream: req.stream,
             stream_usage: req.stream && (req.include_usage || inp.endpoint == Endpoint::Responses),
             prompt_tokens,
-            weights,
             shared_data_calls: lookup_calls + calls,
             learning,
             unknown_response,
@@ -448,10 +446,8 @@ impl<'a> Prompt<'a> {
     }
 }
 
-/// The cost's decision for `prompt` over the host's view of the fleet, with
-/// the weights in force (the snapshot's, tuned by the probe, else the
-/// configured ones), which it returns too. `route` and `place` both decide
-/// through it.
+/// The cost's decision for `prompt` over the host's view of the fleet.
+/// `route` and `place` both decide through it.
 pub(super) fn cost_decision(
     cfg: &Config,
     snapshot: Option<&Snapshot>,
@@ -459,9 +455,8 @@ pub(super) fn cost_decision(
     inflight: &[f64],
     now_ms: u64,
     prompt: &Prompt,
-) -> (Decision, Weights) {
-    let weights = Weights::in_force(cfg, snapshot);
-    let decision = choice::decide(&Inputs {
+) -> Decision {
+    choice::decide(&Inputs {
         config: cfg,
         snapshot,
         snapshot_index,
@@ -475,10 +470,8 @@ pub(super) fn cost_decision(
         first_block: prompt.first_block,
         allowed: prompt.allowed,
         fits: prompt.fits,
-        weights,
         now_ms,
-    });
-    (decision, weights)
+    })
 }
 
 /// The refusal of a request for stored response `id` whose region `h`

@@ -53,7 +53,7 @@ impl Router {
         inp: &UnreadInputs,
     ) -> Result<Placed, Refusal> {
         let allowed = residency(cfg, inp.residency)?;
-        let (d, _) = cost_decision(
+        let d = cost_decision(
             cfg,
             inp.snapshot,
             inp.snapshot_index,

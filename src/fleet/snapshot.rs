@@ -22,9 +22,6 @@ pub struct Snapshot {
     pub capacity_rps: f64,
     /// When the level last changed.
     pub level_changed_ms: u64,
-    /// Cost weights tuned online from observed TTFT; absent: configured ones.
-    #[serde(default)]
-    pub weights: Option<TunedWeights>,
     /// The declare-disaster assessment.
     #[serde(default)]
     pub assessment: crate::fleet::assess::Assessment,
@@ -34,11 +31,6 @@ pub struct Snapshot {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reuse_gaps: Vec<f64>,
     pub regions: Vec<RegionState>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct TunedWeights {
-    pub w_queue: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -14,7 +14,7 @@ use crate::fleet::cache_clock::{cache_model, engine_intake};
 use crate::fleet::drain::CounterRate;
 use crate::fleet::ladder::Ladder;
 use crate::fleet::restart::{Restart, RestartWatch};
-use crate::fleet::snapshot::{RegionState, Snapshot, TunedWeights};
+use crate::fleet::snapshot::{RegionState, Snapshot};
 use crate::learning::calibration::{RegionCalibration, Verdict};
 use crate::learning::reuse::ReuseGaps;
 use crate::learning::tuning::{Fit, Observation, Tuner};
@@ -594,10 +594,7 @@ impl Fleet {
                 .step(&cfg.ladder, ratio.unwrap_or(f64::MAX), now_ms),
         };
         let configured: Vec<f64> = cfg.regions.iter().map(|r| r.prefill_ms_per_token).collect();
-        if let Some(fit) = self
-            .tuner
-            .fit(&cfg.tuning, cfg.tuning.w_queue_start(), &configured)
-        {
+        if let Some(fit) = self.tuner.fit(&cfg.tuning, &configured) {
             self.fit = Some(fit);
         }
         changed
@@ -760,7 +757,6 @@ impl Fleet {
             capacity_rps: capacity,
             level_changed_ms: self.ladder.changed_ms,
             assessment: self.assessment,
-            weights: fit.map(|f| TunedWeights { w_queue: f.w_queue }),
             reuse_gaps: self.reuse.normalised(),
             regions,
         }
@@ -1009,7 +1005,6 @@ mod tests {
             (predicted - 116.0).abs() <= 0.05 * 116.0,
             "{fixed} + {rate} x 232"
         );
-        assert!(s.weights.is_some());
     }
 
     fn parity_cfg() -> Config {

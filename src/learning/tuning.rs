@@ -13,22 +13,18 @@
 //!   part per request (vLLM 0.32 on a small model: about 14 ms, then about
 //!   17 µs a token); fitted through the origin, that part is charged per
 //!   token, and a region whose observations were short turns looks several
-//!   times slower than its twin (issue 45, item 3);
-//! * the queue weight `w_queue`, by ridge regression of
-//!   `observed − rtt − prefill ≈ w_queue · queue` towards 1 (a predicted
-//!   ms of wait taken as one ms), within configured bounds. The round trip is not weighted: it is
-//!   measured in the unit the TTFT is observed in (one round trip is one
-//!   round trip), and A/B in the simulator showed the fitted weight gained
-//!   nothing (docs/ROUTING.md, "What each rule is worth").
+//!   times slower than its twin (issue 45, item 3).
+//!
+//! Neither the round trip nor the queue is weighted: each is predicted in
+//! the unit the TTFT is observed in (a round trip is one round trip, a
+//! predicted ms of wait one ms). Fitted weights on either, by ridge
+//! regression within bounds, paid nothing as shipped and were removed
+//! (docs/ROUTING.md, "What each rule is worth").
 //!
 //! Why a calibration rather than GORGO's (1+1)-ES on p95: the terms are
-//! physical (a round trip is one round trip), so a model that predicts TTFT
-//! correctly also ranks regions correctly; a regression uses every
-//! observation instead of judging one noisy candidate per window, and it
-//! cannot drift without evidence. The queue weight's lower bound is what
-//! stops the known collapse: a window without queueing carries no evidence
-//! about `w_queue` (its column is zero), so the ridge keeps it at its prior,
-//! and no fit can take it below `w_queue_min`.
+//! physical, so a model that predicts TTFT correctly also ranks regions
+//! correctly; a regression uses every observation instead of judging one
+//! noisy candidate per window, and it cannot drift without evidence.
 
 use serde::Deserialize;
 
@@ -95,10 +91,6 @@ pub struct TuningConfig {
     pub window: u32,
     /// Observations needed before anything is fitted.
     pub min_samples: u32,
-    /// Bounds on the tuned queue weight. `w_queue_min` > 0 is what prevents
-    /// it from collapsing.
-    pub w_queue_min: f64,
-    pub w_queue_max: f64,
 }
 
 impl Default for TuningConfig {
@@ -106,22 +98,11 @@ impl Default for TuningConfig {
         TuningConfig {
             window: 512,
             min_samples: 32,
-            // Pinned at 1: as shipped, fitting it paid nothing (docs/ROUTING.md,
-            // "What each rule is worth": the queue's fitted weight).
-            w_queue_min: 1.0,
-            w_queue_max: 1.0,
         }
     }
 }
 
 impl TuningConfig {
-    /// The queue weight before any fit, and the ridge's centre: 1 (a
-    /// predicted ms of wait is one ms, as every other term is taken),
-    /// within the bounds, so that equal bounds pin the weight throughout.
-    pub fn w_queue_start(&self) -> f64 {
-        1.0_f64.clamp(self.w_queue_min, self.w_queue_max)
-    }
-
     pub fn validate(&self) -> Result<(), (String, String)> {
         let e = |f: &str, r: String| Err((format!("tuning.{f}"), r));
         if !(16..=65536).contains(&self.window) {
@@ -134,13 +115,6 @@ impl TuningConfig {
             return e(
                 "min_samples",
                 format!("{} must be within 1..=tuning.window", self.min_samples),
-            );
-        }
-        let (lo, hi) = (self.w_queue_min, self.w_queue_max);
-        if !(lo.is_finite() && hi.is_finite() && lo > 0.0 && hi >= lo) {
-            return e(
-                "w_queue_min",
-                format!("[{lo}, {hi}] must be finite with 0 < min <= max"),
             );
         }
         Ok(())
@@ -158,7 +132,6 @@ pub struct Tuner {
 /// What a fit produced.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Fit {
-    pub w_queue: f64,
     /// Per region; `None` where there was too little evidence.
     pub prefill: Vec<Option<Prefill>>,
     pub samples: usize,
@@ -178,9 +151,6 @@ impl Prefill {
     }
 }
 
-/// Rounds of the alternating fit: the per-request parts and the queue
-/// weight share the mean of the queue term, and converge in turns.
-const ROUNDS: usize = 24;
 /// Observations of a region needed before its prefill is refined.
 const MIN_REGION_SAMPLES: usize = 8;
 /// The per-request part believed before any evidence (ms), and how many
@@ -218,97 +188,44 @@ impl Tuner {
         self.window.is_empty()
     }
 
-    /// Fit the queue weight and per-region prefill rates. `configured`
-    /// gives, per region, the configured prefill rate; `prior` the queue
-    /// weight's start ([`TuningConfig::w_queue_start`]). The two fits depend on each other, so they
-    /// alternate [`ROUNDS`] rounds (coordinate descent), starting from the prior.
-    pub fn fit(&self, cfg: &TuningConfig, prior: f64, configured: &[f64]) -> Option<Fit> {
+    /// Fit the per-region prefill times. `configured` gives, per region,
+    /// the configured prefill rate.
+    pub fn fit(&self, cfg: &TuningConfig, configured: &[f64]) -> Option<Fit> {
         if self.window.len() < cfg.min_samples as usize {
             return None;
         }
-        let mut w_queue = prior;
-        let mut prefill: Vec<Option<Prefill>> = vec![None; configured.len()];
-        for _ in 0..ROUNDS {
-            prefill = configured
-                .iter()
-                .enumerate()
-                .map(|(r, &rate0)| {
-                    // The regions serve the same model: what the whole
-                    // window shows (shrunk towards the configured rate) is
-                    // the prior of each region's own fit, and a region with
-                    // too little evidence of its own takes it. Better than
-                    // the configured guess, which a region seldom chosen, or
-                    // seen only on short turns, would otherwise keep.
-                    let configured = Prefill {
-                        per_request_ms: PER_REQUEST_PRIOR_MS,
-                        ms_per_token: rate0,
-                    };
-                    let fleet = self.fit_prefill(None, configured, rate0, w_queue);
-                    self.fit_prefill(Some(r), fleet.unwrap_or(configured), rate0, w_queue)
-                        .or(fleet)
-                })
-                .collect();
-            w_queue = self.fit_queue_weight(cfg, prior, configured, &prefill)?;
-        }
+        let prefill = configured
+            .iter()
+            .enumerate()
+            .map(|(r, &rate0)| {
+                // The regions serve the same model: what the whole window
+                // shows (shrunk towards the configured rate) is the prior
+                // of each region's own fit, and a region with too little
+                // evidence of its own takes it. Better than the configured
+                // guess, which a region seldom chosen, or seen only on
+                // short turns, would otherwise keep.
+                let configured = Prefill {
+                    per_request_ms: PER_REQUEST_PRIOR_MS,
+                    ms_per_token: rate0,
+                };
+                let fleet = self.fit_prefill(None, configured, rate0);
+                self.fit_prefill(Some(r), fleet.unwrap_or(configured), rate0)
+                    .or(fleet)
+            })
+            .collect();
         Some(Fit {
-            w_queue,
             prefill,
             samples: self.window.len(),
         })
     }
 
-    /// Ridge regression of `observed − rtt − prefill` on the predicted
-    /// wait, with the prior weight as the ridge centre; the ridge weighs
-    /// as one virtual observation per 256 real ones (at least 1/16 of one)
-    /// at the typical scale.
-    fn fit_queue_weight(
-        &self,
-        cfg: &TuningConfig,
-        prior: f64,
-        configured: &[f64],
-        prefill: &[Option<Prefill>],
-    ) -> Option<f64> {
-        let prefill_ms = |o: &Observation| {
-            let u = f64::from(o.uncached_tokens);
-            match prefill.get(usize::from(o.region)).copied().flatten() {
-                Some(p) => p.ms(u),
-                None => {
-                    configured
-                        .get(usize::from(o.region))
-                        .copied()
-                        .unwrap_or(0.0)
-                        * u
-                }
-            }
-        };
-        let (mut szz, mut szy) = (0.0, 0.0);
-        for o in &self.window {
-            let z = f64::from(o.queue_ms);
-            let y = f64::from(o.observed_ms) - f64::from(o.rtt_ms) - prefill_ms(o);
-            szz += z * z;
-            szy += z * y;
-        }
-        let n = self.window.len() as f64;
-        let scale = (szz / n).max(1.0);
-        let lambda = scale * (n / 16.0).max(1.0) / 16.0;
-        let b = (szy + lambda * prior) / (szz + lambda);
-        b.is_finite()
-            .then(|| b.clamp(cfg.w_queue_min, cfg.w_queue_max))
-    }
-
     /// The prefill time `region`'s observations show (every region's with
-    /// `None`): least squares of `observed − rtt − w_queue·queue` on a
+    /// `None`): least squares of `observed − rtt − queue` on a
     /// per-request part and a rate, shrunk towards `prior`, the rate as if
     /// it were 8 observations of the prompts' spread, the per-request part
     /// as 2; the rate kept within [¼×, 4×] of the configured `rate0`.
     /// `None` below `MIN_REGION_SAMPLES`.
-    fn fit_prefill(
-        &self,
-        region: Option<usize>,
-        prior: Prefill,
-        rate0: f64,
-        w_queue: f64,
-    ) -> Option<Prefill> {
+    fn fit_prefill(&self, region: Option<usize>, prior: Prefill, rate0: f64) -> Option<Prefill> {
         let (mut n, mut su, mut sy, mut suu, mut suy) = (0.0f64, 0.0, 0.0, 0.0, 0.0);
         for o in self
             .window
@@ -317,8 +234,7 @@ impl Tuner {
         {
             let u = f64::from(o.uncached_tokens);
             let y =
-                (f64::from(o.observed_ms) - f64::from(o.rtt_ms) - w_queue * f64::from(o.queue_ms))
-                    .max(0.0);
+                (f64::from(o.observed_ms) - f64::from(o.rtt_ms) - f64::from(o.queue_ms)).max(0.0);
             n += 1.0;
             su += u;
             sy += y;
@@ -383,17 +299,6 @@ mod tests {
     }
 
     #[test]
-    fn the_queue_weight_starts_at_one_within_its_bounds() {
-        let mut cfg = TuningConfig::default();
-        assert_eq!(cfg.w_queue_start(), 1.0);
-        // Equal bounds pin it from the first request, before any fit.
-        (cfg.w_queue_min, cfg.w_queue_max) = (2.0, 2.0);
-        assert_eq!(cfg.w_queue_start(), 2.0);
-        (cfg.w_queue_min, cfg.w_queue_max) = (0.1, 0.5);
-        assert_eq!(cfg.w_queue_start(), 0.5);
-    }
-
-    #[test]
     fn encoding_round_trips_and_rejects_garbage() {
         let o = obs(3, 40.0, 12.5, 900, 0.2, 1.0);
         assert_eq!(Observation::decode(&o.encode()), Some(o));
@@ -403,19 +308,9 @@ mod tests {
         assert_eq!(Observation::decode(&bad.encode()), None);
     }
 
-    /// The queue weight free to be fitted, as an operator may set it (the
-    /// default pins it at 1).
-    fn fitted() -> TuningConfig {
-        TuningConfig {
-            w_queue_min: 0.5,
-            w_queue_max: 4.0,
-            ..TuningConfig::default()
-        }
-    }
-
     #[test]
-    fn learns_the_true_prefill_rate_and_queue_weight() {
-        let cfg = fitted();
+    fn learns_the_true_prefill_rates_beside_a_queue() {
+        let cfg = TuningConfig::default();
         let mut t = Tuner::new(&cfg);
         let mut x = 1u32;
         for i in 0..400u32 {
@@ -424,22 +319,16 @@ mod tests {
             let uncached = 100 + (x >> 8) % 3000;
             let queue = ((x >> 4) % 400) as f32;
             let rtt = if region == 0 { 5.0 } else { 40.0 };
-            // Real prefill 0.3 ms/token in region 0, 0.1 in region 1; queue weighs 2x.
+            // Real prefill 0.3 ms/token in region 0, 0.1 in region 1; the
+            // queue costs what it predicts.
             let rate = if region == 0 { 0.3 } else { 0.1 };
-            t.push(obs(region, rtt, queue, uncached, rate, 2.0));
+            t.push(obs(region, rtt, queue, uncached, rate, 1.0));
         }
-        let fit = t.fit(&cfg, 1.0, &[0.1, 0.1]).unwrap();
+        let fit = t.fit(&cfg, &[0.1, 0.1]).unwrap();
         let r0 = fit.prefill[0].unwrap().ms_per_token;
         let r1 = fit.prefill[1].unwrap().ms_per_token;
         assert!((r0 - 0.3).abs() < 0.05, "{r0}");
         assert!((r1 - 0.1).abs() < 0.02, "{r1} {:?}", fit);
-        assert!(fit.w_queue > 1.5, "{}", fit.w_queue);
-        // As shipped the weight is pinned at 1 whatever the data, and the
-        // prefill rates are learnt all the same.
-        let pinned = t.fit(&TuningConfig::default(), 1.0, &[0.1, 0.1]).unwrap();
-        assert_eq!(pinned.w_queue, 1.0);
-        let r0 = pinned.prefill[0].unwrap().ms_per_token;
-        assert!((r0 - 0.3).abs() < 0.1, "{r0}");
     }
 
     #[test]
@@ -455,7 +344,7 @@ mod tests {
         for i in 0..3u32 {
             t.push(obs(1, 40.0, 0.0, 2000 + 300 * i, 0.05, 1.0));
         }
-        let fit = t.fit(&cfg, 1.0, &[0.1, 0.1, 0.1]).unwrap();
+        let fit = t.fit(&cfg, &[0.1, 0.1, 0.1]).unwrap();
         let rate = |r: usize| fit.prefill[r].unwrap().ms_per_token;
         for r in [0, 1, 2] {
             assert!((rate(r) - 0.05).abs() < 0.012, "region {r}: {}", rate(r));
@@ -486,7 +375,7 @@ mod tests {
             o.observed_ms += 14.0;
             t.push(o);
         }
-        let fit = t.fit(&cfg, 1.0, &[0.05, 0.05, 0.05]).unwrap();
+        let fit = t.fit(&cfg, &[0.05, 0.05, 0.05]).unwrap();
         for (r, p) in fit.prefill.iter().enumerate() {
             let p = p.unwrap();
             assert!(
@@ -510,68 +399,23 @@ mod tests {
     }
 
     #[test]
-    fn queue_weight_cannot_collapse() {
-        let cfg = fitted();
-        let mut t = Tuner::new(&cfg);
-        // A window with no queueing at all, and one where queueing never hurt.
-        for i in 0..200u32 {
-            t.push(obs(0, 5.0, 0.0, 500 + i, 0.1, 0.0));
-        }
-        let fit = t.fit(&cfg, 1.0, &[0.1]).unwrap();
-        assert!(
-            (fit.w_queue - 1.0).abs() < 1e-9,
-            "no evidence: prior kept, got {}",
-            fit.w_queue
-        );
-        let mut t = Tuner::new(&cfg);
-        for i in 0..200u32 {
-            t.push(obs(0, 5.0, 50.0 + i as f32, 500, 0.1, 0.0));
-        }
-        // There observed TTFT is 55 ms whatever the queue (50-250 ms): the
-        // data says w_queue = 0. Unbounded, the ridge (centred on the prior,
-        // 1) leaves it near that: measured 0.137. The floor holds it at
-        // exactly w_queue_min, neither at the prior nor where the data is.
-        let unbounded = TuningConfig {
-            w_queue_min: 0.0,
-            ..cfg.clone()
-        };
-        let free = t.fit(&unbounded, 1.0, &[0.1]).unwrap().w_queue;
-        assert!(free < 0.25, "queueing never hurt: {free}");
-        let fit = t.fit(&cfg, 1.0, &[0.1]).unwrap();
-        assert_eq!(fit.w_queue, cfg.w_queue_min);
-        // Queueing that costs 0.75 of its estimate, between floor and
-        // prior: the fit finds it (measured 0.787), so the floor above is
-        // the floor binding, not a fit stuck at a bound.
-        let mut t = Tuner::new(&cfg);
-        let mut x = 1u32;
-        for _ in 0..200u32 {
-            x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
-            let queue = ((x >> 4) % 300) as f32;
-            t.push(obs(0, 5.0, queue, 300 + (x >> 8) % 2000, 0.1, 0.75));
-        }
-        let fit = t.fit(&cfg, 1.0, &[0.1]).unwrap();
-        assert!((fit.w_queue - 0.75).abs() < 0.1, "{}", fit.w_queue);
-    }
-
-    #[test]
     fn too_few_samples_fit_nothing_and_the_window_rolls() {
         let cfg = TuningConfig {
             window: 16,
             min_samples: 10,
-            ..TuningConfig::default()
         };
         let mut t = Tuner::new(&cfg);
         for _ in 0..9 {
             t.push(obs(0, 5.0, 0.0, 500, 0.1, 1.0));
         }
-        assert!(t.fit(&cfg, 1.0, &[0.1]).is_none());
+        assert!(t.fit(&cfg, &[0.1]).is_none());
         for _ in 0..100 {
             t.push(obs(0, 5.0, 0.0, 500, 0.1, 1.0));
         }
         assert_eq!(t.len(), 16);
         assert!(cfg.validate().is_ok());
         assert!(TuningConfig {
-            w_queue_min: 0.0,
+            min_samples: 17,
             ..cfg.clone()
         }
         .validate()

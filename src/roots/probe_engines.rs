@@ -501,7 +501,6 @@ vllm:num_requests_running{model_name=\"m\"} 8.0\nvllm:num_requests_waiting{model
                 first_block: Some(7),
                 allowed: None,
                 fits: u64::MAX,
-                weights: crate::decision::inputs::Weights::configured(&c),
                 now_ms: T0 + 3000,
             })
         };

@@ -106,12 +106,6 @@ impl Probe {
             Global::LadderCapacityRps,
             snap.capacity_rps.round() as u64,
         );
-        let w_queue = crate::decision::inputs::Weights::in_force(&self.cfg, Some(snap)).w_queue;
-        g(
-            host,
-            Global::TuningWQueueMilli,
-            (w_queue * 1000.0).round() as u64,
-        );
         // The snapshot lists the configured regions in order.
         for (ci, r) in snap.regions.iter().enumerate() {
             let rg = |host: &mut dyn ProbeHost, s: RegionStat, v: u64| {

@@ -91,7 +91,6 @@ pub enum Global {
     ProbeSnapshotVersion,
     ProbeTickMs,
     TuningObservations,
-    TuningWQueueMilli,
     UsageReports,
     RouterUsageMissing,
     RouterResponsesRecorded,
@@ -110,7 +109,7 @@ pub enum Global {
 }
 
 impl Global {
-    pub const ALL: [Global; 43] = [
+    pub const ALL: [Global; 42] = [
         Global::Arrivals,
         Global::GuardLevel,
         Global::GuardInvalidRequest,
@@ -138,7 +137,6 @@ impl Global {
         Global::ProbeSnapshotVersion,
         Global::ProbeTickMs,
         Global::TuningObservations,
-        Global::TuningWQueueMilli,
         Global::UsageReports,
         Global::RouterUsageMissing,
         Global::RouterResponsesRecorded,
@@ -186,7 +184,6 @@ impl Global {
             Global::ProbeSnapshotVersion => ("probe.snapshot_version", Gauge),
             Global::ProbeTickMs => ("probe.tick_ms", Gauge),
             Global::TuningObservations => ("tuning.observations", Counter),
-            Global::TuningWQueueMilli => ("tuning.w_queue_milli", Gauge),
             Global::UsageReports => ("usage.reports", Counter),
             Global::RouterUsageMissing => ("router.usage_missing", Counter),
             Global::RouterResponsesRecorded => ("router.responses_recorded", Counter),
