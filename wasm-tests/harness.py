@@ -27,6 +27,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -422,6 +423,68 @@ def static_cluster(name: str, port: int) -> dict:
 # `exchange.cluster`), and the listener each Envoy answers peers on.
 PEERS_CLUSTER = "llm_geo_router_peers"
 EXCHANGE_LISTENER = "llm_exchange"
+# The deployment's peer certificates envoy/envoy.yaml names (relative to the
+# repository root): mutual TLS on the peers' listener and cluster.
+PEER_CERTS = ROOT / "envoy" / "certs"
+PEER_SAN = "llm-geo-router-peer"
+
+
+def peer_certs(directory: Path = PEER_CERTS) -> Path:
+    """The demo deployment's CA and peer certificate (scripts/peer-certs,
+    which scripts/setup runs; made here if missing)."""
+    if not (directory / "peer.pem").is_file():
+        subprocess.run([str(ROOT / "scripts" / "peer-certs"), str(directory)], check=True, timeout=60)
+    return directory
+
+
+# Where the repository's Envoy configs name the peer certificates: the
+# demo's (relative to the repository root) and the compose file's (inside
+# the container).
+CERT_DIRS_IN_CONFIGS = ("envoy/certs/", "/etc/envoy/certs/")
+
+
+def absolute_cert_paths(node) -> None:
+    """Every peer certificate's `filename` of a parsed Envoy config pointed
+    at the deployment's certificates here (an absolute path), so that an
+    Envoy started anywhere finds them."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            prefix = next((p for p in CERT_DIRS_IN_CONFIGS if isinstance(v, str) and v.startswith(p)), None)
+            if k == "filename" and prefix is not None:
+                node[k] = str(peer_certs() / v.removeprefix(prefix))
+            else:
+                absolute_cert_paths(v)
+    elif isinstance(node, list):
+        for v in node:
+            absolute_cert_paths(v)
+
+
+def peer_tls_context(certs: Path | None = None, client_cert: bool = True):
+    """A client TLS context as a peer of the deployment makes it (its CA
+    trusted, the peers' name checked), presenting the peer certificate of
+    `certs` (default the deployment's) unless `client_cert` is false."""
+    trusted = peer_certs()
+    ctx = ssl.create_default_context(cafile=str(trusted / "peers-ca.pem"))
+    ctx.check_hostname = True
+    if client_cert:
+        d = certs or trusted
+        ctx.load_cert_chain(str(d / "peer.pem"), str(d / "peer.key"))
+    return ctx
+
+
+def post_peer(port: int, path: str, body: bytes, certs: Path | None = None,
+              client_cert: bool = True, timeout: float = 10) -> int:
+    """POSTs `body` to an Envoy's peers' listener as a peer does (mutual
+    TLS, SNI and name llm-geo-router-peer); the HTTP status."""
+    raw = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    with peer_tls_context(certs, client_cert).wrap_socket(raw, server_hostname=PEER_SAN) as tls:
+        tls.sendall(f"POST {path} HTTP/1.1\r\nhost: {PEER_SAN}\r\n"
+                    f"content-type: application/octet-stream\r\ncontent-length: {len(body)}\r\n"
+                    f"connection: close\r\n\r\n".encode() + body)
+        resp = http.client.HTTPResponse(tls)
+        resp.begin()
+        resp.read()
+        return resp.status
 
 
 def set_exchange(cfg: dict, peers: tuple[int, list[int]] | None) -> None:
@@ -466,6 +529,7 @@ def render_config(engines: dict[str, Engine | list[Engine]] | None, admin_port: 
     cfg = yaml.safe_load(base.read_text())
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
     set_exchange(cfg, peers)
+    absolute_cert_paths(cfg)
     for lis in cfg["static_resources"]["listeners"]:
         if lis["name"] != EXCHANGE_LISTENER:
             lis["address"]["socket_address"]["port_value"] = port

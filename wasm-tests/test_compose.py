@@ -40,6 +40,10 @@ SERVICE_PORT = 8000
 ENVOYS = {10001: "envoy", 10011: "envoy-2"}
 PEER_PORT = 10001
 WASM_IN_CONTAINER = "/etc/envoy/llm_geo_router.wasm"
+# The peer certificates (mutual TLS on the exchange): envoy/certs, made by
+# scripts/peer-certs, mounted read-only.
+CERTS_IN_DEMO = "envoy/certs/"
+CERTS_IN_CONTAINER = "/etc/envoy/certs/"
 WASM_IN_DEMO = "target/wasm32-wasip1/release/llm_geo_router.wasm"
 
 HEADER = """\
@@ -82,6 +86,7 @@ def render(demo_text: str) -> str:
     once(r"(?m)^(\s+)socket_address: \{ address: 127\.0\.0\.1, port_value: (9901|10000|10001) \}$",
          r"\1socket_address: { address: 0.0.0.0, port_value: \2 }", count=3)
     once(re.escape(f"filename: {WASM_IN_DEMO}"), f"filename: {WASM_IN_CONTAINER}", count=4)
+    once(re.escape(f"filename: {CERTS_IN_DEMO}"), f"filename: {CERTS_IN_CONTAINER}", count=3)
 
     def endpoint(m: re.Match) -> str:
         port = int(m.group(1))
@@ -117,6 +122,19 @@ def strip_compose_differences(cfg: dict) -> dict:
         sa["address"] = "127.0.0.1"
     for p in harness.wasm_plugins(cfg):
         p["vm_config"]["code"]["local"]["filename"] = WASM_IN_DEMO
+
+    def certs_back(node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k == "filename" and isinstance(v, str) and v.startswith(CERTS_IN_CONTAINER):
+                    node[k] = CERTS_IN_DEMO + v.removeprefix(CERTS_IN_CONTAINER)
+                else:
+                    certs_back(v)
+        elif isinstance(node, list):
+            for v in node:
+                certs_back(v)
+
+    certs_back(cfg)
     by_service = {(s, SERVICE_PORT): port for port, s in SERVICES.items()}
     by_service.update({(s, PEER_PORT): port for port, s in ENVOYS.items()})
     for cl in cfg["static_resources"]["clusters"]:
@@ -188,6 +206,7 @@ def test_docker_compose_runs_the_generated_config_the_tested_envoy_and_every_end
         config_arg = envoy["command"][envoy["command"].index("-c") + 1]
         assert mounts[config_arg] == "./envoy/envoy-compose.yaml", name
         assert mounts[WASM_IN_CONTAINER] == "./" + WASM_IN_DEMO, name
+        assert mounts[CERTS_IN_CONTAINER.rstrip("/")] == "./" + CERTS_IN_DEMO.rstrip("/"), name
         ports = [p.rsplit(":", 1) for p in envoy["ports"]]
         assert all(host.startswith("127.0.0.1:") for host, _ in ports), envoy["ports"]
         assert sorted(int(inner) for _, inner in ports) == [9901, 10000], (name, envoy["ports"])

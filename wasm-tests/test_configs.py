@@ -17,9 +17,11 @@ CONFIGS = sorted(p for p in (harness.ROOT / "envoy").rglob("*.yaml")
 
 
 def localised(path: Path, run_dir: Path) -> Path:
-    """The config with its .wasm path pointed at the local build (the compose
-    file names the path inside the container)."""
+    """The config with its .wasm path pointed at the local build and its peer
+    certificates at the deployment's (the compose file names the paths
+    inside the container)."""
     cfg = yaml.safe_load(path.read_text())
+    harness.absolute_cert_paths(cfg)
     for p in harness.wasm_plugins(cfg):
         p["vm_config"]["code"]["local"]["filename"] = str(harness.WASM)
     out = run_dir / path.name

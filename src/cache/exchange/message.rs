@@ -7,8 +7,8 @@ use crate::learning::usage::UsageReport;
 
 /// First bytes of every exchange message.
 pub const MAGIC: &[u8; 4] = b"LGRX";
-/// Protocol version, mixed into the layout id.
-pub const VERSION: u8 = 1;
+/// Protocol version, mixed into the layout id. 2: the trailing checksum.
+pub const VERSION: u8 = 2;
 /// Tag of a router's note to its probe on the observations queue.
 pub const NOTE_TAG: u8 = b'N';
 /// Tag of a peer's message the exchange filter queued for the probe.
@@ -16,7 +16,11 @@ pub const PEER_TAG: u8 = b'X';
 /// Checkpoint hashes one placement carries at most.
 pub const MAX_HASHES: usize = 64;
 
-pub(crate) const HEAD: usize = 4 + 1 + 1 + 4 + 8 + 8 + 2;
+/// The fixed head and the trailing checksum: a message's size beyond its
+/// groups.
+pub(crate) const HEAD: usize = 4 + 1 + 1 + 4 + 8 + 8 + 2 + CHECKSUM;
+/// The trailing checksum's bytes: XXH3-64 of every byte before it.
+const CHECKSUM: usize = 8;
 const KIND_PLACEMENT: u8 = 1;
 const KIND_RESPONSE: u8 = 2;
 const KIND_USAGE: u8 = 3;
@@ -101,6 +105,8 @@ pub struct Message {
 pub enum Refusal {
     TooLarge,
     Malformed(&'static str),
+    /// Its checksum does not match its bytes: damaged on the way.
+    Damaged,
     ForeignLayout,
     /// This Envoy could not read the body it buffered (not the peer's fault).
     Unreadable,
@@ -111,6 +117,7 @@ impl std::fmt::Display for Refusal {
         match self {
             Refusal::TooLarge => write!(f, "larger than exchange.max_message_bytes"),
             Refusal::Malformed(why) => write!(f, "malformed: {why}"),
+            Refusal::Damaged => write!(f, "damaged: its checksum does not match its bytes"),
             Refusal::ForeignLayout => write!(
                 f,
                 "another layout (region list, prefix.hash_seed, prefix.block_bytes or protocol version differ)"
@@ -356,6 +363,8 @@ impl Message {
                 it.body.encode_into(&mut out);
             }
         }
+        let sum = xxhash_rust::xxh3::xxh3_64(&out);
+        out.extend_from_slice(&sum.to_le_bytes());
         out
     }
 
@@ -365,6 +374,11 @@ impl Message {
             return Err(Refusal::TooLarge);
         }
         let mut r = Reader { b, at: 0 };
+        // The head first: another protocol or layout is said as such, not
+        // as damage.
+        if b.len() < HEAD {
+            return Err(Refusal::Malformed("shorter than a message's head"));
+        }
         if r.take(4)? != MAGIC {
             return Err(Refusal::Malformed("not an exchange message"));
         }
@@ -377,6 +391,13 @@ impl Message {
         if r.u32()? != layout {
             return Err(Refusal::ForeignLayout);
         }
+        // Then every byte, before any of them is read as news: a flipped
+        // bit anywhere refuses the message whole.
+        let (b, sum) = b.split_at(b.len() - CHECKSUM);
+        if xxhash_rust::xxh3::xxh3_64(b).to_le_bytes() != sum {
+            return Err(Refusal::Damaged);
+        }
+        let mut r = Reader { b, at: r.at };
         let sender = r.u64()?;
         let sent_ms = r.u64()?;
         let ngroups = usize::from(r.u16()?);
@@ -493,19 +514,38 @@ pub(crate) mod tests {
         assert_eq!(m.groups[0].items.len(), 2);
         assert_eq!(m.groups[0].items[0].body, placement(100));
         assert_eq!(m.groups[0].load, Some(load(50, 3, 25)));
-        // Every truncation and every single-byte change is refused or
-        // decodes to a message the same size (never a panic).
+        // Every truncation is refused.
         for n in 0..bytes.len() {
             assert!(
                 Message::decode(&bytes[..n], x.layout(), 2, max).is_err(),
                 "{n}"
             );
         }
+        // Every flipped bit is refused: in the head as what it breaks (the
+        // magic, the version or the layout), anywhere else as damage, the
+        // checksum's own bytes included.
+        let head = 4 + 1 + 1 + 4;
         for i in 0..bytes.len() {
-            let mut b = bytes.clone();
-            b[i] ^= 0xff;
-            let _ = Message::decode(&b, x.layout(), 2, max);
+            for bit in 0..8 {
+                let mut b = bytes.clone();
+                b[i] ^= 1 << bit;
+                let got = Message::decode(&b, x.layout(), 2, max);
+                if i >= head {
+                    assert_eq!(got, Err(Refusal::Damaged), "byte {i} bit {bit}");
+                } else {
+                    assert!(got.is_err(), "byte {i} bit {bit}");
+                }
+            }
         }
+        // A payload byte changed and the checksum made again: what the
+        // checksum alone stood between (the merge would take it).
+        let mut forged = bytes[..bytes.len() - 8].to_vec();
+        let at = forged.len() - 1;
+        forged[at] ^= 1;
+        let sum = xxhash_rust::xxh3::xxh3_64(&forged);
+        forged.extend_from_slice(&sum.to_le_bytes());
+        let m2 = Message::decode(&forged, x.layout(), 2, max).unwrap();
+        assert_ne!(m2, m, "the flipped byte is news the merge would take");
         let mut longer = bytes.clone();
         longer.push(0);
         assert!(Message::decode(&longer, x.layout(), 2, max).is_err());

@@ -21,8 +21,9 @@
 //! reordered message changes only how fresh a view is.
 //!
 //! Message layout (little endian):
-//! `magic "LGRX" ‖ version u8 ‖ 0 u8 ‖ layout u32 ‖ sender u64 ‖ sent ms u64
-//! ‖ groups u16`, then per group (one origin Envoy)
+//! `magic "LGRX" ‖ version u8 (2) ‖ 0 u8 ‖ layout u32 ‖ sender u64 ‖ sent ms u64
+//! ‖ groups u16`, then the groups, then `checksum u64`: XXH3-64 of every
+//! byte before it. Per group (one origin Envoy)
 //! `origin u64 ‖ has load u8 [‖ taken ms u64 ‖ demand f32 ‖ in-flight u32 ×
 //! regions] ‖ items u16`, then per item `seq u32 ‖ kind u8 ‖ len u16 ‖ body`:
 //! - kind 1, placement: `region u16 ‖ stamp u64 ‖ blocks u32 ‖ end tag u32 ‖
@@ -33,9 +34,12 @@
 //!   ‖ prompt blocks u32 ‖ last block hash u64`.
 //!
 //! A message is refused whole, never merged in part, when any of it is
-//! malformed, beyond the size limit, or of another layout (region list,
-//! hash seed, block size or protocol version differ: its hashes and region
-//! numbers would mean other things here).
+//! malformed, damaged (its checksum does not match: any flipped bit, which
+//! would otherwise decode as other news), beyond the size limit, or of
+//! another layout (region list, hash seed, block size or protocol version
+//! differ: its hashes and region numbers would mean other things here).
+//! The checksum is against damage, not forgery: who may send is the peers'
+//! listener's mutual TLS (docs/OPERATIONS.md, "Many Envoys, one view").
 //!
 //! The message and its checks are in `message`, an Envoy's peers, merge
 //! and outbox in `peers`, the filter that takes a peer's message in `filter`.
