@@ -190,6 +190,17 @@ def test_streamed_requests_tune_the_prefill_rate(fleet_factory):
           f"({near_requests} requests at near)")
     # The configured guess (100 us a token, nothing per request) is far outside.
     assert abs(predicted - truth) <= 0.15 * truth, (predicted, truth, fixed, rate)
+    # The fit reaches the decision: a new cold prompt at near is priced at
+    # the fitted prefill time, not the configured 100 us a token.
+    content = filler("tuned-decision", 6000)
+    r = chat(fleet.port, [{"role": "user", "content": content}], max_tokens=2)
+    assert r.status == 200 and r.replica == "near", r.route
+    tokens = len(content) * tpk / 1024
+    fitted, configured = fixed + rate / 1000 * tokens, 0.1 * tokens
+    priced = float(r.route["prefill_ms"])
+    print(f"decision prefill_ms {priced}: fitted {fitted:.0f}, configured {configured:.0f}")
+    assert abs(priced - fitted) <= 0.05 * fitted, (priced, fitted, configured)
+    assert abs(priced - configured) > 0.3 * configured, (priced, configured)
     # The queue weight is gone with its gauge: a scrape that still shows it
     # is a stale module.
     tuning = envoy.stats("llm_geo_router.tuning")
