@@ -22,6 +22,7 @@ use crate::request::body_wait::{self, BodyWait};
 use crate::roots::guard::{Guard, GuardStream};
 use crate::roots::probe::Probe;
 use crate::roots::router::{RouterShared, RouterStream};
+use crate::shared::envoy_version::EnvoyVersion;
 use crate::shared::flow::Flow;
 use crate::shared::names::{Global, OBSERVATIONS_QUEUE};
 use adapters::{define_stats, Callout, Host, Queue, Stats};
@@ -178,9 +179,11 @@ impl RootContext for Root {
                 // The owner names this root context in the lease and, hashed,
                 // this Envoy in the exchange: unique across the deployment's
                 // processes (node id, start time in ns).
-                let node = calls::property(&["node", "id"])
+                // `xds.node`: Envoy 1.33 removed the bare `node` path.
+                let node = calls::property(&["xds", "node", "id"])
                     .map(|b| String::from_utf8_lossy(&b).into_owned())
                     .unwrap_or_default();
+                say_envoy_version();
                 let owner = format!("{}-{}-{node}", self.context_id, calls::now_ns());
                 let mut root = ProbeRoot {
                     probe: Probe::new(config, owner, now),
@@ -568,3 +571,54 @@ impl HttpContext for ExchangeFilter {
 struct PassThrough;
 impl Context for PassThrough {}
 impl HttpContext for PassThrough {}
+
+/// The running Envoy's version, said once per Envoy (from the probe; its
+/// root configures more than once, hence the shared-data mark): a warning
+/// on a build that can lose a request body frame behind the router and the
+/// guard (`shared::envoy_version`), else a line naming it.
+fn say_envoy_version() {
+    use crate::shared::store::SharedStore;
+    let mut store = calls::HostStore;
+    let key = crate::shared::names::ENVOY_VERSION_SAID_KEY;
+    if matches!(store.get(key), Ok(Some(_))) {
+        return;
+    }
+    let _ = store.set(key, b"1", None);
+    let part =
+        |name: &str| calls::property(&["xds", "node", "user_agent_build_version", "version", name]);
+    let label = calls::property(&[
+        "xds",
+        "node",
+        "user_agent_build_version",
+        "metadata",
+        "build.label",
+    ]);
+    let version = EnvoyVersion::from_property_bytes(
+        part("major_number").as_deref(),
+        part("minor_number").as_deref(),
+        part("patch").as_deref(),
+        label.as_deref(),
+    );
+    match version {
+        None => log(
+            LogLevel::Info,
+            "llm-geo-router probe: the Envoy version is not readable here; make sure it carries \
+             the body-frame fix (Envoy 1.40.0, 1.39.1, 1.38.4, 1.37.6 or 1.36.10 or later; \
+             docs/INSTALL.md)",
+        ),
+        Some(v) => match v.body_frame_fix() {
+            Some(fixed) => log(
+                LogLevel::Warn,
+                &format!(
+                    "llm-geo-router probe: Envoy {v} can silently lose a request body frame behind \
+                     a filter that stops on headers, as the router and the guard do \
+                     (envoyproxy/envoy#46842): upgrade to {fixed} or later (docs/INSTALL.md)"
+                ),
+            ),
+            None => log(
+                LogLevel::Info,
+                &format!("llm-geo-router probe: running on Envoy {v}"),
+            ),
+        },
+    }
+}

@@ -3,6 +3,7 @@
 //! (`host_api`), a filter's answer to each event (`flow`), and the OpenAI
 //! error body (`openai_error`).
 
+pub mod envoy_version;
 pub mod flow;
 pub mod host_api;
 pub mod names;

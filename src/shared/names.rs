@@ -12,6 +12,8 @@ use crate::decision::cost::Reason;
 pub const SNAPSHOT_KEY: &str = "llm_geo_router.snapshot";
 /// Shared data: which probe root context runs the loop (owner id + beat).
 pub const LEASE_KEY: &str = "llm_geo_router.probe.lease";
+/// Set once the running Envoy's version has been said (once per Envoy).
+pub const ENVOY_VERSION_SAID_KEY: &str = "llm_geo_router.envoy_version_said";
 /// Shared data: the operator's runtime ladder override (written by the
 /// guard's operator endpoint): a level 0..=5, or empty for none.
 pub const LADDER_OVERRIDE_KEY: &str = "llm_geo_router.ladder.override";
