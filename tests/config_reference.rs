@@ -53,6 +53,7 @@ fn places() -> Vec<(&'static str, String)> {
         ("responses.", with(r#""responses":{"zz_unknown":1}"#)),
         ("prometheus.", with(r#""prometheus":{"zz_unknown":1}"#)),
         ("body_wait.", with(r#""body_wait":{"zz_unknown":1}"#)),
+        ("exchange.", with(r#""exchange":{"zz_unknown":1}"#)),
     ]
 }
 
@@ -107,6 +108,52 @@ fn documented() -> BTreeSet<String> {
         }
     }
     out
+}
+
+/// Whether serde refuses `doc` for its unknown key `zz_unknown`, that is,
+/// whether the value holding that key is a configuration struct.
+fn is_struct_place(doc: &str) -> bool {
+    match serde_json::from_str::<Config>(doc) {
+        Ok(_) => false,
+        Err(e) => e.to_string().contains("unknown field `zz_unknown`"),
+    }
+}
+
+#[test]
+fn every_top_level_section_has_a_place() {
+    // A section missing from `places()` is never compared with
+    // docs/CONFIG.md (as `exchange.` once was): every top-level field whose
+    // value is a struct, or an array of structs, must have its place.
+    let all = places();
+    let places: BTreeSet<&str> = all.iter().map(|(p, _)| *p).collect();
+    let top = all
+        .iter()
+        .find(|(p, _)| p.is_empty())
+        .map(|(_, d)| d.as_str())
+        .expect("the top level's place");
+    let mut missing = Vec::new();
+    for f in fields(top) {
+        let object = if f == "regions" {
+            r#"{"regions":{"zz_unknown":1}}"#.to_string()
+        } else {
+            format!(r#"{{"regions":[{REGION}],"{f}":{{"zz_unknown":1}}}}"#)
+        };
+        let array = if f == "regions" {
+            r#"{"regions":[{"zz_unknown":1}]}"#.to_string()
+        } else {
+            format!(r#"{{"regions":[{REGION}],"{f}":[{{"zz_unknown":1}}]}}"#)
+        };
+        if is_struct_place(&object) && !places.contains(format!("{f}.").as_str()) {
+            missing.push(format!("{f}."));
+        }
+        if is_struct_place(&array) && !places.contains(format!("{f}[].").as_str()) {
+            missing.push(format!("{f}[]."));
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "configuration sections not compared with docs/CONFIG.md (add them to places()): {missing:?}"
+    );
 }
 
 #[test]
