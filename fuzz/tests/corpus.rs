@@ -6,6 +6,7 @@
 //!
 //! `cargo test --no-default-features --release --test corpus`
 
+use std::collections::BTreeSet;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
@@ -118,7 +119,12 @@ fn mutate(rng: &mut Rng, base: &[u8], other: &[u8]) -> Vec<u8> {
     v
 }
 
-fn run(target: &str, check: Check) {
+fn run(target: &str) {
+    let check = TARGETS
+        .iter()
+        .find(|(n, _)| *n == target)
+        .map(|(_, c)| *c)
+        .unwrap_or_else(|| panic!("{target}: not in TARGETS"));
     let seeds = seeds(target);
     assert!(!seeds.is_empty(), "no corpus for {target}");
     let mutations: usize = std::env::var("FUZZ_MUTATIONS")
@@ -147,34 +153,138 @@ fn run(target: &str, check: Check) {
 
 #[test]
 fn request() {
-    run("request", fuzz_checks::request);
+    run("request");
 }
 
 #[test]
 fn metrics() {
-    run("metrics", fuzz_checks::metrics);
+    run("metrics");
 }
 
 #[test]
 fn config() {
-    run("config", fuzz_checks::config);
+    run("config");
 }
 
 #[test]
 fn snapshot() {
-    run("snapshot", fuzz_checks::snapshot);
+    run("snapshot");
 }
 
 #[test]
 fn shared_records() {
-    run("shared_records", fuzz_checks::shared_records);
+    run("shared_records");
+}
+
+/// The `[[bin]]` targets of fuzz/Cargo.toml, as (name, path).
+fn cargo_bins() -> Vec<(String, String)> {
+    let manifest =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
+            .expect("fuzz/Cargo.toml");
+    let mut bins = Vec::new();
+    let mut current: Option<(Option<String>, Option<String>)> = None;
+    let unquote = |v: &str| v.trim().trim_matches('"').to_string();
+    for line in manifest.lines().map(str::trim) {
+        if line.starts_with('[') {
+            if let Some((name, path)) = current.take() {
+                bins.push((
+                    name.expect("a [[bin]] without a name"),
+                    path.unwrap_or_default(),
+                ));
+            }
+            if line == "[[bin]]" {
+                current = Some((None, None));
+            }
+            continue;
+        }
+        if let (Some((name, path)), Some((key, value))) = (current.as_mut(), line.split_once('=')) {
+            match key.trim() {
+                "name" => *name = Some(unquote(value)),
+                "path" => *path = Some(unquote(value)),
+                _ => {}
+            }
+        }
+    }
+    if let Some((name, path)) = current {
+        bins.push((
+            name.expect("a [[bin]] without a name"),
+            path.unwrap_or_default(),
+        ));
+    }
+    bins
+}
+
+/// The stems of fuzz/fuzz_targets/*.rs.
+fn target_files() -> BTreeSet<String> {
+    std::fs::read_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz_targets"))
+        .expect("fuzz/fuzz_targets")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "rs"))
+        .filter_map(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .collect()
 }
 
 #[test]
 fn every_target_has_a_test() {
-    assert_eq!(TARGETS.len(), 5);
-    for (name, _) in TARGETS {
-        assert!(corpus_dir(name).is_dir(), "{name}");
+    let bins = cargo_bins();
+    let bin_names: BTreeSet<String> = bins.iter().map(|(n, _)| n.clone()).collect();
+    let files = target_files();
+    let tested: BTreeSet<String> = TARGETS.iter().map(|(n, _)| n.to_string()).collect();
+    assert!(!bin_names.is_empty(), "no [[bin]] in fuzz/Cargo.toml");
+    assert_eq!(
+        bin_names.len(),
+        bins.len(),
+        "a [[bin]] name repeats in fuzz/Cargo.toml: {bins:?}"
+    );
+    assert_eq!(
+        files, bin_names,
+        "fuzz/fuzz_targets/*.rs (left) and the [[bin]]s of fuzz/Cargo.toml (right) differ"
+    );
+    assert_eq!(
+        tested, bin_names,
+        "TARGETS of fuzz/tests/corpus.rs (left) and the fuzz targets (right) differ"
+    );
+    // The scripts/fuzz list of what libFuzzer runs.
+    let script =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/fuzz"))
+            .expect("scripts/fuzz");
+    let scripted: BTreeSet<String> = script
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("all_targets=("))
+        .and_then(|l| l.strip_suffix(')'))
+        .expect("all_targets=(…) in scripts/fuzz")
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(
+        scripted, bin_names,
+        "all_targets of scripts/fuzz (left) and the fuzz targets (right) differ"
+    );
+    let source = include_str!("corpus.rs");
+    for (name, path) in &bins {
+        assert_eq!(
+            path,
+            &format!("fuzz_targets/{name}.rs"),
+            "[[bin]] {name}: path"
+        );
+        // The target runs the check this file runs for it.
+        let target = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(path))
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert!(
+            target.contains(&format!("fuzz_checks::{name}(")),
+            "{path} does not call fuzz_checks::{name}"
+        );
+        assert!(
+            source.contains(&format!("(\"{name}\", fuzz_checks::{name}),")),
+            "TARGETS does not pair {name} with fuzz_checks::{name}"
+        );
+        assert!(
+            source.contains(&format!(
+                "#[test]\nfn {name}() {{\n    run(\"{name}\");\n}}"
+            )),
+            "no #[test] fn {name}() running run(\"{name}\") in fuzz/tests/corpus.rs"
+        );
+        assert!(!seeds(name).is_empty(), "no corpus in fuzz/corpus/{name}");
     }
 }
 
