@@ -1090,22 +1090,67 @@ pub(crate) mod tests {
 
     #[test]
     fn observations_from_the_queue_tune_the_cost() {
+        use crate::learning::tuning::Tuner;
         let c = cfg(r#","tuning":{"min_samples":4}"#);
         let mut host = Recorder::default();
         let mut p = started(&c, "a", &mut host);
-        for i in 0..6 {
-            let o = Observation {
-                region: 0,
-                rtt_ms: 5.0,
-                queue_ms: 0.0,
-                uncached_tokens: 1000 + 100 * i,
-                prefill_ms: 100.0,
-                observed_ms: 5.0 + 0.4 * (1000.0 + 100.0 * i as f32),
-            };
+        // Region 0 ("near", configured at 0.1 ms a token and nothing per
+        // request) observed at 30 ms per request and 0.3 ms a token, over
+        // 40 prompts of 500..4400 uncached tokens; region 1 not at all.
+        let observations: Vec<Observation> = (0..40u32)
+            .map(|i| {
+                let u = 500 + 100 * i;
+                Observation {
+                    region: 0,
+                    rtt_ms: 5.0,
+                    queue_ms: 2.0,
+                    uncached_tokens: u,
+                    prefill_ms: 0.1 * u as f32,
+                    observed_ms: 5.0 + 2.0 + 30.0 + 0.3 * u as f32,
+                }
+            })
+            .collect();
+        for o in &observations {
             host.enqueue(OBSERVATIONS_QUEUE, &o.encode());
         }
         tick(&mut p, &mut host, T0 + 50);
-        assert_eq!(host.value(Stat::Global(Global::TuningObservations)), 6);
+        assert_eq!(host.value(Stat::Global(Global::TuningObservations)), 40);
         assert!(host.queues[OBSERVATIONS_QUEUE].is_empty());
+        // The fit those observations make is what the published snapshot
+        // carries, for the cost to use.
+        let mut tuner = Tuner::new(&c.tuning);
+        for o in &observations {
+            tuner.push(*o);
+        }
+        let fit = tuner.fit(&c.tuning, &[0.1, 0.1]).unwrap();
+        let want = fit.prefill[0].unwrap();
+        let snap = published(&host);
+        let near = &snap.regions[0];
+        let (Some(rate), Some(per_request)) =
+            (near.prefill_ms_per_token, near.prefill_ms_per_request)
+        else {
+            panic!("no fitted prefill in the snapshot: {near:?}");
+        };
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs().max(1.0);
+        assert!(
+            close(rate, want.ms_per_token) && close(per_request, want.per_request_ms),
+            "snapshot prefill {per_request} ms + {rate} ms/token, the observations' fit {want:?}"
+        );
+        // And that fit moved from the configured 0 ms + 0.1 ms/token to near
+        // what the observations show (30 ms + 0.3 ms/token; the rate, shrunk
+        // towards 0.1, a little under it, the per-request part taking up the
+        // difference over these prompts: about 50 ms).
+        assert!(
+            (0.27..=0.33).contains(&rate) && (20.0..=60.0).contains(&per_request),
+            "fitted {per_request} ms + {rate} ms/token, observed 30 ms + 0.3 ms/token"
+        );
+        // Region 1, without observations of its own, takes the window's fit.
+        let mid = &snap.regions[1];
+        let fleet = fit.prefill[1].unwrap();
+        assert!(
+            mid.prefill_ms_per_token
+                .is_some_and(|r| close(r, fleet.ms_per_token)),
+            "{mid:?} against {fleet:?}"
+        );
     }
 }
