@@ -728,17 +728,26 @@ pub(super) mod tests {
             (terms.iter().sum::<f64>() - term("ttft_ms")).abs() <= 0.2,
             "{text}"
         );
+        // Refused before any shared-data call: nothing read or written.
+        let calls = |store: &MemoryStore| (store.gets, store.sets);
+        let before = calls(&store);
         inp.residency = Some("mars");
         assert!(matches!(
             router.route(&c, &mut store, &inp),
             Err(Refusal::UnknownResidency(_))
         ));
+        assert_eq!(
+            calls(&store),
+            before,
+            "(reads, writes) for an unknown residency"
+        );
         inp.residency = None;
         inp.body = b"{";
         assert!(matches!(
             router.route(&c, &mut store, &inp),
             Err(Refusal::Invalid(_))
         ));
+        assert_eq!(calls(&store), before, "(reads, writes) for an invalid body");
     }
 
     #[test]
@@ -789,9 +798,12 @@ pub(super) mod tests {
             }
             other => panic!("{other:?}"),
         }
-        assert!(
-            store.map.is_empty(),
-            "nothing recorded for a refused request"
+        // Refused before any shared-data call: nothing read, nothing
+        // written.
+        assert_eq!(
+            (store.gets, store.sets, store.map.len()),
+            (0, 0, 0),
+            "shared-data reads, writes and keys for a request refused on its context"
         );
         // mid can take that output: routed there, for its context.
         let mut roomy = s.clone();
