@@ -909,10 +909,19 @@ mod tests {
 
     #[test]
     fn cas_conflict_is_retried() {
-        struct Racy(MemoryStore, bool);
+        /// A store where, once armed, another writer updates each existing
+        /// entry once, between the directory's read of it and its write:
+        /// region 2 stamped at 15 ms. The write then sees the version
+        /// moved, as Envoy's CAS would.
+        struct Racy {
+            store: MemoryStore,
+            dir: Directory,
+            armed: bool,
+            conflicted: std::collections::BTreeSet<String>,
+        }
         impl SharedStore for Racy {
             fn get(&mut self, key: &str) -> Result<Option<(Vec<u8>, u32)>, String> {
-                self.0.get(key)
+                self.store.get(key)
             }
             fn set(
                 &mut self,
@@ -920,21 +929,54 @@ mod tests {
                 value: &[u8],
                 cas: Option<u32>,
             ) -> Result<SetOutcome, String> {
-                if cas.is_some() && std::mem::take(&mut self.1) {
-                    return Ok(SetOutcome::CasMismatch);
+                if self.armed && !self.conflicted.contains(key) {
+                    if let Some((mut other, version)) = self.store.get(key)? {
+                        self.conflicted.insert(key.to_string());
+                        assert!(self.dir.entry_hash(&other).is_some(), "{key}");
+                        Directory::set_stamp(&mut other, 2, 15, (0, 0));
+                        assert_eq!(
+                            self.store.set(key, &other, Some(version))?,
+                            SetOutcome::Stored
+                        );
+                    }
                 }
-                self.0.set(key, value, cas)
+                self.store.set(key, value, cas)
             }
         }
-        let d = dir(2);
-        let mut s = Racy(MemoryStore::default(), false);
+        let d = dir(3);
+        let mut s = Racy {
+            store: MemoryStore::default(),
+            dir: d,
+            armed: false,
+            conflicted: Default::default(),
+        };
         let c = cps(&text(64 * 4, 7));
         let mut l = d.lookup(&mut s, &c, 10);
         d.record(&mut s, &mut l, &c, 0, 10, (0, 0));
-        s.1 = true;
+        s.armed = true;
         let mut l = d.lookup(&mut s, &c, 20);
         d.record(&mut s, &mut l, &c, 1, 20, (0, 0));
-        // Both regions end up holding the prompt despite the conflict.
-        assert_eq!(d.lookup(&mut s, &c, 30).cached_blocks, vec![4, 4]);
+        // The conflict came at every entry region 1 wrote...
+        assert_eq!(
+            s.conflicted.len(),
+            c.len(),
+            "entries whose write met another writer's update"
+        );
+        // ...and each entry holds both writers' stamps as well as the
+        // first's: region 1's write retried on the other writer's entry,
+        // not over it.
+        s.armed = false;
+        for cp in &c {
+            let key = d.slot_key(cp.hash);
+            let (value, _) = s.get(key.as_str()).unwrap().unwrap();
+            let stamps: Vec<u64> = (0..3).map(|r| Directory::stamp(&value, r)).collect();
+            assert_eq!(
+                stamps,
+                [10, 20, 15],
+                "stamps of regions 0, 1, 2 at checkpoint {} (10: the first turn, 20: this write, 15: the other writer)",
+                cp.blocks
+            );
+        }
+        assert_eq!(d.lookup(&mut s, &c, 30).cached_blocks, vec![4, 4, 4]);
     }
 }
