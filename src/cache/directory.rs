@@ -670,19 +670,41 @@ mod tests {
         let mut convo = text(64 * 300, 4);
         let mut t = 1000;
         let mut writes = vec![];
-        for _ in 0..6 {
+        // Each checkpoint of the prompt with the time of the turn that first
+        // wrote it: its stamp stays that turn's (nothing restamped within
+        // half the TTL); 0: never written.
+        let mut stamped: Vec<(u32, u64)> = vec![];
+        for _ in 0..7 {
             let c = cps(&convo);
             let mut l = d.lookup(&mut s, &c, t);
             let before = s.sets;
             d.record(&mut s, &mut l, &c, 0, t, (0, 0));
             writes.push(s.sets - before);
-            convo.extend(text(64 * 5, 5));
+            for cp in c.iter().skip(stamped.len()) {
+                stamped.push((cp.blocks, t));
+            }
+            let now: Vec<(u32, u64)> = c
+                .iter()
+                .map(|cp| {
+                    let entry = s.map.get(d.slot_key(cp.hash).as_str());
+                    (cp.blocks, entry.map_or(0, |(v, _)| Directory::stamp(v, 0)))
+                })
+                .collect();
+            assert_eq!(
+                now, stamped,
+                "(checkpoint blocks, region 0's stamp) at {t} ms"
+            );
+            assert_eq!(
+                d.lookup(&mut s, &c, t).cached_blocks[0],
+                c.last().unwrap().blocks
+            );
+            convo.extend(text(64 * 50, 5));
             t += 1000;
         }
-        // The first turn writes all 16 checkpoints up to 300 blocks; later
-        // turns add at most one new checkpoint each.
-        assert_eq!(writes[0], 16);
-        assert!(writes[1..].iter().all(|&w| w <= 1), "{writes:?}");
+        // The first turn writes all 16 checkpoints up to 300 blocks; a later
+        // turn only the checkpoint it adds, if any: 384 blocks at the third
+        // (400 blocks), 512 at the sixth (550).
+        assert_eq!(writes, [16, 0, 1, 0, 0, 1, 0]);
     }
 
     fn prompt(text: &[u8]) -> crate::request::prefix::PromptPrefix {
