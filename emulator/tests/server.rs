@@ -551,46 +551,75 @@ fn errors_and_admin_controls() {
 
 #[test]
 fn paused_engine_queues_requests_fifo() {
+    // One slot, each request holding it for its 150 ms decode.
     let emu = Emulator::start(&[
         "--max-concurrency",
         "1",
         "--prefill-ms-per-token",
         "0",
         "--decode-ms-per-token",
-        "1",
+        "150",
     ]);
     let mut admin = emu.connect();
     admin.post_json("/admin/state", &json!({"paused": true}));
-    let addr = emu.addr.clone();
-    let waiter = thread::spawn(move || {
-        let stream = TcpStream::connect(addr).unwrap();
-        let mut c = Client {
-            reader: BufReader::new(stream.try_clone().unwrap()),
-            stream,
-        };
-        c.post_json(
-            "/v1/chat/completions",
-            &chat("queued", json!({"max_tokens": 1})),
-        )
-    });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let m = admin.request("GET", "/metrics", &[], b"").text();
-        if has_line(
-            &m,
-            "vllm:num_requests_waiting{engine=\"0\",model_name=\"emulated-model\"} 1.0",
-        ) {
-            break;
+    let wait_until_waiting = |admin: &mut Client, n: usize| {
+        let want = format!(
+            "vllm:num_requests_waiting{{engine=\"0\",model_name=\"emulated-model\"}} {n}.0"
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let m = admin.request("GET", "/metrics", &[], b"").text();
+            if has_line(&m, &want) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "request {n} never queued:\n{m}");
+            thread::sleep(Duration::from_millis(20));
         }
-        assert!(Instant::now() < deadline, "request never queued:\n{m}");
-        thread::sleep(Duration::from_millis(20));
+    };
+    // Four requests wait, arriving one after the other: each is seen
+    // queued before the next is sent.
+    const WAITERS: usize = 4;
+    let mut waiters = Vec::new();
+    for i in 0..WAITERS {
+        let mut c = emu.connect();
+        waiters.push(thread::spawn(move || {
+            let r = c.post_json(
+                "/v1/chat/completions",
+                &chat(&format!("queued {i}"), json!({"max_tokens": 1})),
+            );
+            (r, Instant::now())
+        }));
+        wait_until_waiting(&mut admin, i + 1);
     }
     thread::sleep(Duration::from_millis(100));
     admin.post_json("/admin/state", &json!({"paused": false}));
-    let r = waiter.join().unwrap();
-    assert_eq!(r.status, 200);
-    let queued: u64 = r.header("x-engine-queue-ms").unwrap().parse().unwrap();
-    assert!(queued >= 100, "queue-ms {queued}");
+    let answers: Vec<(Response, Instant)> =
+        waiters.into_iter().map(|w| w.join().unwrap()).collect();
+    for (i, (r, _)) in answers.iter().enumerate() {
+        assert_eq!(r.status, 200, "request {i}");
+    }
+    let queued: Vec<u64> = answers
+        .iter()
+        .map(|(r, _)| r.header("x-engine-queue-ms").unwrap().parse().unwrap())
+        .collect();
+    assert!(queued.iter().all(|&q| q >= 100), "queue-ms {queued:?}");
+    // Served in arrival order, one at a time: each answered about a decode
+    // (150 ms; at least a third of it, for a busy machine) after the one
+    // that arrived before it.
+    let mut order: Vec<usize> = (0..WAITERS).collect();
+    order.sort_by_key(|&i| answers[i].1);
+    assert_eq!(
+        order,
+        (0..WAITERS).collect::<Vec<_>>(),
+        "requests in the order they were answered (arrival order 0..{WAITERS}); queue-ms {queued:?}"
+    );
+    for pair in answers.windows(2) {
+        let gap = pair[1].1.duration_since(pair[0].1);
+        assert!(
+            gap >= Duration::from_millis(50),
+            "answers {gap:?} apart; queue-ms {queued:?}"
+        );
+    }
     // The slot is released once the response is written: poll briefly.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
