@@ -603,9 +603,7 @@ fn paused_engine_queues_requests_fifo() {
         .map(|(r, _)| r.header("x-engine-queue-ms").unwrap().parse().unwrap())
         .collect();
     assert!(queued.iter().all(|&q| q >= 100), "queue-ms {queued:?}");
-    // Served in arrival order, one at a time: each answered about a decode
-    // (150 ms; at least a third of it, for a busy machine) after the one
-    // that arrived before it.
+    // Served in arrival order, one at a time.
     let mut order: Vec<usize> = (0..WAITERS).collect();
     order.sort_by_key(|&i| answers[i].1);
     assert_eq!(
@@ -613,13 +611,13 @@ fn paused_engine_queues_requests_fifo() {
         (0..WAITERS).collect::<Vec<_>>(),
         "requests in the order they were answered (arrival order 0..{WAITERS}); queue-ms {queued:?}"
     );
-    for pair in answers.windows(2) {
-        let gap = pair[1].1.duration_since(pair[0].1);
-        assert!(
-            gap >= Duration::from_millis(50),
-            "answers {gap:?} apart; queue-ms {queued:?}"
-        );
-    }
+    // And by the engine's own account (no client thread's timing in it):
+    // each waited longer than the one that arrived before it, since it
+    // waited for that one's decode too (LIFO: the reverse).
+    assert!(
+        queued.windows(2).all(|w| w[1] > w[0]),
+        "queue-ms in arrival order {queued:?}"
+    );
     // The slot is released once the response is written: poll briefly.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
