@@ -682,12 +682,26 @@ pub fn shared_records(data: &[u8]) {
 
     // A peer's exchange message from the same bytes (garbage, mostly): a
     // refusal or a message that re-encodes to the very bytes, then merged
-    // into the directory over shared data read from the input.
+    // into the directory over shared data read from the input. Framed (a
+    // head of this layout and a checksum made for the bytes, so that the
+    // decoder past the checksum is reached), and its every single-bit
+    // change refused.
     let layout = exchange::layout(&cfg);
     let max = cfg.exchange.max_message_bytes as usize;
-    let mut framed = b"LGRX\x01\x00".to_vec();
+    let mut framed = b"LGRX".to_vec();
+    framed.push(exchange::VERSION);
+    framed.push(0);
     framed.extend_from_slice(&layout.to_le_bytes());
     framed.extend_from_slice(rest);
+    let framed = exchange::seal(framed);
+    if framed.len() > 10 {
+        let at = 10 + usize::try_from(now).unwrap_or(0) % (framed.len() - 10);
+        let mut damaged = framed.clone();
+        if let Some(b) = damaged.get_mut(at) {
+            *b ^= 1 << (now % 8);
+        }
+        assert!(exchange::Message::decode(&damaged, layout, n, max).is_err());
+    }
     for bytes in [rest, &framed[..]] {
         if let Ok(m) = exchange::Message::decode(bytes, layout, n, max) {
             assert_eq!(m.encode(layout, n), bytes);

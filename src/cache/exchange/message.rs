@@ -363,9 +363,7 @@ impl Message {
                 it.body.encode_into(&mut out);
             }
         }
-        let sum = xxhash_rust::xxh3::xxh3_64(&out);
-        out.extend_from_slice(&sum.to_le_bytes());
-        out
+        seal(out)
     }
 
     /// The whole message, checked: a message is taken whole or not at all.
@@ -445,6 +443,14 @@ impl Message {
             groups,
         })
     }
+}
+
+/// A message's bytes up to its groups' end, with the checksum appended:
+/// what [`Message::decode`] checks first.
+pub fn seal(mut bytes: Vec<u8>) -> Vec<u8> {
+    let sum = xxhash_rust::xxh3::xxh3_64(&bytes);
+    bytes.extend_from_slice(&sum.to_le_bytes());
+    bytes
 }
 
 /// A router's note to its probe: the body of an item of its own.

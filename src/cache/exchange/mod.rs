@@ -50,7 +50,7 @@ pub mod peers;
 
 pub use filter::{ExchangeStream, SharedMaps};
 pub use message::{
-    decode_note, encode_note, layout, Body, Group, Item, Load, Message, Refusal, MAGIC, MAX_HASHES,
-    NOTE_TAG, PEER_TAG, VERSION,
+    decode_note, encode_note, layout, seal, Body, Group, Item, Load, Message, Refusal, MAGIC,
+    MAX_HASHES, NOTE_TAG, PEER_TAG, VERSION,
 };
 pub use peers::{plan, Apply, Exchange, Merged, MAX_PEERS};
