@@ -20,6 +20,7 @@ True)`) for tests of load read from a Prometheus API.
 from __future__ import annotations
 
 import copy
+import difflib
 import http.client
 import json
 import os
@@ -374,6 +375,10 @@ def stop_vllm(engine: Engine) -> None:
         pass
 
 
+class MissingStat(LookupError):
+    """Envoy.stat asked for a stat Envoy does not have."""
+
+
 @dataclass
 class Envoy:
     proc: subprocess.Popen
@@ -394,8 +399,23 @@ class Envoy:
                 pass
         return out
 
-    def stat(self, name: str) -> int:
-        return self.stats(re.escape(name) + "$").get(name, 0)
+    def stat(self, name: str, missing_ok: bool = False) -> int:
+        """The value of the stat named exactly `name`. A stat Envoy does
+        not have is an error (MissingStat, naming the closest stats Envoy
+        has), never a 0: a renamed or misspelled stat would otherwise pass
+        every `== 0`. The plugin defines its stats when it starts, so they
+        exist with 0 before first use; pass `missing_ok=True` (then a
+        missing stat reads 0) only for one Envoy creates on first use."""
+        value = self.stats(re.escape(name) + "$").get(name)
+        if value is not None:
+            return value
+        if missing_ok:
+            return 0
+        # Close matches among the stats of the same first name part
+        # (`wasmcustom`, `cluster`, ...), else among all of them.
+        have = list(self.stats(re.escape(name.split(".")[0] + ".")) or self.stats(""))
+        close = difflib.get_close_matches(name, have, n=5, cutoff=0.6)
+        raise MissingStat(f"Envoy has no stat {name!r}; closest: {close or 'none'}; see {self.log_path}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
