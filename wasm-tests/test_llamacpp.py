@@ -168,16 +168,21 @@ def test_load_moves_away_from_a_region_whose_engine_defers_requests(llama):
     # same key); with that region's slots full and requests deferred
     # behind them, none goes there, and the probe shows the engine's own
     # figures.
-    def regions_of(tag: str, n: int) -> dict[str, int]:
-        seen: dict[str, int] = {}
+    def regions_of(tag: str, n: int) -> list[str]:
+        """The region each of n short cold prompts went to, in order."""
+        seq = []
         for i in range(n):
             r = request(llama.port, "POST", "/v1/chat/completions",
                         {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": f"{tag} {i}: hi"}]})
             assert r.status == 200, r.body[:300]
-            seen[r.route["region"]] = seen.get(r.route["region"], 0) + 1
-        return seen
+            seq.append(r.route["region"])
+        return seq
 
-    idle = regions_of("idle", 24)
+    def count(seq: list[str]) -> dict[str, int]:
+        return {region: seq.count(region) for region in dict.fromkeys(seq)}
+
+    idle_seq = regions_of("idle", 24)
+    idle = count(idle_seq)
     busy_region = max(idle, key=idle.get)
     engine = llama.engines[busy_region]
     load = Saturation(engine, SLOTS + 4)
@@ -189,15 +194,20 @@ def test_load_moves_away_from_a_region_whose_engine_defers_requests(llama):
         waiting = wait_stat(llama.envoy, f"region.{busy_region}.engine_waiting", lambda v: v >= 2)
         running = stat(llama.envoy, f"region.{busy_region}.engine_running")
         assert running == SLOTS, running
-        loaded = regions_of("loaded", 24)
+        loaded = count(regions_of("loaded", 24))
     finally:
         load.close()
-    print("idle:", idle, "loaded:", loaded, "busy:", busy_region, "waiting:", waiting)
+    print("idle:", idle_seq, "loaded:", loaded, "busy:", busy_region, "waiting:", waiting)
     # Idle, the cost sends the short cold prompts to one region (equal
-    # round trips; the rendezvous tie-break on a shared key), not a spread
-    # (an even split would be 8 each; the probe's round trips may reorder
-    # the regions once during the run).
-    assert idle.get(busy_region, 0) >= 12, idle
+    # round trips; the rendezvous tie-break on a shared key), not a spread:
+    # one region at a time, in one run of requests, or two if a probe round
+    # reorders the near-alike round trips once during the run. So the busy
+    # region took every idle prompt but those after (or before) one switch,
+    # and at least half of them. A spread (8/8/8, or two regions taking
+    # turns) switches at every few requests.
+    switches = [i for i in range(1, len(idle_seq)) if idle_seq[i] != idle_seq[i - 1]]
+    assert len(switches) <= 1, ("idle prompts spread, not concentrated", switches, idle_seq)
+    assert idle[busy_region] >= len(idle_seq) // 2, idle
     assert busy_region not in loaded, loaded
 
 
