@@ -182,28 +182,44 @@ def test_shared_data_stays_bounded_under_distinct_prompts_and_sessions(fleet_fac
     assert not harness.traps(envoy)
 
 
-def test_hash_seed_is_configurable_and_proxies_with_one_seed_agree(fleet_factory):
-    """Three Envoys of one deployment sharing through the exchange: two with
-    one seed, one with another (u64 max). Block hashes are seeded, so a
-    placement learnt through the first Envoy means the same prefix to the
-    second, which routes the next turn to its holder, and nothing to the
-    third, whose messages the others refuse whole as of another layout: it
-    routes the turn as a cold prompt, to the nearest region."""
-    seed_a, seed_b = 1, 2**64 - 1
+@pytest.mark.parametrize("seed3", ["other", "same"])
+def test_hash_seed_is_configurable_and_proxies_with_one_seed_agree(fleet_factory, seed3):
+    """Three Envoys of one deployment sharing through the exchange, each
+    listing all three as peers: Envoys 1 and 2 with one seed, Envoy 3 with
+    another (u64 max), or, as the control, the same one. Block hashes are
+    seeded, so a placement learnt through Envoy 1 means the same prefix to
+    Envoy 2, which routes the next turn to its holder. Envoy 3 receives the
+    same messages: of another seed it refuses them whole as of another
+    layout (and the others refuse its), merges nothing and routes the turn
+    as a cold prompt, to the nearest region; of the same seed it merges
+    them and routes the turn to its holder too."""
+    seed_a = 1
+    seed_b = 2**64 - 1 if seed3 == "other" else seed_a
     base = {"probe": TICK, "ladder": {"forced_level": 0}}
-    fleet = fleet_factory({**base, "prefix": {"hash_seed": seed_a}}, envoys=2, shared=True)
-    ports = fleet.exchange_ports + [harness.free_port()]
-    cfg_b = harness.render_config(fleet.engines, harness.free_port(), harness.free_port(),
-                                  {**base, "prefix": {"hash_seed": seed_b}}, peers=(ports[2], ports))
-    fleet.envoys.append(harness.start_envoy(fleet.run_dir, cfg_b, name="envoy-seed-b"))
-    fleet.wait_snapshot(fleet.envoys[2])
+    fleet = fleet_factory(base, envoys=0)
+    ports = [harness.free_port() for _ in range(3)]
+    for i, seed in enumerate((seed_a, seed_a, seed_b)):
+        cfg = harness.render_config(fleet.engines, harness.free_port(), harness.free_port(),
+                                    {**base, "prefix": {"hash_seed": seed}}, peers=(ports[i], ports))
+        fleet.envoys.append(harness.start_envoy(fleet.run_dir, cfg, name=f"envoy{i}-seed-{seed}"))
+    fleet.exchange_ports = ports
+    for e in fleet.envoys:
+        fleet.wait_snapshot(e)
     e1, e2, e3 = fleet.envoys
     stat = lambda e, n: e.stat("wasmcustom.llm_geo_router." + n)  # noqa: E731
+    counts = lambda: [(stat(e, "exchange.received"), stat(e, "exchange.refused"), stat(e, "exchange.merged"))  # noqa: E731
+                      for e in fleet.envoys]
 
     def wait_all(name, predicate, timeout=15.0):
         deadline = time.time() + timeout
         while not all(predicate(stat(e, name)) for e in fleet.envoys):
             assert time.time() < deadline, (name, [stat(e, name) for e in fleet.envoys])
+            time.sleep(0.05)
+
+    def until(cond, timeout=10.0):
+        deadline = time.time() + timeout
+        while not cond():
+            assert time.time() < deadline, ("(received, refused, merged) per Envoy", counts())
             time.sleep(0.05)
 
     # A first turn with an ~8 KB system prompt through Envoy 1 while near
@@ -219,23 +235,34 @@ def test_hash_seed_is_configurable_and_proxies_with_one_seed_agree(fleet_factory
              {"role": "user", "content": "and the next one"}]
     near.set_state(healthy=True)
     wait_all("region.near.healthy", lambda v: v == 1)
-    # Envoy 3 routes too, so it has news to send (and has it refused).
+    # Envoy 3 routes too, so it has news to send.
     r = chat(e3.port, [{"role": "user", "content": "a prompt of the other seed"}])
     assert r.status == 200
-    deadline = time.time() + 5
-    while stat(e2, "exchange.merged") < 1 or stat(e1, "exchange.refused") < 1 or stat(e2, "exchange.refused") < 1:
-        assert time.time() < deadline, [(stat(e, "exchange.merged"), stat(e, "exchange.refused"))
-                                        for e in fleet.envoys]
-        time.sleep(0.05)
+    # Envoy 2 has merged Envoy 1's news; Envoy 1 sent the same message to
+    # Envoy 3 in that round. Two more rounds from each of its peers reach
+    # Envoy 3 after that, so whatever it makes of the news it has made.
+    until(lambda: stat(e2, "exchange.merged") >= 1)
+    handled = lambda e: stat(e, "exchange.received") + stat(e, "exchange.refused")  # noqa: E731
+    h0 = handled(e3)
+    until(lambda: handled(e3) >= h0 + 4)
     # The same seed: the turn goes to its holder from the other Envoy.
     r = chat(e2.port, msgs)
     assert r.status == 200 and r.replica == "mid" and r.route["reason"] == "cache", r.route
-    # Another seed: Envoy 3 merged nothing (the others never send to it,
-    # and it could not read them), so the turn is cold there.
-    assert stat(e3, "exchange.merged") == 0
     r = chat(e3.port, msgs)
-    assert r.status == 200 and r.replica == "near" and r.route["reason"] == "rtt", r.route
-    for e in (e1, e2):
-        assert "another layout" in e.log()
+    if seed3 == "other":
+        # Envoy 3 heard every message and refused each as of another
+        # layout; so did the others Envoy 3's: it merged nothing, and the
+        # turn is cold there.
+        assert stat(e3, "exchange.refused") >= 4 and stat(e3, "exchange.received") == 0, counts()
+        assert stat(e3, "exchange.merged") == 0, counts()
+        assert stat(e1, "exchange.refused") >= 1 and stat(e2, "exchange.refused") >= 1, counts()
+        for e in fleet.envoys:
+            assert "another layout" in e.log()
+        assert r.status == 200 and r.replica == "near" and r.route["reason"] == "rtt", r.route
+    else:
+        # The control: the same messages, merged; the turn goes to its holder.
+        assert all(stat(e, "exchange.refused") == 0 for e in fleet.envoys), counts()
+        assert stat(e3, "exchange.merged") >= 1, counts()
+        assert r.status == 200 and r.replica == "mid" and r.route["reason"] == "cache", r.route
     for e in fleet.envoys:
         assert not harness.traps(e)
