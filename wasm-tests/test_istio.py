@@ -1552,20 +1552,27 @@ console.log(JSON.stringify(failures));
 
 def schema_package() -> Path:
     """The npm packages with Istio's CRD schemas and Kubernetes' (the OpenAPI
-    schemas, compiled to validators), installed once under wasm-tests/_runs."""
-    if not (shutil.which("node") and shutil.which("npm")):
-        pytest.skip("node/npm not installed: cannot install the Istio CRD schemas")
+    schemas, compiled to validators), installed once under wasm-tests/_runs.
+    A missing tool or a failed install fails the test, as test_oci.py does
+    on a missing tool: a skip would let a schema regression pass green.
+    Node.js and npm are on the project's machines (Node.js 20; Debian's
+    `nodejs` and `npm` packages elsewhere), and the npm registry is reached."""
+    for tool in ("node", "npm"):
+        if not shutil.which(tool):
+            pytest.fail(f"missing {tool}: install Node.js and npm (Debian's nodejs and npm packages) "
+                        "to check the manifests against the Istio CRD schemas", pytrace=False)
     modules = SCHEMA_DIR / "node_modules"
     if not all((modules / pkg.rsplit("@", 1)[0]).exists() for pkg in SCHEMA_PACKAGES):
         SCHEMA_DIR.mkdir(parents=True, exist_ok=True)
         (SCHEMA_DIR / "package.json").write_text('{"private": true, "type": "module"}\n')
         try:
-            r = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--silent", *SCHEMA_PACKAGES],
+            r = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--loglevel=error", *SCHEMA_PACKAGES],
                                cwd=SCHEMA_DIR, capture_output=True, text=True, timeout=300)
         except subprocess.TimeoutExpired:
-            pytest.skip(f"npm install {' '.join(SCHEMA_PACKAGES)} timed out")
+            pytest.fail(f"npm install {' '.join(SCHEMA_PACKAGES)} timed out after 300 s", pytrace=False)
         if r.returncode != 0:
-            pytest.skip(f"npm install {' '.join(SCHEMA_PACKAGES)} failed: {r.stderr[-500:]}")
+            pytest.fail(f"npm install {' '.join(SCHEMA_PACKAGES)} failed ({r.returncode}): {r.stderr[-1500:]}",
+                        pytrace=False)
     return SCHEMA_DIR
 
 
