@@ -1306,10 +1306,12 @@ def test_only_the_deployments_identity_reaches_the_exchange(flavour, run_dir):
     identity is refused: at the handshake by the gateway's listener (its SAN
     check), with 403 by the sidecar's RBAC filter (the AuthorizationPolicy);
     no certificate, and plain text, fail the handshake. Only the peer's
-    message reached the exchange filter."""
-    fleet = start_istio_fleet(flavour, run_dir)
+    message reached the exchange filter, and the other replica's (or pod's)
+    own messages, over the same port and checks, are merged: news learnt
+    there (a turn served by mid) is news here."""
+    fleet = start_istio_fleet(flavour, run_dir, envoys=2)
     try:
-        e = fleet.envoy
+        e, other = fleet.envoys
         before = {n: plugin_stat(e, f"exchange.{n}") for n in ("refused", "merged")}
         assert fleet.post(0, b"garbage") == 400
         assert fleet.post(0, b"", path="/other") == 404
@@ -1323,8 +1325,14 @@ def test_only_the_deployments_identity_reaches_the_exchange(flavour, run_dir):
         refused(lambda: fleet.post(0, b"garbage", identity=None))
         assert fleet.listener_stats(0)["ssl.fail_verify_no_cert"] == 1
         refused(lambda: fleet.post(0, b"garbage", tls=False))
+        # The deployment's own peer is heard: its news is merged.
+        turn_on_mid(fleet, other, f"istio-{flavour}-identity")
+        wait_stat([e], "exchange.merged", lambda v: v > before["merged"], timeout=5)
         assert plugin_stat(e, "exchange.refused") == before["refused"] + 1
-        assert plugin_stat(e, "exchange.merged") >= before["merged"]
+        if flavour == "gateway":
+            assert fleet.listener_stats(0)["ssl.fail_verify_san"] == 1
+        else:
+            assert sum(e.stats(r"rbac\.denied$").values()) == 1
         assert not harness.traps(e)
     finally:
         fleet.stop()
