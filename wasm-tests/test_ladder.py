@@ -155,10 +155,18 @@ def test_ratio_near_a_threshold_does_not_flap(fleet_factory):
     assert stat(envoy, "ladder.level") == 1
 
 
+RAMP_S = 10.0
+# How far this test's clock may be from the ramp's: the ramp starts at most
+# RAMP_START_S before the test sees the assessment back at ok (the probe's
+# snapshot that made near routable, then the stat poll), and a decision's
+# snapshot is at most RAMP_LAG_S (a probe tick and a margin) older than it.
+RAMP_START_S, RAMP_LAG_S = 0.5, 0.4
+
+
 def test_region_on_another_release_gets_nothing_and_is_reported_then_ramps_back(fleet_factory):
     # The nearest region is on another release: every cold prompt, which
     # would go to near, goes to mid instead.
-    fleet = fleet_factory({"probe": TICK, "release": {"ramp_s": 10}},
+    fleet = fleet_factory({"probe": TICK, "release": {"ramp_s": RAMP_S}},
                           engine_extra={"near": ["--release", "sha256:release-b"]})
     envoy = fleet.envoy
     wait_stat(envoy, "assessment.state", lambda v: v == 3)
@@ -171,26 +179,45 @@ def test_region_on_another_release_gets_nothing_and_is_reported_then_ramps_back(
     assert served.count("near") == 0
     assert served.count("mid") > 20
     assert "llm-geo-router probe: assessment rollback" in envoy.log()
-    # near comes back on the expected release: ramped in over 10 s, a
-    # prompt going there when rendezvous(first block, near) is below the
-    # ramp's share, so the share it takes grows.
+    # near comes back on the expected release: ramped in linearly over
+    # ramp_s, a prompt going there when rendezvous(first block, near) / 2^64
+    # is below the ramp's share (seconds since it became routable / ramp_s),
+    # else to mid, the next nearest. Sent until 2 s past the ramp's end.
     fleet.restart_engine("near")
     wait_stat(envoy, "assessment.state", lambda v: v == 0)
     t0 = time.time()
-    early, late = [], []
+    seen = []  # (seconds since t0 when sent, went to near)
     i = 0
-    while time.time() - t0 < 4.5:
+    while time.time() - t0 < RAMP_S + 2:
+        t = time.time() - t0
         r = chat(fleet.port, [{"role": "user", "content": filler(f"ramp-{i}", 300)}])
-        assert r.status == 200
-        (early if time.time() - t0 < 1.0 else late).append(r.replica)
+        assert r.status == 200 and r.replica in ("near", "mid"), (r.status, r.route)
+        seen.append((t, r.replica == "near"))
         i += 1
-    share = lambda xs: xs.count("near") / max(len(xs), 1)  # noqa: E731
-    print(f"near share: first second {share(early):.2f} of {len(early)}, after {share(late):.2f} of {len(late)}")
-    assert share(early) < share(late)
-    # At most 1/10 of the prompts a second, plus the moments between the
-    # ramp's start and this test seeing it.
-    assert share(early) <= 0.35
-    assert 0.15 <= share(late) < 0.9
+    # The share a prompt sent at t met: between these bounds.
+    clip = lambda x: min(1.0, max(0.0, x))  # noqa: E731
+    low = [clip((t - RAMP_LAG_S) / RAMP_S) for t, _ in seen]
+    high = [clip((t + RAMP_START_S) / RAMP_S) for t, _ in seen]
+    mids = [round(t, 2) for t, near in seen if not near]
+    after = [t for t, _ in seen if t >= RAMP_S + RAMP_LAG_S]
+    print(f"ramp: {len(seen)} prompts over {seen[-1][0]:.1f} s, {len(mids)} to mid, the last at "
+          f"{max(mids, default=0):.2f} s; {len(after)} after the ramp's end")
+    # Fully ramped by ramp_s: every prompt from then on goes to near.
+    assert len(after) >= 5, after
+    assert not [t for t in mids if t >= RAMP_S + RAMP_LAG_S], ("mid after the ramp's end", mids[-10:])
+    # And not before: prompts whose rendezvous is above the share still go
+    # to mid in the ramp's second half (a ramp 2x or more too short, full
+    # by ramp_s / 2 + a tick, sends none there then).
+    assert max(mids, default=0) >= RAMP_S / 2, ("ramped in before ramp_s / 2", mids[-10:])
+    # Linear: as many went to near as the share they met says, within
+    # three standard deviations.
+    near = sum(n for _, n in seen)
+    mid_p = [(a + b) / 2 for a, b in zip(low, high)]
+    sd = sum(p * (1 - p) for p in mid_p) ** 0.5
+    assert sum(low) - 3 * sd <= near <= sum(high) + 3 * sd, (near, sum(low), sum(high), sd)
+    # In the first second, at most a tenth of the share and then some.
+    early = [n for t, n in seen if t < 1.0]
+    assert sum(early) <= max(2, 0.35 * len(early)), early
 
 
 def test_free_traffic_goes_to_the_fallback_pool_at_level_four(fleet_factory):
