@@ -180,21 +180,35 @@ def test_the_client_retries_a_shed_request_after_retry_after(fleet_factory):
             model="demo", messages=[{"role": "user", "content": "shed me"}], max_tokens=4)
     assert err.value.response.headers["retry-after"] == "1"
     assert err.value.body["code"] == "degraded_mode_shed"
+    shed = envoy.stat("wasmcustom.llm_geo_router.guard.tier.free.shed")
+    assert shed == 1, shed
 
     # With its retries, it waits the Retry-After and tries again; the
     # operator holds level 0 meanwhile (clearing the override would step the
-    # level down one dwell at a time) and the retry is answered.
+    # level down one dwell at a time), once the guard has shed the client's
+    # first try (not after a guess at how long that takes), and the retry is
+    # answered.
+    lift_failed = []
+
     def lift():
-        time.sleep(0.3)
-        request(fleet.port, "POST", path, {"level": 0}, headers=OPERATOR)
-        wait_stat(envoy, "ladder.level", lambda v: v == 0)
+        try:
+            wait_stat(envoy, "guard.tier.free.shed", lambda v: v == shed + 1)
+            request(fleet.port, "POST", path, {"level": 0}, headers=OPERATOR)
+            wait_stat(envoy, "ladder.level", lambda v: v == 0)
+        except BaseException as e:  # re-raised below, where pytest sees it
+            lift_failed.append(e)
 
     t = threading.Thread(target=lift)
     started = time.time()
     t.start()
-    reply = client(fleet, max_retries=3).chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": "retry me"}], max_tokens=4)
-    t.join()
+    try:
+        reply = client(fleet, max_retries=3).chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "retry me"}], max_tokens=4)
+    finally:
+        t.join()
+        if lift_failed:
+            raise lift_failed[0]
     assert reply.choices[0].message.content
     assert time.time() - started >= 0.9  # it waited the Retry-After
-    assert envoy.stat("wasmcustom.llm_geo_router.guard.tier.free.shed") >= 2
+    # Shed once, then answered: the retry came after the operator's level 0.
+    assert envoy.stat("wasmcustom.llm_geo_router.guard.tier.free.shed") == shed + 1
