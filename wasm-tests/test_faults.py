@@ -134,12 +134,18 @@ def test_no_probe_singleton_routes_to_the_nearest_region(run_dir, fleet_factory)
 def test_snapshot_older_than_the_filters_accept_is_ignored(run_dir, fleet_factory):
     fleet = fleet_factory(FAST)
     # The probe runs its first round right after start, then once a minute;
-    # the filters accept a snapshot for 600 ms only.
+    # the filters accept a snapshot for 2 s only. near is down during that
+    # round (one failed health probe marks it), and back right after: the
+    # snapshot says near is down for the minute.
+    max_age_s = 2.0
+    near = fleet.engines["near"]
+    near.set_state(healthy=False)
     cfg = harness.render_config(fleet.engines, harness.free_port(), harness.free_port(),
-                                {"probe": {"tick_ms": 300, "timeout_ms": 300, "snapshot_max_age_ms": 600}})
+                                {"probe": {"tick_ms": 300, "timeout_ms": 300,
+                                           "snapshot_max_age_ms": int(max_age_s * 1000)}})
     plugins = list(harness.wasm_plugins(cfg))
     probe = json.loads(plugins[0]["configuration"]["value"])
-    probe["probe"] = {"tick_ms": 60000, "timeout_ms": 1000, "snapshot_max_age_ms": 120000}
+    probe["probe"] = {"tick_ms": 60000, "timeout_ms": 1000, "snapshot_max_age_ms": 120000, "unhealthy_after": 1}
     plugins[0]["configuration"]["value"] = json.dumps(probe)
     envoy = start(run_dir, fleet, cfg, "stale")
     # A snapshot existed: the first round published it (so the filters had
@@ -151,14 +157,22 @@ def test_snapshot_older_than_the_filters_accept_is_ignored(run_dir, fleet_factor
         for n in fleet.engines for path in ("/metrics", "/v1/models")), 10)
     assert until(lambda: envoy.stat(version) >= 1 + 2 * len(fleet.engines), 5)
     published = envoy.stat(version)
-    # Once older than 600 ms (waiting longer only makes it older): the
-    # nearest region with reason `fallback`, whatever the snapshot said.
+    assert envoy.stat("wasmcustom.llm_geo_router.region.near.healthy") == 0
+    near.set_state(healthy=True)
+    # The control: the same prompts while the snapshot is fresh are routed
+    # by it, around near (down there) to mid, the next nearest.
+    fresh = send(envoy.port, "stale", 3, pause=0)
+    assert all(s == 200 and rep == "mid" and why == "rtt" for s, rep, why in fresh), fresh
+    assert envoy.stat(version) == published
+    # Once older than the filters accept (waiting longer only makes it
+    # older): the nearest region with reason `fallback`, whatever the
+    # snapshot said.
     assert until(lambda: chat(envoy.port, [{"role": "user", "content": filler(f"aging-{time.time()}", 300)}])
-                 .route.get("reason") == "fallback", 5)
+                 .route.get("reason") == "fallback", max_age_s + 5)
     results = send(envoy.port, "stale", 10)
     assert all(s == 200 and rep == "near" and why == "fallback" for s, rep, why in results), results
     # No newer snapshot appeared meanwhile: the one that went stale is the
-    # one that was ignored.
+    # one that was ignored (the same snapshot that sent the control to mid).
     assert envoy.stat(version) == published
     assert probe_ticks(envoy) == 1
     assert not harness.traps(envoy)
