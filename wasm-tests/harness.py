@@ -144,40 +144,39 @@ class Engine:
 REPEATABLE_ENGINE_FLAGS = {"--echo-header", "--client-delay-ms"}
 
 
+def engine_flag_pairs(args: list) -> list[tuple[str, str | None]]:
+    """Emulator arguments as (flag, value) pairs, in order. A flag takes one
+    value (`--flag value` or `--flag=value`) unless the next argument is
+    another flag (a switch such as `--enable-cache-report`: value None)."""
+    out, i = [], 0
+    while i < len(args):
+        arg = str(args[i])
+        if arg.startswith("--") and "=" in arg:
+            flag, value = arg.split("=", 1)
+            out.append((flag, value))
+            i += 1
+        elif i + 1 < len(args) and not str(args[i + 1]).startswith("--"):
+            out.append((arg, str(args[i + 1])))
+            i += 2
+        else:
+            out.append((arg, None))
+            i += 1
+    return out
+
+
 def merge_engine_flags(base: list, extra: list) -> list:
     """Emulator flags `base` with `extra` applied: a flag in `extra` replaces
-    the same flag in `base`, a repeatable one is added. A flag takes one
-    value (`--flag value` or `--flag=value`) unless the next argument is
-    another flag (a switch such as `--enable-cache-report`)."""
-    def pairs(args: list) -> list[tuple[str, str | None]]:
-        out, i = [], 0
-        while i < len(args):
-            arg = str(args[i])
-            if arg.startswith("--") and "=" in arg:
-                flag, value = arg.split("=", 1)
-                out.append((flag, value))
-                i += 1
-            elif i + 1 < len(args) and not str(args[i + 1]).startswith("--"):
-                out.append((arg, str(args[i + 1])))
-                i += 2
-            else:
-                out.append((arg, None))
-                i += 1
-        return out
-
-    extra_pairs = pairs(extra)
+    the same flag in `base`, a repeatable one is added (engine_flag_pairs
+    reads them)."""
+    extra_pairs = engine_flag_pairs(extra)
     replaced = {flag for flag, _ in extra_pairs if flag not in REPEATABLE_ENGINE_FLAGS}
-    merged = [p for p in pairs(base) if p[0] not in replaced] + extra_pairs
+    merged = [p for p in engine_flag_pairs(base) if p[0] not in replaced] + extra_pairs
     return [x for flag, value in merged for x in ((flag,) if value is None else (flag, value))]
 
 
-def start_engine(name: str, run_dir: Path, delay_ms: float, mode: str = "vllm", extra: list | None = None,
-                 port: int = 0, plain: bool = False) -> Engine:
-    """An emulator replica with the fleet's test settings (network delay,
-    timing, echoed headers, the demo's release digest), `extra` replacing
-    any of them; `plain`: only `extra` beyond the address, name and mode
-    (the emulator as the engine it copies would be started)."""
-    log_path = run_dir / f"engine-{name}.log"
+def engine_flags(name: str, delay_ms: float, mode: str = "vllm", extra: list | None = None,
+                 port: int = 0, plain: bool = False) -> list[str]:
+    """The emulator's arguments start_engine runs it with (see there)."""
     base = ["--listen", f"127.0.0.1:{port}", "--name", name, "--mode", mode]
     if not plain:
         base += [
@@ -198,7 +197,17 @@ def start_engine(name: str, run_dir: Path, delay_ms: float, mode: str = "vllm", 
             # answer /v1/embeddings (a route the router does not read), which
             # a generative vLLM model would answer 404.
             base += ["--responses-store", "--embedding-model"]
-    args = [str(EMULATOR), *merge_engine_flags(base, extra or [])]
+    return merge_engine_flags(base, extra or [])
+
+
+def start_engine(name: str, run_dir: Path, delay_ms: float, mode: str = "vllm", extra: list | None = None,
+                 port: int = 0, plain: bool = False) -> Engine:
+    """An emulator replica with the fleet's test settings (network delay,
+    timing, echoed headers, the demo's release digest), `extra` replacing
+    any of them; `plain`: only `extra` beyond the address, name and mode
+    (the emulator as the engine it copies would be started)."""
+    log_path = run_dir / f"engine-{name}.log"
+    args = [str(EMULATOR), *engine_flags(name, delay_ms, mode, extra, port, plain)]
     out = open(log_path, "w")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=out, text=True)
     deadline = time.time() + 15

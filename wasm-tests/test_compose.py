@@ -223,14 +223,29 @@ def test_docker_compose_runs_the_generated_config_the_tested_envoy_and_every_end
     assert job["static_configs"][0]["targets"] == [f"{name}:9901" for name in ENVOYS.values()]
 
 
+def comparable_flags(args: list) -> list[tuple[str, object]]:
+    """Emulator arguments by flag name (harness.engine_flag_pairs), sorted,
+    a number's value as a number ("5" and "5.0" alike)."""
+    def value(v):
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            return v
+    return sorted(((f, value(v)) for f, v in harness.engine_flag_pairs(args)), key=repr)
+
+
 def test_compose_engines_run_as_the_suite_runs_them():
-    # Same emulator flags as harness.start_engine, apart from where it listens.
+    # Every emulator flag harness.start_engine gives the engine, by name and
+    # value (repeated ones as often), and no other, apart from where it
+    # listens (checked above).
     services = compose_file()["services"]
     for name, (_, delay, mode) in harness.ALL_ENGINES.items():
-        cmd = services[name.replace("_", "-")]["command"]
-        flags = dict(zip(cmd[::2], cmd[1::2]))
-        assert flags["--mode"] == mode and float(flags["--network-delay-ms"]) == delay, name
-        assert flags["--name"] == name
+        cmd = [str(a) for a in services[name.replace("_", "-")]["command"]]
+        got = [p for p in comparable_flags(cmd) if p[0] != "--listen"]
+        want = [p for p in comparable_flags(harness.engine_flags(name, delay, mode)) if p[0] != "--listen"]
+        missing = [p for p in want if p not in got]
+        unexpected = [p for p in got if p not in want]
+        assert got == want, (name, {"missing from docker-compose": missing, "not in the suite": unexpected})
 
 
 if __name__ == "__main__":
