@@ -854,13 +854,35 @@ fn admin_state(shared: &Shared, body: &[u8], echo: &Echo) -> Reply {
 /// One inference request: admission (FIFO), prefill, then the response,
 /// timed so the client sees queue + prefill before the first byte and
 /// decode pacing after it.
+/// `f` (a request's parse and tokenization) on the runtime's blocking
+/// pool, as vLLM tokenizes in a thread pool beside its event loop: a prompt
+/// of megabytes takes a second or more to tokenize, and on the two runtime
+/// threads two of them would stall every other request, `/health` and
+/// `/metrics` included, for as long. `None` if it panicked there.
+async fn off_the_runtime<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    tokio::task::spawn_blocking(f).await.ok()
+}
+
+/// The engine's own failure, for a request whose parse failed off the
+/// runtime.
+fn parse_failed(echo: &Echo) -> Reply {
+    error_reply(
+        500,
+        "the request could not be tokenized",
+        "internal_server_error",
+        echo,
+    )
+}
+
 async fn inference(shared: &Arc<Shared>, kind: Kind, body: &[u8], echo: &Echo) -> Reply {
     if !shared.lock().healthy {
         return error_reply(503, "replica is unhealthy", "service_unavailable", echo);
     }
-    let req = match openai::parse_request(kind, body) {
-        Ok(r) => r,
-        Err(msg) => return error_reply(400, &msg, INVALID, echo),
+    let owned = body.to_vec();
+    let req = match off_the_runtime(move || openai::parse_request(kind, &owned)).await {
+        Some(Ok(r)) => r,
+        Some(Err(msg)) => return error_reply(400, &msg, INVALID, echo),
+        None => return parse_failed(echo),
     };
     let cfg = &shared.config;
     if let Some(r) = unknown_model(cfg, req.model.as_deref()) {
@@ -1035,9 +1057,13 @@ async fn create_response(shared: &Arc<Shared>, body: &[u8], echo: &Echo) -> Repl
         }
     };
     let messages = responses::conversation(mode, &req, prev.as_ref());
-    let ids = match tokenizer::chat(&Value::Array(messages.clone())) {
-        Ok(ids) => ids,
-        Err(msg) => return refusal_reply(Refusal::bad_request(mode, &msg, None), Vec::new(), echo),
+    let rendered = Value::Array(messages.clone());
+    let ids = match off_the_runtime(move || tokenizer::chat(&rendered)).await {
+        Some(Ok(ids)) => ids,
+        Some(Err(msg)) => {
+            return refusal_reply(Refusal::bad_request(mode, &msg, None), Vec::new(), echo)
+        }
+        None => return parse_failed(echo),
     };
     if let Some(r) =
         responses::context_refusal(mode, ids.len(), req.max_output_tokens, cfg.max_model_len)
@@ -1166,9 +1192,11 @@ async fn embed(shared: &Arc<Shared>, body: &[u8], echo: &Echo) -> Reply {
     }
     let cfg = &shared.config;
     let mode = cfg.mode;
-    let req = match embeddings::parse_request(mode, body) {
-        Ok(r) => r,
-        Err(r) => return refusal_reply(r, Vec::new(), echo),
+    let owned = body.to_vec();
+    let req = match off_the_runtime(move || embeddings::parse_request(mode, &owned)).await {
+        Some(Ok(r)) => r,
+        Some(Err(r)) => return refusal_reply(r, Vec::new(), echo),
+        None => return parse_failed(echo),
     };
     if let Some(r) = embeddings::context_refusal(mode, &req, cfg.max_model_len) {
         return refusal_reply(r, Vec::new(), echo);

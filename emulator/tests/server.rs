@@ -1759,3 +1759,49 @@ fn the_per_request_overhead_is_paid_by_every_request() {
         );
     }
 }
+
+#[test]
+fn huge_prompts_being_tokenized_leave_health_answering() {
+    // Three prompts of 3 MB at once, each a second or more of tokenizing:
+    // on the runtime's two threads they stalled /health (and every other
+    // request) for as long, and a busy machine made that 10 s (issue 47,
+    // part 3). Tokenized beside the runtime, /health answers meanwhile.
+    let emu = Emulator::start(&[
+        "--max-model-len",
+        "4000000",
+        "--prefill-ms-per-token",
+        "0",
+        "--decode-ms-per-token",
+        "0",
+    ]);
+    let content: String = (0..300_000).map(|i| format!("h{:05} ", (i * 7919) % 100_000)).collect();
+    let started = Instant::now();
+    let huge: Vec<_> = (0..3)
+        .map(|k| {
+            let mut c = emu.connect();
+            let body = chat(&format!("{k} {content}"), json!({"max_tokens": 1}));
+            thread::spawn(move || {
+                let r = c.post_json("/v1/chat/completions", &body);
+                (r.status, started.elapsed())
+            })
+        })
+        .collect();
+    thread::sleep(Duration::from_millis(100));
+    let mut health = emu.connect();
+    let mut slowest = Duration::ZERO;
+    for _ in 0..5 {
+        let t = Instant::now();
+        assert_eq!(health.request("GET", "/health", &[], b"").status, 200);
+        slowest = slowest.max(t.elapsed());
+        thread::sleep(Duration::from_millis(50));
+    }
+    let done: Vec<(u16, Duration)> = huge.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(done.iter().all(|&(s, _)| s == 200), "{done:?}");
+    let quickest = done.iter().map(|&(_, d)| d).min().unwrap();
+    // Relative, not absolute: on any machine the huge prompts take their
+    // tokenizing time, and /health must not wait for it.
+    assert!(
+        slowest * 4 < quickest,
+        "/health took up to {slowest:?} while the huge prompts took {quickest:?} or more"
+    );
+}
