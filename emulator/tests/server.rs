@@ -1774,7 +1774,9 @@ fn huge_prompts_being_tokenized_leave_health_answering() {
         "--decode-ms-per-token",
         "0",
     ]);
-    let content: String = (0..300_000).map(|i| format!("h{:05} ", (i * 7919) % 100_000)).collect();
+    let content: String = (0..300_000)
+        .map(|i| format!("h{:05} ", (i * 7919) % 100_000))
+        .collect();
     let started = Instant::now();
     let huge: Vec<_> = (0..3)
         .map(|k| {
