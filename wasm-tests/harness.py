@@ -472,20 +472,26 @@ def peer_certs(directory: Path = PEER_CERTS) -> Path:
 CERT_DIRS_IN_CONFIGS = ("envoy/certs/", "/etc/envoy/certs/")
 
 
+def move_cert_paths(node, prefixes, to) -> None:
+    """Every `filename` of a parsed Envoy config that starts with one of
+    `prefixes`, moved under `to(name)` (`name`: what follows the prefix)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            prefix = next((p for p in prefixes if isinstance(v, str) and v.startswith(p)), None)
+            if k == "filename" and prefix is not None:
+                node[k] = to(v.removeprefix(prefix))
+            else:
+                move_cert_paths(v, prefixes, to)
+    elif isinstance(node, list):
+        for v in node:
+            move_cert_paths(v, prefixes, to)
+
+
 def absolute_cert_paths(node) -> None:
     """Every peer certificate's `filename` of a parsed Envoy config pointed
     at the deployment's certificates here (an absolute path), so that an
     Envoy started anywhere finds them."""
-    if isinstance(node, dict):
-        for k, v in node.items():
-            prefix = next((p for p in CERT_DIRS_IN_CONFIGS if isinstance(v, str) and v.startswith(p)), None)
-            if k == "filename" and prefix is not None:
-                node[k] = str(peer_certs() / v.removeprefix(prefix))
-            else:
-                absolute_cert_paths(v)
-    elif isinstance(node, list):
-        for v in node:
-            absolute_cert_paths(v)
+    move_cert_paths(node, CERT_DIRS_IN_CONFIGS, lambda name: str(peer_certs() / name))
 
 
 def peer_tls_context(certs: Path | None = None, client_cert: bool = True):

@@ -123,18 +123,7 @@ def strip_compose_differences(cfg: dict) -> dict:
     for p in harness.wasm_plugins(cfg):
         p["vm_config"]["code"]["local"]["filename"] = WASM_IN_DEMO
 
-    def certs_back(node):
-        if isinstance(node, dict):
-            for k, v in node.items():
-                if k == "filename" and isinstance(v, str) and v.startswith(CERTS_IN_CONTAINER):
-                    node[k] = CERTS_IN_DEMO + v.removeprefix(CERTS_IN_CONTAINER)
-                else:
-                    certs_back(v)
-        elif isinstance(node, list):
-            for v in node:
-                certs_back(v)
-
-    certs_back(cfg)
+    harness.move_cert_paths(cfg, [CERTS_IN_CONTAINER], lambda name: CERTS_IN_DEMO + name)
     by_service = {(s, SERVICE_PORT): port for port, s in SERVICES.items()}
     by_service.update({(s, PEER_PORT): port for port, s in ENVOYS.items()})
     for cl in cfg["static_resources"]["clusters"]:
