@@ -325,6 +325,10 @@ def test_a_killed_region_loses_no_request_and_its_restart_empties_the_cache(vllm
     # believed tokens while vLLM reported 0).
     prompt = [{"role": "system", "content": prose("restart", 6000)}, {"role": "user", "content": "Summarise."}]
     body = {"model": MODEL, "max_tokens": 4, "messages": prompt}
+    # The probe has read far's /metrics (its capacity) before the kill, so
+    # the restart is one it can see (run first in the module, the kill
+    # came before its first good scrape of far).
+    wait_stat(vllm.envoy, "region.far.kv_capacity_tokens", lambda v: v > 0, timeout=60)
     for _ in range(2):
         r = request(vllm.port, "POST", "/v1/chat/completions", body, headers={"x-llm-residency": "f"})
         assert r.status == 200 and r.route["region"] == "far", (r.status, r.route)

@@ -421,7 +421,11 @@ def plugin_series() -> list[str]:
     """The vLLM names the plugin reads (VLLM_SERIES in families.rs)."""
     src = FAMILIES_RS.read_text()
     block = src[src.index("const VLLM_SERIES"):src.index("const SGLANG_SERIES")]
-    return re.findall(r'"(vllm:[a-z_:]+)"', block)
+    names = re.findall(r'"(vllm:[a-z_:]+)"', block)
+    # The one unprefixed series, by its constant.
+    if "(PROCESS_START," in block:
+        names.append(re.search(r'const PROCESS_START: &str = "([a-z_]+)";', src).group(1))
+    return names
 
 
 def check_metrics(engines, d: Diffs) -> None:

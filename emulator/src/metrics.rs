@@ -44,6 +44,8 @@ pub struct Snapshot {
     pub max_model_len: usize,
     /// Requests received per path.
     pub requests: Vec<(String, u64)>,
+    /// When the serving process started (Unix s).
+    pub process_start_s: f64,
 }
 
 /// Label value escaping per the text format: backslash, quote, newline.
@@ -167,6 +169,18 @@ pub fn render(mode: Mode, model: &str, release: Option<&str>, s: &Snapshot) -> S
     };
     match mode {
         Mode::Vllm => {
+            // From Python's Prometheus client's default registry, which
+            // vLLM serves (SGLang's multiprocess registry has none).
+            o.family(
+                "process_start_time_seconds",
+                "gauge",
+                "Start time of the process since unix epoch in seconds.",
+            );
+            let _ = writeln!(
+                o.text,
+                "process_start_time_seconds {}",
+                value(s.process_start_s)
+            );
             o.gauge(
                 "vllm:num_requests_running",
                 "Number of requests in model execution batches.",
@@ -324,6 +338,7 @@ mod tests {
             block_tokens: 16,
             max_model_len: 4096,
             requests: vec![("/health".into(), 3), ("/metrics".into(), 1)],
+            process_start_s: 1796468503.92,
         }
     }
 
@@ -345,6 +360,8 @@ mod tests {
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig".to_string(),
             "# TYPE vllm:cache_config_info gauge".to_string(),
             "emulator_http_requests_total{path=\"/health\"} 3.0".to_string(),
+            "# TYPE process_start_time_seconds gauge".to_string(),
+            "process_start_time_seconds 1796468503.92".to_string(),
         ] {
             assert!(t.lines().any(|l| l == line), "missing {line}\n{t}");
         }
@@ -388,6 +405,7 @@ mod tests {
             assert!(t.lines().any(|l| l == line), "missing {line}\n{t}");
         }
         assert!(!t.contains("vllm:"));
+        assert!(!t.contains("process_start_time_seconds"));
     }
 
     #[test]

@@ -214,6 +214,10 @@ struct State {
     hang_inference: bool,
     /// Answers of `/v1/responses` kept for `previous_response_id` and GET.
     responses: responses::Store,
+    /// When the serving process started (Unix s), as vLLM's
+    /// `process_start_time_seconds` says: at launch, and again at
+    /// `/admin/reset`, which stands for a restart.
+    process_start_s: f64,
 }
 
 struct Shared {
@@ -304,6 +308,7 @@ impl Server {
             requests: BTreeMap::new(),
             garbage_seq: 0,
             responses: responses::Store::default(),
+            process_start_s: unix_secs_f64(),
         };
         // Names were validated as tokens; one that still did not convert
         // would simply not be echoed.
@@ -644,6 +649,7 @@ async fn dispatch(
                 st.engine.reset();
                 st.requests.clear();
                 st.responses.clear();
+                st.process_start_s = unix_secs_f64();
             }
             json_reply(200, Bytes::from_static(br#"{"status":"reset"}"#), echo)
         }
@@ -742,6 +748,7 @@ fn metrics_page(shared: &Shared, echo: &Echo) -> Reply {
                 block_tokens: st.engine.cache.block_tokens(),
                 max_model_len: cfg.max_model_len,
                 requests: request_counts(&st),
+                process_start_s: st.process_start_s,
             };
             metrics::render(cfg.mode, &cfg.model, cfg.release.as_deref(), &snapshot)
         }
@@ -1322,6 +1329,13 @@ impl AsyncWrite for WriteStallTimeout {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
     }
+}
+
+fn unix_secs_f64() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }
 
 fn unix_secs() -> u64 {

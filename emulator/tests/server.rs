@@ -517,7 +517,19 @@ fn errors_and_admin_controls() {
     c.post_json("/admin/state", &json!({"hang_probes": false}));
     assert_eq!(hung.read_response().status, 200);
 
+    // A reset stands for a restart: a new process start, as vLLM's says.
+    let start = |c: &mut Client| -> f64 {
+        let page = c.request("GET", "/metrics", &[], b"").text();
+        let line = page
+            .lines()
+            .find_map(|l| l.strip_prefix("process_start_time_seconds "))
+            .unwrap_or_else(|| panic!("no process start in {page}"));
+        line.parse().unwrap()
+    };
+    let before = start(&mut c);
+    std::thread::sleep(Duration::from_millis(20));
     assert_eq!(c.request("POST", "/admin/reset", &[], b"").status, 200);
+    assert!(start(&mut c) > before, "a reset keeps the process start");
     let stats = c.request("GET", "/admin/stats", &[], b"").json();
     assert_eq!(
         (

@@ -235,7 +235,13 @@ struct Station {
     /// Prompt tokens (as the segments count them) of the requests in its
     /// waiting queue: what a scrape reads.
     waiting_tokens: u64,
+    /// When its serving process started (sim ms; before the trace for
+    /// the engines running when it starts), as its `/metrics` says.
+    started_ms: f64,
 }
+
+/// The engines a trace starts with have served for an hour.
+const STARTED_BEFORE_MS: f64 = -3_600_000.0;
 
 #[derive(Debug, Clone, Copy)]
 struct HealthCheck {
@@ -683,6 +689,7 @@ impl<'a> Sim<'a> {
                         config,
                         held: BTreeSet::new(),
                         waiting_tokens: 0,
+                        started_ms: STARTED_BEFORE_MS,
                     })
                     .collect()
             })
@@ -990,6 +997,7 @@ impl Sim<'_> {
                         block_tokens: c.block_tokens(),
                         max_model_len: openai::MAX_OUTPUT_TOKENS,
                         requests: Vec::new(),
+                        process_start_s: (EPOCH_MS as f64 + s.started_ms) / 1000.0,
                     };
                     a.body = exposition::render(EngineMode::Vllm, trace::MODEL, None, &sample)
                         .into_bytes();
@@ -1602,6 +1610,7 @@ impl Sim<'_> {
         for s in replicas {
             s.engine = Engine::new(s.config);
             s.waiting_tokens = 0;
+            s.started_ms = now;
             held.extend(std::mem::take(&mut s.held));
         }
         // In request order, whatever the replicas.
@@ -2134,7 +2143,9 @@ mod tests {
         let mut sim = geo_sim(&f, &w, Source::default());
         step_until(&mut sim, 19_000.0);
         let snap = the_envoy(&sim).snapshot().unwrap();
-        assert_eq!(snap.regions[0].cache_reset_ms, None);
+        // Bounded by its engine's start, an hour before the trace.
+        let before = Some(EPOCH_MS - 3_600_000);
+        assert_eq!(snap.regions[0].cache_reset_ms, before);
         // The vLLM emulator's block, read from its cache_config_info.
         assert_eq!(snap.regions[0].block_tokens, Some(16));
         step_until(&mut sim, 45_000.0);
@@ -2144,7 +2155,7 @@ mod tests {
             (core_ms(40_000.0)..=core_ms(45_000.0)).contains(&reset),
             "{reset}"
         );
-        assert_eq!(snap.regions[1].cache_reset_ms, None);
+        assert_eq!(snap.regions[1].cache_reset_ms, before);
         // So the conversation, which far served through the outage, stays
         // there from cache once near is back (from 42 s): near's fresh
         // engine holds nothing, though the directory's entries from before

@@ -107,9 +107,11 @@ pub struct EngineSample {
     /// keeps a prompt's, so they age the cache too (`Fleet::on_engine_clock`).
     pub generation_tokens: Option<f64>,
     /// When the engine's serving process started (Unix seconds), from the
-    /// `process_start_time_seconds` every Python Prometheus client exports
-    /// (vLLM's and SGLang's servers); the largest over its series. Another
-    /// value at the next scrape is a restart, whatever the counters read.
+    /// `process_start_time_seconds` Python's Prometheus client exports
+    /// from its default registry (vLLM's server; not SGLang's multiprocess
+    /// one); the largest over its series. Another value at the next scrape
+    /// is a restart, whatever the counters read; nothing served before it
+    /// is in the cache, restart seen or not (`Fleet::on_metrics`).
     pub process_start_s: Option<f64>,
 }
 
@@ -212,6 +214,12 @@ impl PrefixFamily {
     ];
 }
 
+/// When the serving process started (Unix s), as Python's Prometheus
+/// client prints it from its default registry: vLLM's server has it (read
+/// from vLLM 0.32's /metrics). SGLang's multiprocess registry leaves it
+/// out; read where an exporter adds it.
+pub(crate) const PROCESS_START: &str = "process_start_time_seconds";
+
 const VLLM_SERIES: &[(&str, Series)] = &[
     ("vllm:num_requests_waiting", Series::Waiting),
     ("vllm:num_requests_running", Series::Running),
@@ -256,7 +264,7 @@ const VLLM_SERIES: &[(&str, Series)] = &[
     ("vllm:prompt_tokens_total", Series::PromptTokens),
     ("vllm:generation_tokens_total", Series::GenerationTokens),
     ("vllm:cache_config_info", Series::CacheConfigInfo),
-    ("process_start_time_seconds", Series::ProcessStart),
+    (PROCESS_START, Series::ProcessStart),
 ];
 
 const SGLANG_SERIES: &[(&str, Series)] = &[
@@ -269,7 +277,7 @@ const SGLANG_SERIES: &[(&str, Series)] = &[
     ("sglang:generation_tokens_total", Series::GenerationTokens),
     ("sglang:page_size", Series::PageSize),
     ("sglang:max_total_num_tokens", Series::MaxTotalTokens),
-    ("process_start_time_seconds", Series::ProcessStart),
+    (PROCESS_START, Series::ProcessStart),
 ];
 
 /// llama.cpp (`llama-server --metrics`) prints every series unlabelled and

@@ -19,7 +19,7 @@ use std::fmt;
 use crate::engines::exposition::{
     classify, is_label_name, is_metric_name, leading_metric_name, LineClass,
 };
-use crate::engines::families::{Series, Totals};
+use crate::engines::families::{Series, Totals, PROCESS_START};
 
 pub use crate::engines::capacity::{
     servable_tokens, CacheCapacity, CapacitySum, MAX_BLOCK_TOKENS, MAX_CACHE_TOKENS,
@@ -159,7 +159,9 @@ pub fn parse_engine_metrics(
         if first_namespaced.is_none() && name.contains(&b':') {
             first_namespaced = Some(name);
         }
-        let series = if name.starts_with(prefix) {
+        // The engine's own series carry its prefix; the one process series
+        // read (`process_start_time_seconds`) has none.
+        let series = if name.starts_with(prefix) || name == PROCESS_START.as_bytes() {
             wanted
                 .iter()
                 .find(|(wanted_name, _)| wanted_name.as_bytes() == name)
@@ -265,6 +267,24 @@ impl<'a> ReleaseLabel<'a> {
 mod tests {
     use super::*;
     use crate::engines::families::tests::{vllm_v1_payload, LLAMACPP_PAYLOAD};
+
+    #[test]
+    fn the_process_start_is_read_though_it_has_no_engine_prefix() {
+        // As vLLM 0.32 prints it, among other unprefixed process series.
+        let page = b"# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 1.79646850392e+09\nprocess_open_fds 32.0\nvllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 0.0\n";
+        let s = parse_engine_metrics(EngineKind::Vllm, page, None).unwrap();
+        assert_eq!(s.process_start_s, Some(1.79646850392e9));
+        let s = parse_engine_metrics(
+            EngineKind::Llamacpp,
+            b"llamacpp:requests_deferred 0\nprocess_start_time_seconds 5\n",
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            s.process_start_s, None,
+            "llama.cpp's table does not read it"
+        );
+    }
 
     #[test]
     fn another_familys_payload_is_a_failed_scrape_naming_what_came_back() {

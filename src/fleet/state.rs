@@ -81,8 +81,9 @@ struct Region {
     block_tokens: Option<u32>,
     /// The counter that tells the engine's restarts, as last read.
     restarts: RestartWatch,
-    /// When the probe last saw the engine restart (Unix ms): its cache
-    /// held nothing the region served before.
+    /// Since when the engine's cache can hold what the region served
+    /// (Unix ms): the last restart the probe saw, or its serving process's
+    /// start (`process_start_time_seconds`), whichever is later.
     cache_reset_ms: Option<u64>,
 }
 
@@ -401,6 +402,20 @@ impl Fleet {
         match sample {
             Some(s) => {
                 restart = r.restarts.observe(&s, r.replicas.unwrap_or(1));
+                // Nothing the region served before its serving process
+                // started can be in that process's cache, whether or not
+                // the probe saw the restart (an engine that died and came
+                // back before this probe's first good scrape of it). A
+                // start after now is the engine's clock ahead of ours:
+                // no bound.
+                if let Some(start_ms) = s
+                    .process_start_s
+                    .filter(|v| v.is_finite() && *v > 0.0)
+                    .map(|v| (v * 1000.0) as u64)
+                    .filter(|ms| *ms <= now_ms)
+                {
+                    r.cache_reset_ms = Some(r.cache_reset_ms.map_or(start_ms, |t| t.max(start_ms)));
+                }
                 r.drain.observe(cfg, s.completed, now_ms);
                 r.hits.observe(cfg, s.prefix_hits, now_ms);
                 if let Some(CacheCapacity::Tokens(t)) = s.cache_capacity {

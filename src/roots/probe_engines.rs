@@ -963,6 +963,58 @@ vllm:num_requests_running{model_name=\"m\"} 8.0\nvllm:num_requests_waiting{model
     }
 
     #[test]
+    fn a_restart_no_scrape_saw_is_bounded_by_the_processs_start() {
+        use crate::decision::cost::Reason;
+        // mid's engine died and came back between two of this probe's
+        // scrapes of it with no good one before (the probe had just
+        // started): no counter went back and no start time changed, so no
+        // restart is seen. Its new process's start still says what its
+        // cache cannot hold.
+        let c = cfg("");
+        let started_at = |ms: u64| {
+            move |cluster: &str| {
+                let start = if cluster == "cm" { ms } else { T0 - 3_600_000 };
+                format!(
+                    "{}process_start_time_seconds {}\n",
+                    with_counters(700),
+                    start as f64 / 1000.0
+                )
+            }
+        };
+        for (start, believed) in [
+            // After the prompt was served: not held.
+            (T0 + 2500, false),
+            // Before it (the same process served it): held.
+            (T0 + 1000, true),
+            // After now: the engine's clock is ahead of ours, no bound.
+            (T0 + 60_000, true),
+        ] {
+            let mut host = Recorder::default();
+            let mut p = started(&c, "a", &mut host);
+            round_with(&mut p, &mut host, T0 + 1000, &|_| {
+                "\x00garbage{".to_string()
+            });
+            let d = next_turn(&c, &mut host, Some(T0 + 1500), T0 + 1800);
+            assert_eq!((d.region, d.reason), (1, Reason::Cache), "{:?}", d.costs);
+            round_with(&mut p, &mut host, T0 + 3000, &started_at(start));
+            let d = next_turn(&c, &mut host, None, T0 + 3100);
+            assert_eq!(
+                d.costs[1].cached_tokens > 500,
+                believed,
+                "start {start}: {:?}",
+                d.costs
+            );
+            assert_eq!(host.value(Stat::Region(1, RegionStat::EngineRestart)), 0);
+            let reset = published(&host).regions[1].cache_reset_ms;
+            assert_eq!(
+                reset,
+                (start <= T0 + 3005).then_some(start),
+                "start {start}"
+            );
+        }
+    }
+
+    #[test]
     fn a_scrape_without_the_counters_is_no_restart() {
         use crate::decision::cost::Reason;
         let c = cfg("");
