@@ -10,6 +10,7 @@ per-region outcome counters), not on wall-clock windows, so that a loaded
 machine makes the suite slower, not red."""
 
 import json
+import re
 import socket
 import threading
 import time
@@ -27,7 +28,7 @@ def send(port, tag, n, pause=0.02, envoy=None):
     out = []
     for i in range(n):
         tick = (probe_ticks(envoy),) if envoy else ()
-        r = chat(port, [{"role": "user", "content": filler(f"{tag}-{i}", 300)}], timeout=10)
+        r = chat(port, [{"role": "user", "content": filler(f"{tag}-{i}", 300)}], timeout=30)
         out.append((r.status, r.replica, r.route.get("reason"), *tick))
         time.sleep(pause)
     return out
@@ -48,8 +49,9 @@ def until(cond, timeout=10.0):
 
 
 def test_engine_answering_500_is_ejected_then_readmitted(fleet_factory):
-    # Ejected for 10 s: longer than the 40 requests take on a busy machine.
-    fleet = fleet_factory(harness.deep_merge(FAST, {"probe": {"eject_s": 10}}))
+    # Ejected for 30 s: longer than the 40 requests take on a busy machine
+    # (10 s was not: near was back before the test looked).
+    fleet = fleet_factory(harness.deep_merge(FAST, {"probe": {"eject_s": 30}}))
     envoy = fleet.envoy
     fleet.engines["near"].set_state(fail_status=500)
     first = send(fleet.port, "fail", 40, envoy=envoy)
@@ -77,9 +79,9 @@ def test_engine_answering_500_is_ejected_then_readmitted(fleet_factory):
           f"failures per round sent: {[sum(1 for r in failed if r[3] == t) for t in range(first_tick, ejected_at + 1)]}")
     assert first_tick + 2 <= ejected_at <= first_tick + 3, (first_tick, ejected_at)
     assert all(r[3] <= ejected_at for r in failed), (ejected_at, failed)
-    # Fixed: after `eject_s` (10 s here) it takes traffic again.
+    # Fixed: after `eject_s` (30 s here) it takes traffic again.
     fleet.engines["near"].set_state(fail_status=0)
-    assert until(lambda: fleet.envoy.stat("wasmcustom.llm_geo_router.region.near.healthy") == 1, 15)
+    assert until(lambda: fleet.envoy.stat("wasmcustom.llm_geo_router.region.near.healthy") == 1, 60)
     again = send(fleet.port, "fixed", 5)
     assert all(s == 200 for s, _, _ in again) and again[0][1] == "near", again
     print(f"engine 500s seen by clients: {len(failed)} of {len(first)}, then none")
@@ -92,16 +94,16 @@ def test_engine_whose_probes_hang_or_are_too_slow_is_avoided(fleet_factory):
                         ({"network_delay_ms": 600}, {"network_delay_ms": 5})]:
         near.set_state(**fault)
         # Unhealthy after two timed-out probes (timeout 300 ms).
-        assert until(lambda: fleet.envoy.stat("wasmcustom.llm_geo_router.region.near.healthy") == 0, 5), fault
+        assert until(lambda: fleet.envoy.stat("wasmcustom.llm_geo_router.region.near.healthy") == 0, 30), fault
         results = send(fleet.port, f"avoid-{list(fault)[0]}", 10)
         assert all(s == 200 and rep == "mid" for s, rep, _ in results), (fault, results)
         near.set_state(**undo)
-        assert until(lambda: fleet.envoy.stat("wasmcustom.llm_geo_router.region.near.healthy") == 1, 5), undo
+        assert until(lambda: fleet.envoy.stat("wasmcustom.llm_geo_router.region.near.healthy") == 1, 30), undo
         # Back in routing; cold prompts return once its RTT estimate (an EWMA
         # that the last slow probes raised) is below mid's again.
         tag = list(fault)[0]
         assert until(lambda: chat(fleet.port, [{"role": "user", "content": filler(f"back-{tag}-{time.time()}", 300)}])
-                     .replica == "near", 8), undo
+                     .replica == "near", 30), undo
     assert not harness.traps(fleet.envoy)
 
 
@@ -134,10 +136,10 @@ def test_no_probe_singleton_routes_to_the_nearest_region(run_dir, fleet_factory)
 def test_snapshot_older_than_the_filters_accept_is_ignored(run_dir, fleet_factory):
     fleet = fleet_factory(FAST)
     # The probe runs its first round right after start, then once a minute;
-    # the filters accept a snapshot for 2 s only. near is down during that
+    # the filters accept a snapshot for 4 s only. near is down during that
     # round (one failed health probe marks it), and back right after: the
     # snapshot says near is down for the minute.
-    max_age_s = 2.0
+    max_age_s = 4.0
     near = fleet.engines["near"]
     near.set_state(healthy=False)
     cfg = harness.render_config(fleet.engines, harness.free_port(), harness.free_port(),
@@ -154,21 +156,27 @@ def test_snapshot_older_than_the_filters_accept_is_ignored(run_dir, fleet_factor
     version = "wasmcustom.llm_geo_router.probe.snapshot_version"
     assert until(lambda: envoy.stat(version) >= 1 and all(
         fleet.engines[n].stats()["requests"].get(path, 0) >= 1
-        for n in fleet.engines for path in ("/metrics", "/v1/models")), 10)
-    assert until(lambda: envoy.stat(version) >= 1 + 2 * len(fleet.engines), 5)
+        for n in fleet.engines for path in ("/metrics", "/v1/models")), 30)
+    assert until(lambda: envoy.stat(version) >= 1 + 2 * len(fleet.engines), 30)
     published = envoy.stat(version)
     assert envoy.stat("wasmcustom.llm_geo_router.region.near.healthy") == 0
     near.set_state(healthy=True)
     # The control: the same prompts while the snapshot is fresh are routed
-    # by it, around near (down there) to mid, the next nearest.
+    # by it, around near (down there) to mid, the next nearest. On a busy
+    # machine the snapshot may age past 4 s within these three: from then
+    # on they fall back, never the other way, and the first is the
+    # snapshot's.
     fresh = send(envoy.port, "stale", 3, pause=0)
-    assert all(s == 200 and rep == "mid" and why == "rtt" for s, rep, why in fresh), fresh
+    routed = [(s, rep, why) for s, rep, why in fresh]
+    aged = next((i for i, r in enumerate(routed) if r[2] == "fallback"), len(routed))
+    assert aged >= 1 and all(r == (200, "mid", "rtt") for r in routed[:aged]), fresh
+    assert all(r == (200, "near", "fallback") for r in routed[aged:]), fresh
     assert envoy.stat(version) == published
     # Once older than the filters accept (waiting longer only makes it
     # older): the nearest region with reason `fallback`, whatever the
     # snapshot said.
     assert until(lambda: chat(envoy.port, [{"role": "user", "content": filler(f"aging-{time.time()}", 300)}])
-                 .route.get("reason") == "fallback", max_age_s + 5)
+                 .route.get("reason") == "fallback", max_age_s + 30)
     results = send(envoy.port, "stale", 10)
     assert all(s == 200 and rep == "near" and why == "fallback" for s, rep, why in results), results
     # No newer snapshot appeared meanwhile: the one that went stale is the
@@ -222,12 +230,17 @@ def test_cancelled_requests_are_no_failure_of_a_slow_region(fleet_factory):
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("rq_total", "client_cancelled", "upstream_failure",
                                                              "upstream_rq_answered")}
     print("cancellation storm on near:", delta)
-    # At least 20 went to near (the placement bound may send a new
-    # conversation elsewhere while two are in flight there), and every one
-    # of them was cancelled before near's first byte; the others were
-    # answered where they went.
-    assert delta["rq_total"] >= 20, delta
-    assert sum(1 for g in got if not g) == delta["rq_total"], [g[:40] for g in got]
+    # Most went to near (the placement bound may send a new conversation
+    # elsewhere while two are in flight there; on a busy machine Envoy
+    # reads a cancellation later, so more are in flight: 18 of 24 seen),
+    # and every one of them was cancelled before near's first byte; the
+    # others were answered where they went. Spread over the storm's 16
+    # ticks or more, that many counted as failures would eject near.
+    assert delta["rq_total"] >= len(got) // 2, delta
+    # No client saw a byte from near (one sent elsewhere may also be
+    # unanswered at 0.4 s on a busy machine).
+    assert not [g for g in got if re.search(rb"(?im)^x-llm-route:.*region=near", g)], [g[:300] for g in got]
+    assert sum(1 for g in got if not g) >= delta["rq_total"], [g[:40] for g in got]
     assert delta["client_cancelled"] == delta["rq_total"], delta
     assert delta["upstream_failure"] == 0, delta
     assert delta["upstream_rq_answered"] == 0, delta
@@ -256,36 +269,38 @@ def test_engine_whose_inference_hangs_is_ejected_via_the_first_byte_deadline(fle
     fleet.engines["near"].set_state(hang_inference=True)
 
     def batch(tag):
-        """Two streamed cold prompts at once (a third would be a new
-        conversation over near's placement bound); both time out at near."""
-        out = []
-        threads = [threading.Thread(target=lambda i=i: out.append(chat(
-            fleet.port, [{"role": "user", "content": filler(f"{tag}-{i}", 300)}], stream=True, timeout=20)))
-            for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
-        assert [(r.status, r.route.get("region")) for r in out] == [(504, "near")] * 2, [r.route for r in out]
-        return out
+        """One streamed cold prompt, which times out at near: one failure,
+        read at one tick whatever the machine's load (two at once could
+        end either side of a tick: two ticks of evidence)."""
+        r = chat(fleet.port, [{"role": "user", "content": filler(tag, 300)}], stream=True, timeout=20)
+        assert (r.status, r.route.get("region")) == (504, "near"), (r.status, r.route, r.body[:200])
+        return r
 
     first = batch("hang-a")
     # Envoy's reply, in the OpenAI error format, saying which deadline.
-    err = json.loads(first[0].body)["error"]
+    err = json.loads(first.body)["error"]
     assert err["code"] == "upstream_per_try_idle_timeout" and err["type"] == "server_error", err
-    # The next tick reads two failures: one tick of evidence, not yet
+    # The next tick reads the failure: one tick of evidence, not yet
     # unhealthy_after (2).
     wait_ticks(envoy, 1)
-    assert region_stats(envoy, "near")["upstream_failure"] == 2
+    assert region_stats(envoy, "near")["upstream_failure"] == 1
     assert "region near ejected" not in envoy.log()
     assert region_stats(envoy, "near")["healthy"] == 1
     # Ticks without outcomes neither add nor forgive; the second batch's
-    # timeouts, read at the next tick, make two: ejected at that tick.
+    # timeouts, read at the next tick, make two: ejected at that tick. On
+    # a busy machine that tick may come before this client has read the
+    # tick count after the batch, so the ejecting tick is after every tick
+    # before the batch was sent and at most the first after it was read.
     wait_ticks(envoy, 2)
+    assert "region near ejected" not in envoy.log()
+    sent = probe_ticks(envoy)
     batch("hang-b")
-    tick = wait_ticks(envoy, 1)
+    answered = probe_ticks(envoy)
+    wait_ticks(envoy, 1)
+    assert until(lambda: "region near ejected" in envoy.log(), 30)
     line = next(l for l in envoy.log().splitlines() if "region near ejected" in l)
-    assert f"probe tick {tick})" in line, (tick, line)
+    ejected = int(line.rsplit("probe tick ", 1)[1].rstrip(")"))
+    assert sent < ejected <= answered + 1, (sent, answered, line)
     assert region_stats(envoy, "near")["healthy"] == 0
     # From then on no new request goes to near.
     later = [chat(fleet.port, [{"role": "user", "content": filler(f"after-{i}", 300)}]) for i in range(5)]
@@ -293,31 +308,40 @@ def test_engine_whose_inference_hangs_is_ejected_via_the_first_byte_deadline(fle
 
 
 def test_retry_on_another_region_is_charged_to_that_region(fleet_factory):
-    # One probe round every 10 s: after near's engine is killed the router
-    # keeps choosing near for seconds, and each request's connection is
-    # refused and retried on another region's engine (retry_priority).
-    fleet = fleet_factory({"probe": {"tick_ms": 10000, "timeout_ms": 1000, "snapshot_max_age_ms": 30000}})
+    # After near's engine is killed the router keeps choosing near until
+    # the probe sees it down, and each such request's connection is refused and retried
+    # on another region's engine (retry_priority). Each request is judged
+    # by the decision it carries, so a probe round during the test (a busy
+    # machine) changes how many are near's, not what is checked.
+    fleet = fleet_factory({"probe": {"tick_ms": 5000, "timeout_ms": 1000, "snapshot_max_age_ms": 30000}})
     envoy = fleet.envoy
+    # The router prefers near before the kill (its round trip is measured
+    # by the probe's rounds; one sample on a busy machine may not show it).
+    assert until(lambda: chat(fleet.port, [{"role": "user", "content": filler(f"warm-{time.time()}", 300)}])
+                 .route.get("region") == "near", 30)
     before = {n: region_stats(envoy, n) for n in fleet.engines}
-    ticks = probe_ticks(envoy)
     fleet.engines["near"].kill()
     served = []
     for i in range(6):
         r = chat(fleet.port, [{"role": "user", "content": filler(f"retry-{i}", 300)}])
         assert r.status == 200, r.body
         served.append((r.route["region"], r.replica))
-    # The probe has not looked since the kill, so every decision was near's.
-    assert probe_ticks(envoy) == ticks, "a probe round ran during the test; it needs a longer tick"
-    assert all(region == "near" and replica in ("mid", "far") for region, replica in served), served
+    near = [rep for region, rep in served if region == "near"]
+    # The first decisions after the kill are near's, until the probe's
+    # next round (up to 5 s later) sees it down (a failed health probe and
+    # a failed scrape: two signals at once).
+    assert near and served[0][0] == "near", served
+    assert all(rep in ("mid", "far") for rep in near), served
+    assert all(region == rep for region, rep in served if region != "near"), served
     after = {n: region_stats(envoy, n) for n in fleet.engines}
     delta = {n: {k: after[n].get(k, 0) - before[n].get(k, 0)
                  for k in ("rq_total", "upstream_failure", "upstream_rq_answered")} for n in fleet.engines}
-    print("decisions near, served by", [rep for _, rep in served], "->", delta)
+    print("decisions", [region for region, _ in served], "served by", [rep for _, rep in served], "->", delta)
     # One failure for the region first chosen per request, the answer for
     # the region that served it; the decisions stay near's.
-    assert delta["near"] == {"rq_total": 6, "upstream_failure": 6, "upstream_rq_answered": 0}, delta
+    assert delta["near"] == {"rq_total": len(near), "upstream_failure": len(near), "upstream_rq_answered": 0}, delta
     for n in ("mid", "far"):
-        assert delta[n] == {"rq_total": 0, "upstream_failure": 0,
+        assert delta[n] == {"rq_total": sum(region == n for region, _ in served), "upstream_failure": 0,
                             "upstream_rq_answered": sum(rep == n for _, rep in served)}, (n, delta)
     assert envoy.stat("wasmcustom.llm_geo_router.router.outcome_unattributed") == 0
 
@@ -380,8 +404,8 @@ def regional_proxy(run_dir, engine_port: int) -> harness.Envoy:
 
 
 def test_an_engine_lost_behind_a_regional_proxy_loses_no_request(run_dir):
-    # near's engine sits behind a regional proxy; one probe round every
-    # 10 s, so after the kill the router keeps choosing near. The proxy
+    # near's engine sits behind a regional proxy; one probe round a minute,
+    # so after the kill the router keeps choosing near. The proxy
     # answers each request 503 (it cannot reach the engine), and the
     # shipped retry policy retries a 503 on the other regions' engines
     # (issue 45, item 11: before, 8 requests in 0.45 s reached clients as
@@ -400,7 +424,7 @@ def test_an_engine_lost_behind_a_regional_proxy_loses_no_request(run_dir):
                         if addr["port_value"] == near_port:
                             addr["port_value"] = proxy.port
 
-        fleet.start({"probe": {"tick_ms": 10000, "timeout_ms": 1000, "snapshot_max_age_ms": 30000}},
+        fleet.start({"probe": {"tick_ms": 60000, "timeout_ms": 1000, "snapshot_max_age_ms": 120000}},
                     envoy_edit=behind_proxy)
         r = chat(fleet.port, [{"role": "user", "content": filler("proxied", 300)}])
         assert r.status == 200 and r.replica == "near", (r.status, r.headers)
