@@ -174,7 +174,8 @@ def test_another_familys_metrics_are_failed_scrapes_and_a_saturated_near_is_not_
     warnings = [l for l in envoy.log().splitlines() if "region near: metrics scrape failed" in l]
     assert len(warnings) == 1, warnings
     assert ("metrics payload has no sglang load figure (sglang:num_queue_reqs, sglang:num_running_reqs); "
-            "its first sample is vllm:num_requests_running (is regions[].engine right?)") in warnings[0], warnings
+            "its first sample is process_start_time_seconds, its first namespaced metric "
+            "vllm:num_requests_running (is regions[].engine right?)") in warnings[0], warnings
     # Health is judged by the health probe: near stays in routing.
     assert envoy.stat("wasmcustom.llm_geo_router.region.near.healthy") == 1
     # The regions configured right are scraped as before.
