@@ -1339,8 +1339,5 @@ fn unix_secs_f64() -> f64 {
 }
 
 fn unix_secs() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    unix_secs_f64() as u64
 }

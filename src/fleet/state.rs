@@ -88,6 +88,11 @@ struct Region {
 }
 
 impl Region {
+    /// Its engine's cache held nothing the region served before `ms`.
+    fn cache_empty_since(&mut self, ms: u64) {
+        self.cache_reset_ms = Some(self.cache_reset_ms.map_or(ms, |t| t.max(ms)));
+    }
+
     /// Healthy by its probe and not ejected for live failures.
     fn in_service(&self) -> bool {
         self.healthy && self.ejected_until_ms.is_none()
@@ -414,7 +419,7 @@ impl Fleet {
                     .map(|v| (v * 1000.0) as u64)
                     .filter(|ms| *ms <= now_ms)
                 {
-                    r.cache_reset_ms = Some(r.cache_reset_ms.map_or(start_ms, |t| t.max(start_ms)));
+                    r.cache_empty_since(start_ms);
                 }
                 r.drain.observe(cfg, s.completed, now_ms);
                 r.hits.observe(cfg, s.prefix_hits, now_ms);
@@ -445,7 +450,7 @@ impl Fleet {
     /// held nothing the region served before then.
     pub fn on_cache_reset(&mut self, region: usize, ms: u64) {
         if let Some(r) = self.regions.get_mut(region) {
-            r.cache_reset_ms = Some(r.cache_reset_ms.map_or(ms, |t| t.max(ms)));
+            r.cache_empty_since(ms);
         }
     }
 
