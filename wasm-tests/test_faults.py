@@ -437,11 +437,20 @@ def test_an_engine_lost_behind_a_regional_proxy_loses_no_request(run_dir):
         for i in range(8):
             r = chat(fleet.port, [{"role": "user", "content": filler(f"behind-proxy-{i}", 300)}])
             served.append((r.status, r.route.get("region"), r.replica))
-        assert probe_ticks(fleet.envoy) == ticks, "a probe round ran during the test; it needs a longer tick"
-        assert all(s == (200, "near", s[2]) and s[2] in ("mid", "far") for s in served), served
+        # Each request is judged by the decision it carries: a probe round
+        # may run during the 8 on a busy machine, and from then on the
+        # router may leave near, which is right too. Every request is
+        # answered, and every one decided for near is answered by another
+        # region's engine through the retry.
+        assert all(s[0] == 200 for s in served), served
+        to_near = [s for s in served if s[1] == "near"]
+        assert all(s[2] in ("mid", "far") for s in to_near), served
+        assert to_near, f"no request was decided for near; the test tested nothing: {served}"
+        if len(to_near) < len(served):
+            assert probe_ticks(fleet.envoy) > ticks, f"near left without a probe round: {served}"
         retried = fleet.envoy.stat("cluster.region_near.upstream_rq_retry")
-        assert retried >= 8, retried
-        assert proxy.stat("cluster.engine.upstream_cx_connect_fail") >= 8
+        assert retried >= len(to_near), (retried, served)
+        assert proxy.stat("cluster.engine.upstream_cx_connect_fail") >= len(to_near)
     finally:
         fleet.stop()
         if proxy is not None:
