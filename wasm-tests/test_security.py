@@ -33,23 +33,31 @@ FAST = ["--max-concurrency", "64", "--prefill-ms-per-token", "0.0005", "--decode
 
 
 def test_client_sent_internal_headers_are_ignored(fleet):
+    decided = []
     for i in range(20):
         r = chat(fleet.port, [{"role": "user", "content": f"forged headers {i}"}], headers=FORGED)
         assert r.status == 200
-        # Cold prompt: the nearest region by the router's own choice.
-        assert r.replica == "near", r.route
+        # Served where the router decided, on its own cost terms, not where
+        # the client's x-llm-cluster (far) and x-llm-route said. Cold
+        # prompts go to the nearest region by measured round trip: near,
+        # unless a busy machine made a probe's sample of near slow (seen in
+        # CI: mid, with near measured at 116 ms).
+        assert r.replica == r.route["region"], r.route
+        assert r.route["reason"] == "rtt" and "ttft_ms" in r.route, r.route
+        decided.append(r.route["region"])
         # Internal: removed before the upstream (the router's decision is in
-        # x-llm-route, checked below).
+        # x-llm-route, checked above).
         assert r.headers["x-echo-x-llm-cluster"] == "-"
         assert r.headers["x-echo-x-llm-tier"] == "free"
         assert r.headers["x-echo-x-llm-kv-action"] == "-"
-        assert r.route["region"] == "near" and r.route["reason"] == "rtt"
+    # The forged cluster would have sent every request to far.
+    assert "far" not in decided and "near" in decided, decided
     assert fleet.envoy.stat("wasmcustom.llm_geo_router.region.near.fallback_rq_total") == 0
-    # Other paths too: the default region, never the client's choice.
+    # Other paths too: the router's region, never the client's choice.
     r = request(fleet.port, "GET", "/v1/models", headers=FORGED)
     # An engine answered (its echo) where the router decided (/v1/models
     # answers carry no x-engine-replica).
-    assert r.status == 200 and r.route["region"] == "near"
+    assert r.status == 200 and r.route["region"] in ("near", "mid"), r.route
     assert r.headers["x-echo-x-llm-cluster"] == "-"
     assert r.headers["x-echo-x-llm-tier"] == "free"
 
