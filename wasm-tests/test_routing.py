@@ -102,8 +102,12 @@ def test_warm_region_with_a_long_queue_is_avoided(fleet):
         assert r.route["reason"] == "load", r.route
         assert r.route["runner_up"] != "mid", r.route
         # Queue cost at mid: (30 + 1 - 8) / 8 slots x 400 ms = 1150 ms, more
-        # than the ~320 ms of prefill its cache saves.
-        assert float(r.route["ttft_ms"]) < 600
+        # than the ~320 ms of prefill its cache saves: near's whole expected
+        # TTFT is below mid's wait alone. (Not a fixed bound on near's: its
+        # terms are measured, and a busy machine raised them to 606 ms in
+        # CI, against 600.)
+        assert r.route["passed_over"] == "mid", r.route
+        assert float(r.route["ttft_ms"]) < float(r.route["passed_over_wait_ms"]), r.route
     finally:
         mid.set_state(paused=False)
         for t in threads:
