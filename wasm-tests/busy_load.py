@@ -15,11 +15,13 @@ records how long it waited for a CPU past that: every 30 s the load prints
 its answers so far and the sleeper's worst wait, so a run beside it can be
 judged by what the machine gave, not by its load average.
 
-    .venv/bin/python wasm-tests/busy_load.py [--autogroup-nice N]
+    .venv/bin/python wasm-tests/busy_load.py [--autogroup-nice N] &
+    kill %1    # stops the servers too
 """
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -67,6 +69,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=4, help="generating clients per server")
     ap.add_argument("--max-tokens", type=int, default=256)
     args = ap.parse_args()
+    # A background job ignores SIGINT: `kill` (SIGTERM) stops the load too,
+    # through the `finally` below (the servers with it).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     run = harness.fresh_run_dir("busy-load")
     engines = [harness.launch_vllm(f"busy{i}", run) for i in range(2)]
     sleeper_log = run / "sleeper.log"
