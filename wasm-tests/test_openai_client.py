@@ -1,9 +1,10 @@
 """The demo as a new user drives it: the official `openai` Python package
 (sync and async, streaming and not) against the demo Envoy in front of three
-emulated regions. Chat and completions; a five-turn Responses API
+emulated regions. Chat and completions; a six-turn Responses API
 conversation chained by `previous_response_id` while regions change health
 (every turn answered by the region that stores the conversation, or a clear
-503 while that region is down); embeddings and the model list while the
+503 while that region answers that it is down, and still answered there
+while its probes only go unanswered); embeddings and the model list while the
 default region is unhealthy; and the client's own retry of a 429 with
 `Retry-After` from the guard. Probe tick 300 ms."""
 
@@ -149,6 +150,17 @@ def test_responses_conversation_follows_its_region_through_health_changes(fleet_
         resp = raw.parse()
         assert raw.headers["x-engine-replica"] == holder and resp.output_text
         prev = resp.id
+    # mid's probes go unanswered (a busy engine looks the same): mid is out
+    # of routing for new work, but turn 6 still goes there, the one place
+    # that can answer it; and no second 503 is counted.
+    fleet.engines[holder].set_state(hang_probes=True)
+    wait_stat(envoy, f"region.{holder}.healthy", lambda v: v == 0)
+    raw = c.responses.with_raw_response.create(model="demo", instructions=instructions, input="Turn 6.",
+                                               previous_response_id=prev, max_output_tokens=16)
+    assert raw.headers["x-engine-replica"] == holder and route(raw)["reason"] == "response", raw.headers
+    assert raw.parse().output_text
+    assert envoy.stat("wasmcustom.llm_geo_router.router.response_holder_unavailable") == 1
+    fleet.engines[holder].set_state(hang_probes=False)
     assert envoy.stat("wasmcustom.llm_geo_router.router.response_unknown") == 0
 
 

@@ -341,7 +341,13 @@ impl Router {
         let mut unknown_response = false;
         match holder {
             Some((_, None)) => unknown_response = true,
-            Some((id, Some(h))) => match holder_unavailable(&decision, h, allowed.as_deref()) {
+            Some((id, Some(h))) => match holder_unavailable(
+                &decision,
+                h,
+                allowed.as_deref(),
+                inp.snapshot,
+                inp.snapshot_index,
+            ) {
                 None => {
                     // Neither the load guard nor the ramp moves a
                     // conversation away from its stored state.
@@ -514,13 +520,24 @@ pub(super) fn holder_unavailable(
     d: &Decision,
     h: usize,
     allowed: Option<&[bool]>,
+    snapshot: Option<&Snapshot>,
+    index: &[Option<usize>],
 ) -> Option<&'static str> {
     if allowed.is_some_and(|a| !a.get(h).copied().unwrap_or(false)) {
         return Some("outside the request's data residency, or not serving its model");
     }
     // No snapshot: nothing is known against it, as for routing.
     let c = d.costs.get(h)?;
-    if !c.healthy {
+    // A holder whose health probes only went unanswered (a vLLM decoding
+    // on few cores answers `/health` late) is still sent the follow-up:
+    // it is the one place that can answer it, where a 503 here is certain.
+    // An engine that answers it is down, one ejected for failing
+    // requests, or one on another release (restarted: the response is
+    // gone) is not.
+    let silent = snapshot
+        .and_then(|s| s.region_at(index, h))
+        .is_some_and(|r| r.unanswered && r.release_ok);
+    if !c.healthy && !silent {
         return Some("unhealthy, ejected or on another release");
     }
     if c.over_context {

@@ -70,7 +70,13 @@ impl Router {
                 .filter(|&h| keeps_responses(inp.snapshot, inp.snapshot_index, h));
             match holder {
                 None => unknown_response = true,
-                Some(h) => match holder_unavailable(&d, h, allowed.as_deref()) {
+                Some(h) => match holder_unavailable(
+                    &d,
+                    h,
+                    allowed.as_deref(),
+                    inp.snapshot,
+                    inp.snapshot_index,
+                ) {
                     None => {
                         return Ok(Placed {
                             region: h,

@@ -37,6 +37,13 @@ pub struct Snapshot {
 pub struct RegionState {
     pub name: String,
     pub healthy: bool,
+    /// Unhealthy only because its last health probes went unanswered (timed
+    /// out): not ejected for failing requests, and not answering that it is
+    /// down. An engine busy decoding on few cores looks the same as a dead
+    /// one here; a follow-up to a response stored only there is still sent
+    /// (it is the one place that can answer it).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub unanswered: bool,
     /// Measured round trip of the health probe (EWMA, ms); absent until the
     /// first success.
     pub rtt_ms: Option<f64>,
@@ -184,6 +191,7 @@ impl Default for RegionState {
         RegionState {
             name: String::new(),
             healthy: false,
+            unanswered: false,
             rtt_ms: None,
             waiting: 0.0,
             running: 0.0,

@@ -25,6 +25,10 @@ struct Region {
     healthy: bool,
     /// Consecutive failed (negative) or good (positive) health probes.
     streak: i64,
+    /// The last failed health probe got no answer at all (timed out, or
+    /// Envoy's 504): a busy engine's sign as much as a dead one's. False
+    /// after an answer, good or bad.
+    silent: bool,
     /// The last `probe.rtt_window` health round trips, oldest first.
     rtt_samples: VecDeque<f64>,
     sample: EngineSample,
@@ -155,6 +159,7 @@ impl Fleet {
                 .map(|_| Region {
                     healthy: true,
                     streak: 0,
+                    silent: false,
                     rtt_samples: VecDeque::new(),
                     sample: EngineSample::default(),
                     inflight_at_scrape: 0.0,
@@ -338,6 +343,7 @@ impl Fleet {
         let Some(r) = self.regions.get_mut(region) else {
             return HealthChange::None;
         };
+        r.silent = false;
         match rtt_ms {
             Some(rtt) if rtt.is_finite() && rtt >= 0.0 => {
                 r.streak = r.streak.max(0) + 1;
@@ -386,7 +392,13 @@ impl Fleet {
                 && r.sample.running.unwrap_or(0.0) + r.sample.waiting.unwrap_or(0.0) > 0.0;
             serving || working
         });
-        (!busy).then(|| self.on_health(cfg, region, None))
+        (!busy).then(|| {
+            let change = self.on_health(cfg, region, None);
+            if let Some(r) = self.regions.get_mut(region) {
+                r.silent = true;
+            }
+            change
+        })
     }
 
     /// A metrics scrape finished at `now_ms`; `inflight` is this Envoy's
@@ -712,6 +724,7 @@ impl Fleet {
             .map(|(_, c, r, prefill)| RegionState {
                 name: c.name.clone(),
                 healthy: r.in_service(),
+                unanswered: !r.healthy && r.silent && r.ejected_until_ms.is_none(),
                 rtt_ms: r.rtt(),
                 waiting: r.sample.waiting.unwrap_or(0.0),
                 running: r.sample.running.unwrap_or(0.0),
@@ -808,6 +821,33 @@ mod tests {
         assert_eq!(f.on_health(&c, 0, Some(5.0)), HealthChange::None);
         assert_eq!(f.on_health(&c, 0, Some(5.0)), HealthChange::BecameHealthy);
         assert_eq!(f.on_health(&c, 7, None), HealthChange::None);
+    }
+
+    #[test]
+    fn a_region_unhealthy_by_silence_is_told_apart_from_one_that_answers_it_is_down() {
+        let c = cfg();
+        let mut f = Fleet::new(&c, 0);
+        let state = |f: &mut Fleet| {
+            let r = &f.snapshot(&c, 0).regions[0];
+            (r.healthy, r.unanswered)
+        };
+        assert_eq!(f.on_health_unanswered(&c, 0, 0), Some(HealthChange::None));
+        assert_eq!(state(&mut f), (true, false), "healthy: nothing to tell");
+        assert_eq!(
+            f.on_health_unanswered(&c, 0, 0),
+            Some(HealthChange::BecameUnhealthy)
+        );
+        assert_eq!(state(&mut f), (false, true));
+        // An answer that it is down (a 503, a refused connection) wins.
+        f.on_health(&c, 0, None);
+        assert_eq!(state(&mut f), (false, false));
+        f.on_health_unanswered(&c, 0, 0);
+        assert_eq!(state(&mut f), (false, true));
+        // Recovery clears it.
+        for _ in 0..3 {
+            f.on_health(&c, 0, Some(5.0));
+        }
+        assert_eq!(state(&mut f), (true, false));
     }
 
     #[test]

@@ -964,11 +964,34 @@ mod tests {
             host.value(Stat::Global(Global::RouterResponseHolderUnavailable)),
             2
         );
+        // mid's health probes only went unanswered (a busy engine's sign):
+        // the follow-up still goes there, the one place that can answer it;
+        // not when mid is also on another release (its responses are gone).
+        let mut snap = Snapshot::all_healthy(&sh.cfg);
+        (snap.version, snap.generated_ms) = (5, host.now_ms);
+        (snap.regions[1].healthy, snap.regions[1].unanswered) = (false, true);
+        host.publish(&snap);
+        for h in [headers("/v1/responses", &[]), get("/v1/responses/resp_7")] {
+            host.next_stream();
+            let (mut s, f) = request(&sh, &mut host, h, FOLLOW);
+            assert_eq!(f, Flow::Continue);
+            assert_eq!(cluster(&mut host).as_deref(), Some("cm"));
+            assert_eq!(reason(&mut s, &sh, &mut host), "response");
+        }
+        (snap.version, snap.regions[1].release_ok) = (6, false);
+        host.publish(&snap);
+        host.next_stream();
+        let (_, f) = request(&sh, &mut host, headers("/v1/responses", &[]), FOLLOW);
+        assert!(matches!(f, Flow::Reply(ref r) if r.status == 503), "{f:?}");
+        assert_eq!(
+            host.value(Stat::Global(Global::RouterResponseHolderUnavailable)),
+            3
+        );
         // ... unless the operator chose to reroute.
         let re = shared(r#","responses":{"holder_unavailable":"reroute"}"#);
         let mut host2 = new_host(&re);
         host2.store = host.store.clone();
-        health(&re, &mut host2, 5, &[1]);
+        health(&re, &mut host2, 7, &[1]);
         let (_, f) = request(&re, &mut host2, headers("/v1/responses", &[]), FOLLOW);
         assert_eq!(f, Flow::Continue);
         assert_eq!(cluster(&mut host2).as_deref(), Some("cn"));
