@@ -13,24 +13,39 @@ from harness import probe_ticks, wait_ticks
 from test_routing import TICK_S, wait_stat
 
 
-def test_exactly_one_probe_loop_per_envoy(fleet):
+def ticks_and_requests(envoy, engines) -> tuple[float, int, dict, float]:
+    """The probe's tick count and each engine's requests by path, read
+    between two equal tick counts (no round began while the engines were
+    read), with the clock before and after: every round counted began
+    after the first clock reading."""
+    while True:
+        start = time.monotonic()
+        n = probe_ticks(envoy)
+        requests = {name: e.stats()["requests"] for name, e in engines.items()}
+        if probe_ticks(envoy) == n:
+            return start, n, requests, time.monotonic()
+
+
+def test_exactly_one_probe_loop_per_envoy(fleet_factory):
     # Envoy runs on_configure for two root contexts of the singleton; one of
     # them holds the lease and probes. Counted in probe rounds (the plugin's
-    # own clock), not in seconds.
+    # own clock), not in seconds. The busy tick is off (set to the tick):
+    # a busy fleet's faster rounds are
+    # test_the_probe_ticks_fast_only_while_a_region_is_busy's.
+    fleet = fleet_factory({"probe": {"tick_ms": 300, "busy_tick_ms": 300, "timeout_ms": 300,
+                                     "snapshot_max_age_ms": 3000}})
     envoy = fleet.envoy
-    n0 = probe_ticks(envoy)
-    before = {n: e.stats()["requests"] for n, e in fleet.engines.items()}
-    t0 = time.monotonic()
-    n1 = wait_ticks(envoy, 8)
-    elapsed = time.monotonic() - t0
+    t0, n0, before, _ = ticks_and_requests(envoy, fleet.engines)
+    wait_ticks(envoy, 8)
+    _, n1, after, t1 = ticks_and_requests(envoy, fleet.engines)
+    elapsed = t1 - t0
     rounds = n1 - n0
     # A second loop would run its own rounds: more rounds than the tick
     # period allows (a busy machine only delays ticks, never adds them).
     assert rounds <= elapsed / TICK_S + 1, (rounds, elapsed)
-    for name, engine in fleet.engines.items():
-        after = engine.stats()["requests"]
-        health = after.get("/health", 0) - before[name].get("/health", 0)
-        metrics = after.get("/metrics", 0) - before[name].get("/metrics", 0)
+    for name in fleet.engines:
+        health = after[name].get("/health", 0) - before[name].get("/health", 0)
+        metrics = after[name].get("/metrics", 0) - before[name].get("/metrics", 0)
         # One health and one metrics callout per round (a callout of the
         # round in progress may or may not have arrived yet).
         assert rounds - 1 <= health <= rounds + 1, (name, health, rounds)
