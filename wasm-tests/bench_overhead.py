@@ -36,7 +36,10 @@ Scheduling on a shared machine: see SCHED below.
 configuration running another build of the module (an earlier commit's),
 alternated with the other two in every round, so that two builds are
 compared side by side on the same machine at the same time; reported as
-the plugin's requests/s and CPU per request over the baseline's.
+the plugin's requests/s and CPU per request over the baseline's. Both
+get the exchange's sink with `--exchange`, and the streamed case runs all
+three (before issue 48 the baseline ran without the exchange, and the
+streamed case without the baseline).
 
 Every run must return only 2xx; for the plugin, the router's own counters
 must show every request routed (`region.*.rq_total`) and the decisions must
@@ -674,6 +677,20 @@ def breakdown(cases: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plugin_config(args, name: str, cfg: dict, sink_port: int) -> None:
+    """What makes a plugin configuration of `cfg` (loaded from PLUGIN_YAML)
+    the one measured: the exchange's sink with --exchange, for the module
+    before (`baseline`) as for the plugin, so that the two differ only in
+    their module; the baseline's module."""
+    if name not in PLUGINS:
+        return
+    if args.exchange:
+        add_exchange_sink(cfg, sink_port)
+    if name == "baseline":
+        for p in harness.wasm_plugins(cfg):
+            p["vm_config"]["code"]["local"]["filename"] = str(Path(args.baseline_wasm).resolve())
+
+
 def run_stream_case(args, run_dir: Path, procs: list[Proc], envoy_cpu, up_cpu, problems: list[str],
                     offset: int) -> dict:
     """A streamed answer through each configuration: Envoy's CPU per request
@@ -681,13 +698,15 @@ def run_stream_case(args, run_dir: Path, procs: list[Proc], envoy_cpu, up_cpu, p
     em, em_port = start_emulator(run_dir, "emulator-stream", "vllm", up_cpu, STREAM_MS_PER_TOKEN)
     procs.append(em)
     targets = {}
-    for name, path in (("plain", PLAIN_YAML), ("plugin", PLUGIN_YAML)):
+    for name in CONFIGS:
         admin_port, port = harness.free_port(), harness.free_port()
-        cfg, _ = split_config(path, {"vllm": em_port}, admin_port, port)
+        cfg, _ = split_config(PLAIN_YAML if name == "plain" else PLUGIN_YAML, {"vllm": em_port}, admin_port, port)
+        plugin_config(args, name, cfg, em_port)
         proc, _ = start_envoy(run_dir, f"{name}-stream", cfg, envoy_cpu)
         procs.append(proc)
         targets[name] = Target(name, proc, admin_port, port)
-    wait_snapshot(targets["plugin"].admin_port, 3)
+    for name in CONFIGS[1:]:
+        wait_snapshot(targets[name].admin_port, 3)
     body = stream_body(4096)
     bp = run_dir / "body-stream.json"
     bp.write_bytes(body)
@@ -707,11 +726,11 @@ def run_stream_case(args, run_dir: Path, procs: list[Proc], envoy_cpu, up_cpu, p
     def others(name: str) -> list[Proc]:
         return [t.proc for n, t in targets.items() if n != name]
 
-    for name in ("plain", "plugin"):
+    for name in CONFIGS:
         offset += 1
         wrk(args, targets[name], script, args.warmup, case["connections"], offset, upstream, others(name))
     for rnd in range(args.rounds):
-        for name in ("plain", "plugin"):
+        for name in CONFIGS:
             offset += 1
             run = wrk(args, targets[name], script, case["seconds"], case["connections"], offset, upstream,
                       others(name))
@@ -833,11 +852,7 @@ def main() -> int:
         for name in CONFIGS:
             admin_port, port = harness.free_port(), harness.free_port()
             cfg, _ = split_config(PLAIN_YAML if name == "plain" else PLUGIN_YAML, upstream_ports, admin_port, port)
-            if name == "plugin" and args.exchange:
-                add_exchange_sink(cfg, upstream_ports["vllm"])
-            if name == "baseline":
-                for p in harness.wasm_plugins(cfg):
-                    p["vm_config"]["code"]["local"]["filename"] = str(Path(args.baseline_wasm).resolve())
+            plugin_config(args, name, cfg, upstream_ports["vllm"])
             proc, _ = start_envoy(run_dir, name, cfg, envoy_cpu)
             procs.append(proc)
             targets[name] = Target(name, proc, admin_port, port)
