@@ -264,6 +264,56 @@ def scene_responses(fleet: Fleet) -> None:
     expect_route(r, "responses turn 2 (near healthy, response stored on mid)", "mid", "response")
 
 
+def scene_streams(fleet: Fleet) -> None:
+    heading(7, "streamed answers: each region's time to first token as clients see it, and the router's error")
+    note("12 streamed chats asking for their usage, half of them turns of one long conversation;")
+    note("each Envoy records TTFT, tokens and its own error per region (docs/STATS.md, Distributions)")
+    system = filler("demo-stream-system", 6000)
+    for i in range(12):
+        content = f"{system} turn {i}" if i % 2 else f"Stream a short answer about topic {i}."
+        r = harness.stream_chat(lb.port(), content, max_tokens=6)
+        if r["status"] < 400 and r["replica"]:
+            served[r["replica"]] = served.get(r["replica"], 0) + 1
+        check(r["status"] == 200 and r["usage"] is not None,
+              f"stream {i}: HTTP {r['status']}, usage {r['usage']!r}")
+        print(f"  stream {i + 1:>2} [envoy {lb.last + 1}] {r['status']}  {r['replica'] or '-':<5} "
+              f"first byte after {r['ttft_ms']:6.1f} ms, router expected "
+              f"{r['route'].get('ttft_ms', '?')} ms", flush=True)
+
+
+def histogram_summary(fleet: Fleet) -> None:
+    """Each region's TTFT p50/p95 and the router's mean error, from both
+    Envoys' /stats/prometheus (their buckets added)."""
+    print(f"\n[{elapsed()}] Time to first token and the router's error per region, from /stats/prometheus "
+          "(gen_ai_server_time_to_first_token_milliseconds, llm_geo_router_region_ttft_error_milliseconds)")
+    # Envoy merges its workers' histograms at each stats flush (5 s).
+    deadline = time.monotonic() + 15
+    while True:
+        scrapes = [harness.scrape(e) for e in fleet.envoys]
+        merged = harness.Scrape("")
+        for sc in scrapes:
+            merged.types.update(sc.types)
+            for name, rows in sc.samples.items():
+                merged.samples.setdefault(name, []).extend(rows)
+        ttft_n = merged.value("gen_ai_server_time_to_first_token_milliseconds_count")
+        if ttft_n >= 12 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    check(ttft_n == 12, f"the Envoys recorded {ttft_n:.0f} times to first token for the 12 streams")
+    err = "llm_geo_router_region_ttft_error_milliseconds"
+    print(f"  {'region':<8} {'streams':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'router error (mean)':>20}")
+    for name in harness.DEMO_REGIONS:
+        n = merged.value("gen_ai_server_time_to_first_token_milliseconds_count", cloud_region=name)
+        p50 = merged.quantile("gen_ai_server_time_to_first_token_milliseconds", 0.5, cloud_region=name)
+        p95 = merged.quantile("gen_ai_server_time_to_first_token_milliseconds", 0.95, cloud_region=name)
+        count = merged.value(f"{err}_count", llm_geo_router_region=name)
+        signed = (merged.value(f"{err}_sum", llm_geo_router_region=name, llm_geo_router_direction="late")
+                  - merged.value(f"{err}_sum", llm_geo_router_region=name, llm_geo_router_direction="early"))
+        fmt = lambda v: "-" if v is None else f"{v:.0f} ms"  # noqa: E731
+        mean = f"{signed / count:+.0f} ms" if count else "-"
+        print(f"  {name:<8} {n:>7.0f} {fmt(p50):>9} {fmt(p95):>9} {mean:>20}")
+
+
 def summary(fleet: Fleet) -> None:
     print(f"\n[{elapsed()}] Requests per region, both Envoys' counts added "
           "(Envoy stats wasmcustom.llm_geo_router.region.<name>.rq_total)")
@@ -325,7 +375,9 @@ def main() -> int:
         scene_malformed(fleet)
         scene_spoof(fleet)
         scene_responses(fleet)
+        scene_streams(fleet)
         summary(fleet)
+        histogram_summary(fleet)
     except Exception as exc:  # noqa: BLE001 - report any harness failure as a demo failure
         failures.append(f"{type(exc).__name__}: {exc}")
         print(f"\n!! demo aborted: {type(exc).__name__}: {exc}", flush=True)

@@ -384,6 +384,71 @@ def stop_vllm(engine: Engine) -> None:
         pass
 
 
+SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
+LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+class Scrape:
+    """/stats/prometheus parsed: name -> type, and name -> [(labels, value)]."""
+
+    def __init__(self, text: str):
+        self.types: dict[str, str] = {}
+        self.samples: dict[str, list[tuple[dict, float]]] = {}
+        for line in text.splitlines():
+            if line.startswith("# TYPE "):
+                _, _, name, kind = line.split(" ", 3)
+                self.types[name] = kind
+            elif line and not line.startswith("#"):
+                m = SAMPLE.match(line)
+                assert m, f"unparsable line {line!r}"
+                labels = dict(LABEL.findall(m.group(2) or ""))
+                self.samples.setdefault(m.group(1), []).append((labels, float(m.group(3))))
+
+    def metric(self, sample: str) -> str:
+        """The metric a sample belongs to: a histogram's `_bucket`, `_sum`
+        and `_count` samples are its own."""
+        for suffix in ("_bucket", "_sum", "_count"):
+            base = sample.removesuffix(suffix)
+            if base != sample and self.types.get(base) == "histogram":
+                return base
+        return sample
+
+    def labels(self, name: str) -> set[str]:
+        return {k for labels, _ in self.samples.get(name, []) for k in labels}
+
+    def value(self, name: str, **labels) -> float:
+        return sum(v for l, v in self.samples.get(name, []) if all(l.get(k) == x for k, x in labels.items()))
+
+
+    def quantile(self, name: str, q: float, **labels) -> float | None:
+        """The q-quantile of histogram `name` over the series with these
+        labels (their buckets added), interpolated in its bucket as
+        Prometheus' histogram_quantile does; None with no sample."""
+        buckets: dict[float, float] = {}
+        for l, v in self.samples.get(name + "_bucket", []):
+            if all(l.get(k) == x for k, x in labels.items()):
+                le = float(l["le"])
+                buckets[le] = buckets.get(le, 0.0) + v
+        bounds = sorted(buckets)
+        if not bounds or buckets[bounds[-1]] == 0:
+            return None
+        rank = q * buckets[bounds[-1]]
+        lower, below = 0.0, 0.0
+        for le in bounds:
+            if buckets[le] >= rank:
+                if le == float("inf"):
+                    return lower
+                return lower + (le - lower) * (rank - below) / max(buckets[le] - below, 1e-9)
+            lower, below = le, buckets[le]
+        return lower
+
+
+def scrape(envoy: "Envoy") -> Scrape:
+    """The Envoy's /stats/prometheus, parsed."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{envoy.admin_port}/stats/prometheus", timeout=10) as r:
+        return Scrape(r.read().decode())
+
+
 class MissingStat(LookupError):
     """Envoy.stat asked for a stat Envoy does not have."""
 
@@ -696,6 +761,36 @@ def chat(port: int, messages: list, headers: dict | None = None, timeout: float 
     return request(port, "POST", "/v1/chat/completions", body, headers, timeout)
 
 
+def stream_chat(port: int, content: str, max_tokens: int = 8, timeout: float = 30.0) -> dict:
+    """One streamed chat asking for its usage, timed as its client sees it:
+    to the first body byte, to the end. Returns the status, the route
+    header's terms, the engine replica and the usage."""
+    body = json.dumps({"model": "emulated-model", "stream": True, "max_tokens": max_tokens,
+                       "stream_options": {"include_usage": True},
+                       "messages": [{"role": "user", "content": content}]})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.monotonic()
+    try:
+        conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+        first = resp.read(1)
+        t1 = time.monotonic()
+        rest = first + resp.read()
+        t2 = time.monotonic()
+        headers = {k.lower(): v for k, v in resp.getheaders()}
+    finally:
+        conn.close()
+    usage = None
+    for line in rest.decode(errors="replace").splitlines():
+        if line.startswith("data: {"):
+            chunk = json.loads(line[len("data: "):])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    route = dict(p.strip().split("=", 1) for p in headers.get("x-llm-route", "").split(";") if "=" in p)
+    return {"status": resp.status, "route": route, "replica": headers.get("x-engine-replica"),
+            "ttft_ms": (t1 - t0) * 1000, "total_ms": (t2 - t0) * 1000, "usage": usage}
+
+
 def filler(seed: str, n_bytes: int) -> str:
     """Deterministic prompt text of about n_bytes (distinct per seed)."""
     words = []
@@ -780,9 +875,11 @@ class Prometheus:
 
 
 def start_prometheus(run_dir: Path, targets: dict[str, list], scrape_interval: str = "1s",
-                     timeout: float = 30.0, wait_targets: bool = True) -> Prometheus:
+                     timeout: float = 30.0, wait_targets: bool = True, metrics_path: str = "/metrics",
+                     job: str = "engines") -> Prometheus:
     """Starts /usr/bin/prometheus on a free loopback port, scraping each
-    target's /metrics on 127.0.0.1 every `scrape_interval`, and waits until
+    target's `metrics_path` on 127.0.0.1 every `scrape_interval` (job
+    `job`), and waits until
     it is ready and (unless not `wait_targets`: then call wait_targets_up)
     has scraped every target once (all `up`). Prometheus 2.42 applies its
     targets on a fixed 5 s tick, so the first scrapes come ~5 s after start.
@@ -799,8 +896,8 @@ def start_prometheus(run_dir: Path, targets: dict[str, list], scrape_interval: s
         "global": {"scrape_interval": scrape_interval, "scrape_timeout": scrape_interval,
                    "evaluation_interval": scrape_interval},
         "scrape_configs": [{
-            "job_name": "engines",
-            "metrics_path": "/metrics",
+            "job_name": job,
+            "metrics_path": metrics_path,
             "static_configs": [{"targets": [f"127.0.0.1:{port}"], "labels": {"region": region, "replica": name}}
                                for region, ts in named.items() for name, port in ts],
         }],

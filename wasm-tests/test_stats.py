@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 import harness
-from harness import chat, filler, request
+from harness import Scrape, chat, filler, request
 
 STATS_DOC = harness.ROOT / "docs" / "STATS.md"
 DASHBOARD = harness.ROOT / "deploy" / "grafana" / "dashboards" / "llm-geo-router.json"
@@ -24,33 +24,6 @@ OPERATOR = {"authorization": "Bearer demo-operator-token"}
 REGIONS = {"near", "mid", "far"}
 TIERS = {"free", "paid", "critical"}
 REASONS = {"cache", "load", "rtt", "load_override", "spread", "pin", "context", "fallback", "response"}
-
-SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
-LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-class Scrape:
-    """/stats/prometheus parsed: name -> type, and name -> [(labels, value)]."""
-
-    def __init__(self, text: str):
-        self.types: dict[str, str] = {}
-        self.samples: dict[str, list[tuple[dict, float]]] = {}
-        for line in text.splitlines():
-            if line.startswith("# TYPE "):
-                _, _, name, kind = line.split(" ", 3)
-                self.types[name] = kind
-            elif line and not line.startswith("#"):
-                m = SAMPLE.match(line)
-                assert m, f"unparsable line {line!r}"
-                labels = dict(LABEL.findall(m.group(2) or ""))
-                self.samples.setdefault(m.group(1), []).append((labels, float(m.group(3))))
-
-    def labels(self, name: str) -> set[str]:
-        return {k for labels, _ in self.samples.get(name, []) for k in labels}
-
-    def value(self, name: str, **labels) -> float:
-        return sum(v for l, v in self.samples.get(name, []) if all(l.get(k) == x for k, x in labels.items()))
-
 
 def wait_level(envoy, level: int, timeout: float = 10.0) -> None:
     deadline = time.time() + timeout
@@ -104,9 +77,12 @@ def documented() -> dict[str, tuple[str, set[str]]]:
     return out
 
 
+PLUGIN_PREFIXES = ("llm_geo_router_", "gen_ai_")
+
+
 def test_regions_tiers_and_reasons_are_labels_not_name_parts(scraped):
     prom, _ = scraped
-    names = [n for n in prom.samples if n.startswith("llm_geo_router_")]
+    names = [n for n in prom.samples if n.startswith(PLUGIN_PREFIXES)]
     entity = REGIONS | TIERS | {"cache", "load", "pin"}
     for n in names:
         parts = set(n.split("_"))
@@ -155,15 +131,21 @@ def test_traffic_lands_on_the_labelled_series(scraped):
 def test_every_documented_metric_is_exported_with_its_type_and_labels(scraped):
     prom, _ = scraped
     for name, (kind, labels) in documented().items():
-        assert name in prom.samples, f"docs/STATS.md names {name}, which Envoy does not export"
+        assert name in prom.types, f"docs/STATS.md names {name}, which Envoy does not export"
         assert prom.types[name] == kind, f"{name}: documented {kind}, exported {prom.types[name]}"
+        if kind == "histogram":
+            for suffix, extra in (("_count", set()), ("_sum", set()), ("_bucket", {"le"})):
+                have = prom.labels(name + suffix)
+                assert have == labels | extra, f"{name}{suffix}: documented labels {labels | extra}, exported {have}"
+            continue
+        assert name in prom.samples, f"docs/STATS.md names {name}, which Envoy does not export"
         assert prom.labels(name) == labels, f"{name}: documented labels {labels}, exported {prom.labels(name)}"
 
 
 def test_every_exported_plugin_metric_is_documented(scraped):
     prom, _ = scraped
     docs = documented()
-    missing = sorted(n for n in prom.samples if n.startswith("llm_geo_router_") and n not in docs)
+    missing = sorted({prom.metric(n) for n in prom.samples if n.startswith(PLUGIN_PREFIXES)} - set(docs))
     assert not missing, f"exported but not in docs/STATS.md: {missing}"
 
 

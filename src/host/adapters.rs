@@ -19,6 +19,7 @@ pub fn define_stats(cfg: &crate::config::Config) -> Stats {
     StatTable::new(cfg, |_, name, kind| match kind {
         crate::shared::names::StatKind::Counter => Metric::counter(name),
         crate::shared::names::StatKind::Gauge => Metric::gauge(name),
+        crate::shared::names::StatKind::Histogram => Metric::histogram(name),
     })
 }
 
@@ -84,6 +85,11 @@ impl Effects for Host<'_> {
         }
     }
     fn set_gauge(&mut self, stat: Stat, value: u64) {
+        if let Some(m) = self.stats.get(stat) {
+            m.set(value);
+        }
+    }
+    fn record(&mut self, stat: Stat, value: u64) {
         if let Some(m) = self.stats.get(stat) {
             m.set(value);
         }

@@ -137,11 +137,15 @@ impl Metric {
     pub fn gauge(name: &str) -> Metric {
         Metric(hostcalls::define_metric(MetricType::Gauge, name).ok())
     }
+    pub fn histogram(name: &str) -> Metric {
+        Metric(hostcalls::define_metric(MetricType::Histogram, name).ok())
+    }
     pub fn add(self, delta: i64) {
         if let Some(id) = self.0 {
             let _ = hostcalls::increment_metric(id, delta);
         }
     }
+    /// A gauge's value, or a histogram's sample.
     pub fn set(self, value: u64) {
         if let Some(id) = self.0 {
             let _ = hostcalls::record_metric(id, value);

@@ -114,6 +114,16 @@ pub struct RouterStream {
     /// does is not known yet (`keeping_unknown`; the probe checks).
     pub(super) keeps_none: u64,
     pub(super) keeping_unknown: u64,
+    /// When the request headers arrived (ms): where the client's TTFT and
+    /// the request's duration start.
+    pub(super) arrived_ms: u64,
+    /// A successful answer's first byte is a time to first token: a
+    /// routed stream of the main pool, not a Responses one.
+    pub(super) ttft: bool,
+    /// When the answer's first body byte arrived (ms).
+    pub(super) first_byte_ms: Option<u64>,
+    /// The output tokens of the answer's usage, once read.
+    pub(super) output_tokens: Option<u64>,
 }
 
 impl RouterStream {
@@ -130,6 +140,7 @@ impl RouterStream {
         end_of_stream: bool,
     ) -> Flow {
         let cfg = &*shared.cfg;
+        self.arrived_ms = host.now_ms();
         // Never let a client pick the cluster or speak for the router (Envoy
         // removes them earlier too; this holds without that).
         for name in [&cfg.headers.cluster, &cfg.migration.header] {
@@ -291,6 +302,7 @@ impl RouterStream {
                 observation,
             });
         }
+        self.ttft = routed.stream && !self.fallback && endpoint != Endpoint::Responses;
         // Streams get the route with a first-byte deadline; a non-streamed
         // answer's first byte is its last, so it must not.
         if routed.stream {
@@ -475,8 +487,8 @@ mod tests {
     use crate::learning::outcome::{flags, VIA_UPSTREAM};
     use crate::shared::host_api::Recorder;
     use crate::shared::names::{
-        ATTEMPTS_PROPERTY, CODE_DETAILS_PROPERTY, HOST_REGION_PROPERTY, OBSERVATIONS_QUEUE,
-        RESPONSE_FLAGS_PROPERTY,
+        ErrorType, RegionHistogram, TokenType, ATTEMPTS_PROPERTY, CODE_DETAILS_PROPERTY,
+        HOST_REGION_PROPERTY, OBSERVATIONS_QUEUE, RESPONSE_FLAGS_PROPERTY,
     };
 
     use crate::fleet::snapshot::Snapshot;
@@ -740,6 +752,177 @@ mod tests {
         engine_status(&mut host, Some(503));
         s.on_response_headers(&sh, &mut host);
         assert!(!s.awaiting_first_byte());
+    }
+
+    /// A stream's answer in chunks: `(ms after the request, bytes)`; the
+    /// last ends the stream.
+    fn stream_answer(
+        s: &mut RouterStream,
+        sh: &RouterShared,
+        host: &mut Recorder,
+        status: u32,
+        chunks: &[(u64, &str)],
+        end_ms: u64,
+    ) {
+        engine_status(host, Some(status));
+        s.on_response_headers(sh, host);
+        for (i, (at, chunk)) in chunks.iter().enumerate() {
+            host.now_ms = NOW + at;
+            host.response_chunk = chunk.as_bytes().to_vec();
+            if s.wants_response_body() {
+                s.on_response_body(sh, host, chunk.len(), i + 1 == chunks.len());
+            }
+        }
+        host.now_ms = NOW + end_ms;
+        s.on_log(sh, host);
+    }
+
+    const USAGE_STREAM: &str = r#"{"messages":[{"role":"user","content":"hello there"}],"stream":true,"stream_options":{"include_usage":true}}"#;
+
+    #[test]
+    fn a_requests_distributions_go_to_the_region_that_served_it() {
+        let sh = shared("");
+        let mut host = new_host(&sh);
+        let (mut s, _) = request(
+            &sh,
+            &mut host,
+            headers("/v1/chat/completions", &[]),
+            USAGE_STREAM,
+        );
+        let route = String::from_utf8(host.filter_state[0].1.clone()).unwrap();
+        let term = |name: &str| -> f64 {
+            route
+                .split("; ")
+                .find_map(|p| p.strip_prefix(name)?.strip_prefix('='))
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        let expected = term("rtt_ms") + term("prefill_ms") + term("wait_ms");
+        stream_answer(
+            &mut s,
+            &sh,
+            &mut host,
+            200,
+            &[
+                (40, "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n"),
+                (90, "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":11,\"prompt_tokens_details\":{\"cached_tokens\":8}}}\n\ndata: [DONE]\n\n"),
+            ],
+            140,
+        );
+        let h = |x| {
+            host.samples
+                .get(&Stat::RegionHistogram(0, x))
+                .cloned()
+                .unwrap_or_default()
+        };
+        assert_eq!(h(RegionHistogram::TimeToFirstToken), [40]);
+        assert_eq!(h(RegionHistogram::RequestDuration), [140]);
+        // (140 - 40) ms over the 10 tokens after the first, in µs.
+        assert_eq!(h(RegionHistogram::TimePerOutputToken), [10_000]);
+        assert_eq!(h(RegionHistogram::TokenUsage(TokenType::Input)), [12]);
+        assert_eq!(h(RegionHistogram::TokenUsage(TokenType::Output)), [11]);
+        assert_eq!(h(RegionHistogram::TokenUsage(TokenType::CachedInput)), [8]);
+        // Observed (from routing, at NOW) 40 ms against what it expected.
+        let error = 40.0 - expected;
+        let (late, early) = (
+            h(RegionHistogram::TtftErrorLate),
+            h(RegionHistogram::TtftErrorEarly),
+        );
+        if error >= 0.0 {
+            assert_eq!((late, early), (vec![error.round() as u64], vec![]));
+        } else {
+            assert_eq!((late, early), (vec![], vec![(-error).round() as u64]));
+        }
+        assert!(host
+            .samples
+            .keys()
+            .all(|k| matches!(k, Stat::RegionHistogram(0, _))));
+
+        // A non-streamed answer: a duration and tokens, no TTFT or TPOT.
+        host.next_stream();
+        host.now_ms = NOW;
+        host.samples.clear();
+        let (mut s, _) = request(&sh, &mut host, headers("/v1/chat/completions", &[]), CHAT);
+        stream_answer(
+            &mut s,
+            &sh,
+            &mut host,
+            200,
+            &[(
+                70,
+                r#"{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3}}"#,
+            )],
+            75,
+        );
+        let h = |x| {
+            host.samples
+                .get(&Stat::RegionHistogram(0, x))
+                .cloned()
+                .unwrap_or_default()
+        };
+        assert_eq!(h(RegionHistogram::RequestDuration), [75]);
+        assert_eq!(h(RegionHistogram::TokenUsage(TokenType::Input)), [5]);
+        assert_eq!(
+            h(RegionHistogram::TokenUsage(TokenType::CachedInput)),
+            Vec::<u64>::new()
+        );
+        assert!(h(RegionHistogram::TimeToFirstToken).is_empty());
+        assert!(h(RegionHistogram::TimePerOutputToken).is_empty());
+
+        // Failures by their error type, and no success or TTFT for them.
+        for (status, flag, error) in [
+            (500, 0, ErrorType::Upstream5xx),
+            (400, 0, ErrorType::Upstream4xx),
+            (
+                503,
+                flags::UPSTREAM_CONNECTION_FAILURE,
+                ErrorType::UpstreamFailure,
+            ),
+            (200, flags::DOWNSTREAM_REMOTE_RESET, ErrorType::Cancelled),
+        ] {
+            host.next_stream();
+            host.now_ms = NOW;
+            host.samples.clear();
+            host.properties.remove(&RESPONSE_FLAGS_PROPERTY.join("."));
+            let (mut s, _) = request(&sh, &mut host, headers("/v1/chat/completions", &[]), STREAM);
+            if flag != 0 {
+                host.properties.insert(
+                    RESPONSE_FLAGS_PROPERTY.join("."),
+                    flag.to_le_bytes().to_vec(),
+                );
+            }
+            stream_answer(&mut s, &sh, &mut host, status, &[(30, "data: x\n\n")], 50);
+            let h = |x| {
+                host.samples
+                    .get(&Stat::RegionHistogram(0, x))
+                    .cloned()
+                    .unwrap_or_default()
+            };
+            assert_eq!(
+                h(RegionHistogram::RequestDurationFailed(error)),
+                [50],
+                "{error:?}"
+            );
+            assert!(h(RegionHistogram::RequestDuration).is_empty(), "{error:?}");
+            if status != 200 {
+                assert!(h(RegionHistogram::TimeToFirstToken).is_empty(), "{error:?}");
+            }
+        }
+        host.properties.remove(&RESPONSE_FLAGS_PROPERTY.join("."));
+
+        // The fallback pool's answers are other engines': nothing recorded.
+        host.next_stream();
+        host.now_ms = NOW;
+        host.samples.clear();
+        let (mut s, _) = request(
+            &sh,
+            &mut host,
+            headers("/v1/chat/completions", &[("x-llm-pool", "fallback")]),
+            USAGE_STREAM,
+        );
+        stream_answer(&mut s, &sh, &mut host, 200, &[(30, "data: x\n\n")], 50);
+        assert!(host.samples.is_empty(), "{:?}", host.samples);
     }
 
     #[test]

@@ -13,8 +13,8 @@ use crate::roots::router::{RouterShared, RouterStream};
 use crate::shared::flow::Flow;
 use crate::shared::host_api::StreamHost;
 use crate::shared::names::{
-    Global, RegionStat, Stat, ATTEMPTS_PROPERTY, CODE_DETAILS_PROPERTY, HOST_REGION_PROPERTY,
-    OBSERVATIONS_QUEUE, RESPONSE_FLAGS_PROPERTY,
+    ErrorType, Global, RegionHistogram, RegionStat, Stat, TokenType, ATTEMPTS_PROPERTY,
+    CODE_DETAILS_PROPERTY, HOST_REGION_PROPERTY, OBSERVATIONS_QUEUE, RESPONSE_FLAGS_PROPERTY,
 };
 
 impl RouterStream {
@@ -74,14 +74,24 @@ impl RouterStream {
     /// TTFT is measured, or of a successful answer whose serving region is
     /// to learn the prompt. Every other chunk costs nothing.
     pub fn awaiting_first_byte(&self) -> bool {
-        self.pending.is_some() || self.learns()
+        self.pending.is_some() || self.learns() || self.times_first_byte()
     }
 
     /// Whether response body chunks are wanted at all: the first byte of a
     /// measured stream, the body of an answer whose `usage` is read, or a
     /// stored response's first bytes. Otherwise a chunk costs nothing.
     pub fn wants_response_body(&self) -> bool {
-        self.pending.is_some() || self.usage.is_some() || self.head.is_some() || self.learns()
+        self.pending.is_some()
+            || self.usage.is_some()
+            || self.head.is_some()
+            || self.learns()
+            || self.times_first_byte()
+    }
+
+    /// A successful stream whose first byte is its client's TTFT has not
+    /// started yet.
+    fn times_first_byte(&self) -> bool {
+        self.ttft && !self.started && self.status.is_some_and(|s| (200..300).contains(&s))
     }
 
     /// A successful answer to a routed request has not started yet: its
@@ -177,6 +187,22 @@ impl RouterStream {
             return;
         };
         let usage = scan.usage();
+        if let (Some(u), Some(served)) = (usage, self.served) {
+            let tokens = [
+                (TokenType::Input, Some(u.prompt_tokens)),
+                (TokenType::Output, u.completion_tokens),
+                (TokenType::CachedInput, u.cached_tokens),
+            ];
+            for (t, n) in tokens {
+                if let Some(n) = n {
+                    host.record(
+                        Stat::RegionHistogram(served, RegionHistogram::TokenUsage(t)),
+                        n,
+                    );
+                }
+            }
+            self.output_tokens = u.completion_tokens;
+        }
         if let (Some(served), Some(learning)) = (
             self.served,
             self.decided.as_mut().and_then(|d| d.learning.as_mut()),
@@ -213,6 +239,13 @@ impl RouterStream {
             .unwrap_or(1);
         self.served = served_region(&shared.cfg, host, routed, attempts);
         let now = host.now_ms();
+        self.first_byte_ms = Some(now);
+        if let (true, Some(served)) = (self.ttft, self.served) {
+            host.record(
+                Stat::RegionHistogram(served, RegionHistogram::TimeToFirstToken),
+                now.saturating_sub(self.arrived_ms),
+            );
+        }
         if let (Some(served), Some(learning)) = (
             self.served,
             self.decided.as_mut().and_then(|d| d.learning.as_mut()),
@@ -231,6 +264,17 @@ impl RouterStream {
         p.observation.observed_ms = now.saturating_sub(p.routed_ms) as f32;
         if attempts <= 1 && self.served == Some(routed) {
             to_probe(host, &p.observation.encode());
+            // The router's own error on the region it chose: observed
+            // minus the TTFT it expected there (the physical terms the
+            // tuner checks; the cost's prices are not a time).
+            let o = &p.observation;
+            let error = f64::from(o.observed_ms) - f64::from(o.rtt_ms + o.queue_ms + o.prefill_ms);
+            let (h, ms) = if error >= 0.0 {
+                (RegionHistogram::TtftErrorLate, error)
+            } else {
+                (RegionHistogram::TtftErrorEarly, -error)
+            };
+            host.record(Stat::RegionHistogram(routed, h), ms.round() as u64);
         }
     }
 
@@ -269,7 +313,9 @@ impl RouterStream {
         if self.fallback {
             return;
         }
-        let outcome = ending(&shared.cfg, host, self.status).outcome(region);
+        let ending = ending(&shared.cfg, host, self.status);
+        let outcome = ending.outcome(region);
+        self.record_duration(host, &ending, &outcome);
         if outcome.unattributed() {
             host.count(Stat::Global(Global::RouterOutcomeUnattributed), 1);
         }
@@ -282,6 +328,58 @@ impl RouterStream {
                 if n > 0 {
                     host.count(Stat::Region(i, stat), i64::try_from(n).unwrap_or(i64::MAX));
                 }
+            }
+        }
+    }
+}
+
+impl RouterStream {
+    /// The request's duration, in the region whose host served its last
+    /// try: a success's, or a failure's by its `error.type`; and a
+    /// successful stream's time per output token, when its usage said how
+    /// many. Only requests the router decided on (not the fallback pool's).
+    fn record_duration(
+        &mut self,
+        host: &mut dyn StreamHost,
+        ending: &Ending,
+        outcome: &crate::learning::outcome::Outcome,
+    ) {
+        let (Some(_), Some(region)) = (&self.decided, outcome.served) else {
+            return;
+        };
+        let now = host.now_ms();
+        let duration = now.saturating_sub(self.arrived_ms);
+        let failed = if outcome.cancelled {
+            Some(ErrorType::Cancelled)
+        } else if outcome.failed && ending.flags & flags::UPSTREAM_FAILURE != 0 {
+            Some(ErrorType::UpstreamFailure)
+        } else if outcome.failed {
+            Some(ErrorType::Upstream5xx)
+        } else if !outcome.answered {
+            // Neither the engine's answer nor its failure (Envoy answered
+            // in its place): not the region's.
+            return;
+        } else if ending.status.is_some_and(|s| (400..500).contains(&s)) {
+            Some(ErrorType::Upstream4xx)
+        } else if ending.status.is_some_and(|s| (200..300).contains(&s)) {
+            None
+        } else {
+            return;
+        };
+        let h = match failed {
+            Some(e) => RegionHistogram::RequestDurationFailed(e),
+            None => RegionHistogram::RequestDuration,
+        };
+        host.record(Stat::RegionHistogram(region, h), duration);
+        if let (None, true, Some(first), Some(n)) =
+            (failed, self.ttft, self.first_byte_ms, self.output_tokens)
+        {
+            if n > 1 {
+                let us = now.saturating_sub(first).saturating_mul(1000) / (n - 1);
+                host.record(
+                    Stat::RegionHistogram(region, RegionHistogram::TimePerOutputToken),
+                    us,
+                );
             }
         }
     }

@@ -25,7 +25,9 @@ pub trait Effects: SharedStore {
     /// Add to a counter (or a gauge, for in-flight counts).
     fn count(&mut self, stat: Stat, delta: i64);
     fn set_gauge(&mut self, stat: Stat, value: u64);
-    /// A stat's process-wide value.
+    /// Add a sample to a histogram.
+    fn record(&mut self, stat: Stat, value: u64);
+    /// A stat's process-wide value (not a histogram's).
     fn stat(&mut self, stat: Stat) -> u64;
     fn log(&mut self, level: Level, msg: &str);
     /// The host's clock, ms since the Unix epoch.
@@ -94,6 +96,8 @@ pub trait ProbeHost: Effects {
 pub struct Recorder {
     pub now_ms: u64,
     pub stats: HashMap<Stat, i64>,
+    /// Histogram samples, in order.
+    pub samples: HashMap<Stat, Vec<u64>>,
     pub store: MemoryStore,
     pub logs: Vec<(Level, String)>,
     /// The current stream's request headers as the filters see them (the
@@ -194,6 +198,9 @@ impl Effects for Recorder {
     fn set_gauge(&mut self, stat: Stat, value: u64) {
         self.stats
             .insert(stat, i64::try_from(value).unwrap_or(i64::MAX));
+    }
+    fn record(&mut self, stat: Stat, value: u64) {
+        self.samples.entry(stat).or_default().push(value);
     }
     fn stat(&mut self, stat: Stat) -> u64 {
         u64::try_from(self.value(stat)).unwrap_or(0)

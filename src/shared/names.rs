@@ -56,11 +56,13 @@ pub const ATTEMPTS_PROPERTY: [&str; 2] = ["upstream", "request_attempt_count"];
 /// `wasmcustom.`).
 pub const STAT_PREFIX: &str = "llm_geo_router";
 
-/// Counter or gauge.
+/// Counter, gauge or histogram.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StatKind {
     Counter,
     Gauge,
+    /// Envoy records whole numbers; the name says the unit.
+    Histogram,
 }
 
 /// Stats of the whole plugin (no entity in the name).
@@ -313,6 +315,134 @@ impl RegionStat {
     }
 }
 
+/// Why a request the router sent to a region failed (OpenTelemetry's
+/// `error.type` on `gen_ai.server.request.duration`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorType {
+    /// The engine answered 4xx.
+    Upstream4xx,
+    /// The engine (or a proxy in front of it) answered 5xx.
+    Upstream5xx,
+    /// No answer: reset, refused connection, timeout.
+    UpstreamFailure,
+    /// The client left before the answer ended.
+    Cancelled,
+}
+
+impl ErrorType {
+    pub const ALL: [ErrorType; 4] = [
+        ErrorType::Upstream4xx,
+        ErrorType::Upstream5xx,
+        ErrorType::UpstreamFailure,
+        ErrorType::Cancelled,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorType::Upstream4xx => "upstream_4xx",
+            ErrorType::Upstream5xx => "upstream_5xx",
+            ErrorType::UpstreamFailure => "upstream_failure",
+            ErrorType::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// `gen_ai.token.type`: the conventions' `input` and `output`, and
+/// `cached_input` (the part of the input the engine's cache served, as
+/// Envoy AI Gateway names it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TokenType {
+    Input,
+    Output,
+    CachedInput,
+}
+
+impl TokenType {
+    pub const ALL: [TokenType; 3] = [TokenType::Input, TokenType::Output, TokenType::CachedInput];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            TokenType::Input => "input",
+            TokenType::Output => "output",
+            TokenType::CachedInput => "cached_input",
+        }
+    }
+}
+
+/// Distributions per region, recorded by the router. The OpenTelemetry
+/// GenAI ones are named as Prometheus maps those conventions (dots to
+/// underscores, the unit as a suffix), with the region as `cloud.region`
+/// (an OpenTelemetry resource attribute) through Envoy's tag extraction;
+/// the router's own error is the plugin's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RegionHistogram {
+    /// Request headers to the answer's first body byte, for a successful
+    /// stream (`gen_ai.server.time_to_first_token`), in ms.
+    TimeToFirstToken,
+    /// First byte to the last, per output token after the first, for a
+    /// successful stream whose usage was read
+    /// (`gen_ai.server.time_per_output_token`), in µs.
+    TimePerOutputToken,
+    /// Request headers to the end of the answer, for a successful request
+    /// (`gen_ai.server.request.duration`), in ms.
+    RequestDuration,
+    /// The same for a failed one, by `error.type`.
+    RequestDurationFailed(ErrorType),
+    /// Tokens of a successful answer's usage (`gen_ai.client.token.usage`).
+    TokenUsage(TokenType),
+    /// Observed TTFT minus the TTFT the router expected of the region it
+    /// chose, when observed is the larger (the router was optimistic), ms.
+    TtftErrorLate,
+    /// Expected minus observed, when the router was pessimistic, ms.
+    TtftErrorEarly,
+}
+
+impl RegionHistogram {
+    pub const ALL: [RegionHistogram; 12] = [
+        RegionHistogram::TimeToFirstToken,
+        RegionHistogram::TimePerOutputToken,
+        RegionHistogram::RequestDuration,
+        RegionHistogram::RequestDurationFailed(ErrorType::Upstream4xx),
+        RegionHistogram::RequestDurationFailed(ErrorType::Upstream5xx),
+        RegionHistogram::RequestDurationFailed(ErrorType::UpstreamFailure),
+        RegionHistogram::RequestDurationFailed(ErrorType::Cancelled),
+        RegionHistogram::TokenUsage(TokenType::Input),
+        RegionHistogram::TokenUsage(TokenType::Output),
+        RegionHistogram::TokenUsage(TokenType::CachedInput),
+        RegionHistogram::TtftErrorLate,
+        RegionHistogram::TtftErrorEarly,
+    ];
+
+    /// The name the plugin defines for `region`.
+    fn name(self, region: &str) -> String {
+        match self {
+            RegionHistogram::TimeToFirstToken => {
+                format!("gen_ai.server.time_to_first_token_milliseconds.region.{region}")
+            }
+            RegionHistogram::TimePerOutputToken => {
+                format!("gen_ai.server.time_per_output_token_microseconds.region.{region}")
+            }
+            RegionHistogram::RequestDuration => {
+                format!("gen_ai.server.request.duration_milliseconds.region.{region}")
+            }
+            RegionHistogram::RequestDurationFailed(e) => format!(
+                "gen_ai.server.request.duration_milliseconds.region.{region}.error_type.{}",
+                e.name()
+            ),
+            RegionHistogram::TokenUsage(t) => format!(
+                "gen_ai.client.token.usage.region.{region}.token_type.{}",
+                t.name()
+            ),
+            RegionHistogram::TtftErrorLate => {
+                format!("{STAT_PREFIX}.region.{region}.ttft_error_milliseconds.late")
+            }
+            RegionHistogram::TtftErrorEarly => {
+                format!("{STAT_PREFIX}.region.{region}.ttft_error_milliseconds.early")
+            }
+        }
+    }
+}
+
 /// Stats per tier (`llm_geo_router.guard.tier.<tier>.<name>`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TierStat {
@@ -351,6 +481,8 @@ pub enum Stat {
     Decision(Reason),
     /// The same by chosen region (`region.<region>.decision.<reason>`).
     RegionDecision(usize, Reason),
+    /// A distribution of the region's requests.
+    RegionHistogram(usize, RegionHistogram),
 }
 
 impl Stat {
@@ -359,6 +491,7 @@ impl Stat {
             Stat::Global(g) => g.spec().1,
             Stat::Region(_, r) => r.spec().1,
             Stat::Tier(..) | Stat::Decision(_) | Stat::RegionDecision(..) => StatKind::Counter,
+            Stat::RegionHistogram(..) => StatKind::Histogram,
         }
     }
 
@@ -380,6 +513,7 @@ impl Stat {
                 region(i)?,
                 r.stat_name()
             ),
+            Stat::RegionHistogram(i, h) => h.name(region(i)?),
         })
     }
 
@@ -390,6 +524,11 @@ impl Stat {
         for i in 0..regions {
             out.extend(RegionStat::ALL.iter().map(|r| Stat::Region(i, *r)));
             out.extend(Reason::ALL.iter().map(|r| Stat::RegionDecision(i, *r)));
+            out.extend(
+                RegionHistogram::ALL
+                    .iter()
+                    .map(|h| Stat::RegionHistogram(i, *h)),
+            );
         }
         for i in 0..cfg.tiers.names.len() {
             out.extend(TierStat::ALL.iter().map(|t| Stat::Tier(i, *t)));
@@ -408,7 +547,7 @@ pub struct StatTable<M> {
     slots: Vec<M>,
 }
 
-const REGION_SLOTS: usize = RegionStat::ALL.len() + Reason::ALL.len();
+const REGION_SLOTS: usize = RegionStat::ALL.len() + Reason::ALL.len() + RegionHistogram::ALL.len();
 
 fn pos<T: PartialEq + Copy>(all: &[T], x: T) -> usize {
     all.iter().position(|y| *y == x).unwrap_or(0)
@@ -441,6 +580,13 @@ impl<M> StatTable<M> {
             Stat::RegionDecision(i, r) => {
                 region_base + i * REGION_SLOTS + RegionStat::ALL.len() + pos(&Reason::ALL, r)
             }
+            Stat::RegionHistogram(i, h) => {
+                region_base
+                    + i * REGION_SLOTS
+                    + RegionStat::ALL.len()
+                    + Reason::ALL.len()
+                    + pos(&RegionHistogram::ALL, h)
+            }
             Stat::Tier(i, t) => tier_base + i * TierStat::ALL.len() + pos(&TierStat::ALL, t),
             Stat::Decision(r) => decision_base + pos(&Reason::ALL, r),
         }
@@ -449,7 +595,9 @@ impl<M> StatTable<M> {
     /// The handle of `stat`; `None` for a region or tier out of range.
     fn in_range(&self, stat: Stat) -> bool {
         match stat {
-            Stat::Region(i, _) | Stat::RegionDecision(i, _) => i < self.regions,
+            Stat::Region(i, _) | Stat::RegionDecision(i, _) | Stat::RegionHistogram(i, _) => {
+                i < self.regions
+            }
             Stat::Tier(i, _) => i < self.tiers,
             Stat::Global(_) | Stat::Decision(_) => true,
         }
@@ -502,8 +650,44 @@ mod tests {
             n(Stat::Global(Global::ProbeTicks)),
             "llm_geo_router.probe.ticks"
         );
+        assert_eq!(
+            n(Stat::RegionHistogram(1, RegionHistogram::TimeToFirstToken)),
+            "gen_ai.server.time_to_first_token_milliseconds.region.far"
+        );
+        assert_eq!(
+            n(Stat::RegionHistogram(
+                0,
+                RegionHistogram::TokenUsage(TokenType::CachedInput)
+            )),
+            "gen_ai.client.token.usage.region.near.token_type.cached_input"
+        );
+        assert_eq!(
+            n(Stat::RegionHistogram(
+                0,
+                RegionHistogram::RequestDurationFailed(ErrorType::Upstream5xx)
+            )),
+            "gen_ai.server.request.duration_milliseconds.region.near.error_type.upstream_5xx"
+        );
+        assert_eq!(
+            n(Stat::RegionHistogram(1, RegionHistogram::TtftErrorEarly)),
+            "llm_geo_router.region.far.ttft_error_milliseconds.early"
+        );
+        assert_eq!(
+            Stat::RegionHistogram(0, RegionHistogram::RequestDuration).kind(),
+            StatKind::Histogram
+        );
         assert_eq!(Stat::Region(2, RegionStat::RttMs).name(&c), None);
         assert_eq!(Stat::Global(Global::LadderLevel).kind(), StatKind::Gauge);
+    }
+
+    #[test]
+    fn every_error_and_token_type_has_its_histogram() {
+        for e in ErrorType::ALL {
+            assert!(RegionHistogram::ALL.contains(&RegionHistogram::RequestDurationFailed(e)));
+        }
+        for t in TokenType::ALL {
+            assert!(RegionHistogram::ALL.contains(&RegionHistogram::TokenUsage(t)));
+        }
     }
 
     #[test]
