@@ -319,7 +319,7 @@ impl Probe {
                             );
                         }
                         if kind == Kind::Health {
-                            self.health(host, i, None);
+                            self.health(host, i, None, "the host refused its health callout");
                         }
                     }
                 }
@@ -378,10 +378,15 @@ impl Probe {
                 }
                 // Envoy answers a callout that timed out with its own 504
                 // ("upstream request timeout"): no answer from the engine.
-                let changed = if matches!(status, None | Some(504)) {
-                    self.health_unanswered(host, region)
-                } else {
-                    self.health(host, region, rtt)
+                let changed = match status {
+                    None | Some(504) => self.health_unanswered(host, region),
+                    Some(_) if ok => self.health(host, region, rtt, ""),
+                    Some(s) => self.health(
+                        host,
+                        region,
+                        None,
+                        &format!("its health probe answered {s}"),
+                    ),
                 };
                 if changed {
                     self.publish(host, now);
@@ -503,17 +508,26 @@ impl Probe {
                 host.count(Stat::Region(region, RegionStat::HealthProbeBusy), 1);
                 false
             }
-            Some(change) => self.health_changed(host, region, change),
+            Some(change) => {
+                self.health_changed(host, region, change, "its health probes went unanswered")
+            }
         }
     }
 
-    /// Feed one health result; true when the region's health changed.
-    fn health(&mut self, host: &mut dyn ProbeHost, region: usize, rtt: Option<f64>) -> bool {
+    /// Feed one health result (`why` it failed, for the log); true when
+    /// the region's health changed.
+    fn health(
+        &mut self,
+        host: &mut dyn ProbeHost,
+        region: usize,
+        rtt: Option<f64>,
+        why: &str,
+    ) -> bool {
         if rtt.is_none() {
             host.count(Stat::Region(region, RegionStat::HealthProbeFailure), 1);
         }
         let change = self.fleet.on_health(&self.cfg, region, rtt);
-        self.health_changed(host, region, change)
+        self.health_changed(host, region, change, why)
     }
 
     /// Act on a change of a region's health; true when it changed.
@@ -522,6 +536,7 @@ impl Probe {
         host: &mut dyn ProbeHost,
         region: usize,
         change: HealthChange,
+        why: &str,
     ) -> bool {
         if change == HealthChange::BecameHealthy {
             // Back from an outage, perhaps redeployed: read its limit again.
@@ -545,7 +560,7 @@ impl Probe {
                 host.log(
                     Level::Warn,
                     &format!(
-                        "llm-geo-router probe: region {name} is unhealthy; no new requests go there"
+                        "llm-geo-router probe: region {name} is unhealthy ({why}); no new requests go there"
                     ),
                 );
                 true
@@ -668,6 +683,26 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn an_engine_that_answers_it_is_down_is_logged_with_its_status() {
+        let c = cfg("");
+        let mut host = Recorder::default();
+        let mut p = started(&c, "a", &mut host);
+        let mut at = T0;
+        for _ in 0..3 {
+            at += 1000;
+            tick(&mut p, &mut host, at);
+            answer_all(&mut p, &mut host, 5, Some(503), "");
+        }
+        assert_eq!(host.value(Stat::Region(0, RegionStat::Healthy)), 0);
+        assert!(host.logs.iter().any(|(_, m)| m
+            == "llm-geo-router probe: region near is unhealthy (its health probe answered \
+                503); no new requests go there"));
+        // Unhealthy by an answer: no follow-up is sent there.
+        let snap = p.fleet.snapshot(&c, at);
+        assert!(!snap.regions[0].healthy && !snap.regions[0].unanswered);
+    }
+
+    #[test]
     fn a_busy_engine_whose_probes_time_out_stays_healthy_a_silent_one_does_not() {
         // Both regions' /health and /metrics go unanswered (timed out) for
         // five ticks (unhealthy_after is 2). near's engines answer this
@@ -703,6 +738,12 @@ pub(crate) mod tests {
         assert!(host.value(Stat::Region(0, RegionStat::HealthProbeBusy)) >= 4);
         assert_eq!(host.value(Stat::Region(1, RegionStat::Healthy)), 0);
         assert_eq!(host.value(Stat::Region(1, RegionStat::HealthProbeBusy)), 0);
+        // The log says why: its probes got no answer; its own follow-ups
+        // are still sent there.
+        assert!(p.fleet.snapshot(&c, at).regions[1].unanswered);
+        assert!(host.logs.iter().any(|(_, m)| m
+            == "llm-geo-router probe: region mid is unhealthy (its health probes went \
+                unanswered); no new requests go there"));
         // Serving but failing most requests: the timeouts count again.
         for _ in 0..3 {
             host.count(Stat::Region(0, RegionStat::UpstreamFailure), 20);
