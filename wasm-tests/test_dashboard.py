@@ -12,7 +12,8 @@ template) and draws the series at the panel's place. What this catches is
 what a broken dashboard shows in Grafana: a query Prometheus refuses, a
 metric or label that does not exist (no data), a label the legend names
 but the series lacks. Grafana's own drawing is not tested. The screenshot
-is kept in the run directory (dashboard.png)."""
+is kept in the run directory (dashboard.png). The fleet is conftest's
+`fleet` (probe tick 300 ms)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,6 @@ import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-import pytest
 
 import harness
 from harness import filler, stream_chat
@@ -113,16 +112,6 @@ def render(url: str, out_png, height: int) -> Panels:
     panels = Panels()
     panels.feed(dom.stdout)
     return panels
-
-
-@pytest.fixture
-def fleet():
-    fleet = harness.Fleet(harness.fresh_run_dir("test_dashboard"))
-    try:
-        fleet.start({"probe": {"tick_ms": 300, "timeout_ms": 300, "snapshot_max_age_ms": 3000}})
-        yield fleet
-    finally:
-        fleet.stop()
 
 
 def wait_stat(envoy, name: str, want: int, timeout: float = 30.0) -> None:
