@@ -27,7 +27,8 @@ struct Region {
     streak: i64,
     /// The last failed health probe got no answer at all (timed out, or
     /// Envoy's 504): a busy engine's sign as much as a dead one's. False
-    /// after an answer, good or bad.
+    /// after an answer that it is down, and once healthy again; a good
+    /// answer while still unhealthy (recovering) leaves it as it is.
     silent: bool,
     /// The last `probe.rtt_window` health round trips, oldest first.
     rtt_samples: VecDeque<f64>,
@@ -343,7 +344,6 @@ impl Fleet {
         let Some(r) = self.regions.get_mut(region) else {
             return HealthChange::None;
         };
-        r.silent = false;
         match rtt_ms {
             Some(rtt) if rtt.is_finite() && rtt >= 0.0 => {
                 r.streak = r.streak.max(0) + 1;
@@ -353,6 +353,7 @@ impl Fleet {
                 r.rtt_samples.push_back(rtt);
                 if !r.healthy && r.streak >= i64::from(p.healthy_after) {
                     r.healthy = true;
+                    r.silent = false;
                     // Back from an outage, perhaps redeployed with another
                     // setting: check again.
                     r.stores_responses = None;
@@ -360,6 +361,7 @@ impl Fleet {
                 }
             }
             _ => {
+                r.silent = false;
                 r.streak = r.streak.min(0) - 1;
                 if r.healthy && -r.streak >= i64::from(p.unhealthy_after) {
                     r.healthy = false;
@@ -843,11 +845,21 @@ mod tests {
         assert_eq!(state(&mut f), (false, false));
         f.on_health_unanswered(&c, 0, 0);
         assert_eq!(state(&mut f), (false, true));
-        // Recovery clears it.
-        for _ in 0..3 {
-            f.on_health(&c, 0, Some(5.0));
+        // Good answers while still unhealthy (short of healthy_after 3)
+        // keep it: the engine is coming back, not down.
+        for _ in 0..2 {
+            assert_eq!(f.on_health(&c, 0, Some(5.0)), HealthChange::None);
+            assert_eq!(state(&mut f), (false, true));
         }
+        // Recovery clears it.
+        assert_eq!(f.on_health(&c, 0, Some(5.0)), HealthChange::BecameHealthy);
         assert_eq!(state(&mut f), (true, false));
+        // A later outage answered as down is not silent, even after a
+        // good answer.
+        f.on_health(&c, 0, None);
+        assert_eq!(f.on_health(&c, 0, None), HealthChange::BecameUnhealthy);
+        f.on_health(&c, 0, Some(5.0));
+        assert_eq!(state(&mut f), (false, false));
     }
 
     #[test]
