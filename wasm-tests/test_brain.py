@@ -27,9 +27,13 @@ def test_hot_system_prompt_stays_with_its_holder_until_the_move_pays(fleet_facto
     # region_*_fallback at level 4). The ladder has its own tests.
     fleet = fleet_factory({"probe": FAST_PROBE, "ladder": {"forced_level": 0}})
     system = filler("hot-system", 8000)
-    # Warm the nearest region with the shared system prompt.
+    # Warm a region with the shared system prompt: the nearest as measured,
+    # near on a quiet machine (its 5 ms against mid's 40); a stall of a busy
+    # one can make the probe measure near slower (seen: 116 ms), and the
+    # test then follows the region the router chose.
     r = chat(fleet.port, [{"role": "system", "content": system}, {"role": "user", "content": "warm"}])
-    assert r.replica == "near"
+    holder = r.replica
+    assert r.status == 200 and holder == r.route["region"], (r.status, r.replica, r.route)
     samples, stop = [], threading.Event()
 
     def sample():
@@ -63,7 +67,7 @@ def test_hot_system_prompt_stays_with_its_holder_until_the_move_pays(fleet_facto
     # prompt it holds stays there, however far over a share of the in-flight
     # requests that is (the old share bound moved it from the 4th on).
     served = burst(6, "calm")
-    assert all(rep == "near" and route.get("reason") == "cache" for _, rep, route in served), served
+    assert all(rep == holder and route.get("reason") == "cache" for _, rep, route in served), served
     # Twenty-four at a time: near saturates. With the configured 0.2 ms per
     # token and 400 ms per slot, moving the 2000-token prompt to mid costs
     # 35 + 400 ms; near's wait, (n + 1 - 8) / 8 x 400 ms, exceeds that from
@@ -80,9 +84,9 @@ def test_hot_system_prompt_stays_with_its_holder_until_the_move_pays(fleet_facto
     per_region = {n: sum(1 for _, rep, _ in served if rep == n) for n in fleet.engines}
     moved = [route for _, _, route in served if route.get("reason") in ("load", "load-override", "spread")]
     print("requests per region:", per_region, "moved for load:", len(moved))
-    assert moved and per_region["near"] < len(served)
+    assert moved and per_region[holder] < len(served)
     for route in moved:
-        assert route["passed_over"] == "near", route
+        assert route["passed_over"] == holder, route
         wait, move = float(route["passed_over_wait_ms"]), float(route["move_ms"])
         if route["reason"] == "load-override":
             assert wait > move and wait > 0, route
@@ -100,8 +104,8 @@ def test_hot_system_prompt_stays_with_its_holder_until_the_move_pays(fleet_facto
     # wait in the decision near would take all 24.
     busy = [s for s in samples if sum(s.values()) >= 12]
     assert len(busy) > 10, samples[:5]
-    worst = max(s["near"] for s in busy)
-    print("samples:", len(busy), "most in flight at near:", worst)
+    worst = max(s[holder] for s in busy)
+    print("samples:", len(busy), f"most in flight at {holder}:", worst)
     assert worst <= 19, worst
 
 

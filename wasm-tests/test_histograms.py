@@ -108,12 +108,18 @@ def test_histograms_match_what_the_clients_saw_per_region(fleet):
         late = prom.value(f"{ERROR}_count", llm_geo_router_region=region, llm_geo_router_direction="late")
         early = prom.value(f"{ERROR}_count", llm_geo_router_region=region, llm_geo_router_direction="early")
         assert late + early == n, (region, late, early, n)
-        signed = (prom.value(f"{ERROR}_sum", llm_geo_router_region=region, llm_geo_router_direction="late")
-                  - prom.value(f"{ERROR}_sum", llm_geo_router_region=region, llm_geo_router_direction="early"))
-        expected = [float(s["route"]["rtt_ms"]) + float(s["route"]["prefill_ms"]) + float(s["route"]["wait_ms"])
-                    for s in got]
-        want = sum(s["ttft_ms"] - e for s, e in zip(got, expected))
-        assert close(signed, want, n, 0.06, 3.0), (region, signed, want)
+        late_sum = prom.value(f"{ERROR}_sum", llm_geo_router_region=region, llm_geo_router_direction="late")
+        early_sum = prom.value(f"{ERROR}_sum", llm_geo_router_region=region, llm_geo_router_direction="early")
+        signed = late_sum - early_sum
+        expected = sum(float(s["route"]["rtt_ms"]) + float(s["route"]["prefill_ms"]) + float(s["route"]["wait_ms"])
+                       for s in got)
+        # Against the TTFT this Envoy recorded (checked against the clients'
+        # above), not the clients' own: what a client's clock adds on a busy
+        # machine (seen: 94 ms over 12 streams) is no error of the router's.
+        # Each sum is within its bins' precision; each sample rounds to 1 ms.
+        want = ttft - expected
+        slack = 0.06 * (ttft + late_sum + early_sum) + 1.0 * n
+        assert abs(signed - want) <= slack, (region, signed, want, slack)
     # far: no sample in any series.
     for name in (TTFT, TPOT, DURATION, TOKENS):
         assert prom.value(f"{name}_count", cloud_region="far") == 0, name
