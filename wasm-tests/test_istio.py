@@ -1188,6 +1188,7 @@ def start_istio_fleet(flavour: str, run_dir: Path, wasm_filters: bool = True, pl
         if wait_snapshot:
             for e in fleet.envoys:
                 fleet.wait_snapshot(e)
+                fleet.wait_rtt_settled(e)
     except Exception:
         fleet.stop()
         raise
@@ -1399,8 +1400,13 @@ def test_retry_to_another_region_carries_that_regions_host(run_dir):
     probe has noticed; the route retries on the failover endpoints
     (priority 1: mid, far), and the try that is served carries its own
     region's host, not near's (what TLS's auto SNI follows too)."""
-    fleet = start_istio_fleet("gateway", run_dir)
+    # A slow probe, and near killed just after one of its rounds: the next
+    # is 5 s away, so the router still takes near for serving. With the
+    # 300 ms tick, a busy machine let a round see near gone first.
+    fleet = start_istio_fleet("gateway", run_dir, plugin_override={
+        "probe": {"tick_ms": 5000, "busy_tick_ms": 5000, "snapshot_max_age_ms": 15000}})
     try:
+        harness.wait_ticks(fleet.envoy, 1)
         fleet.engines["near"].kill()
         r = chat(fleet.port, [{"role": "user", "content": "near is gone"}], timeout=10)
         assert r.status == 200, r.body[:300]
