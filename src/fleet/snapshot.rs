@@ -40,9 +40,10 @@ pub struct RegionState {
     /// Unhealthy only because its health probes went unanswered (timed
     /// out), perhaps answering well again since (recovering, short of
     /// `probe.healthy_after`): not ejected for failing requests, and no
-    /// probe since answered that it is down. An engine busy decoding on few cores looks the same as a dead
-    /// one here; a follow-up to a response stored only there is still sent
-    /// (it is the one place that can answer it).
+    /// probe since answered that it is down. An engine busy decoding on few
+    /// cores looks the same as a dead one here; a follow-up to a response
+    /// stored only there is still sent (it is the one place that can answer
+    /// it).
     #[serde(default, skip_serializing_if = "is_false")]
     pub unanswered: bool,
     /// Measured round trip of the health probe (EWMA, ms); absent until the
