@@ -11,6 +11,7 @@ import yaml
 
 import harness
 from harness import chat, filler
+from test_histograms import TTFT, wait_count
 from test_routing import conversation_on_mid, wait_stat
 
 FAST_PROBE = {"tick_ms": 300, "timeout_ms": 300, "snapshot_max_age_ms": 3000}
@@ -165,13 +166,16 @@ def test_streamed_requests_tune_the_prefill_rate(fleet_factory):
     envoy = fleet.envoy
     assert envoy.stat("wasmcustom.llm_geo_router.region.near.prefill_us_per_token") == 100
     near_bytes = near_requests = 0
+    near_terms = 0.0  # the round trip and queue wait the router predicted at near
     for i in range(40):
         body = [{"role": "user", "content": filler(f"tune-{i}", 2000 + 100 * i)}]
         r = chat(fleet.port, body, stream=True, max_tokens=2)
         assert r.status == 200 and r.body.rstrip().endswith(b"data: [DONE]")
         if r.replica == "near":
+            assert r.route["region"] == "near", r.route
             near_bytes += len(body[0]["content"])
             near_requests += 1
+            near_terms += sum(float(r.route[k]) for k in ("rtt_ms", "wait_ms", "load_ms"))
     wait_stat(envoy, "tuning.observations", lambda v: v >= 40)
     # Two probe rounds: every observation is in the window and fitted.
     harness.wait_ticks(envoy, 2)
@@ -179,21 +183,30 @@ def test_streamed_requests_tune_the_prefill_rate(fleet_factory):
     fixed = envoy.stat("wasmcustom.llm_geo_router.region.near.prefill_ms_per_request")
     # The fit is a per-request part and a rate per token as the router
     # counts them (these streams carry no usage, so its tokens per byte
-    # stay the prior). The engine takes 10 ms a request (the emulator's
-    # per-request overhead) and 200 us per engine token (its counter). At
-    # the prompt near saw on average, the fitted prefill time must be the
-    # engine's, within 15 % (a least-squares fit goes through the mean;
-    # the prior pulls it a little towards the configured 100 us a token).
+    # stay the prior), through the mean of what it observed: each TTFT less
+    # the round trip and queue wait it predicted. At the prompt near saw on
+    # average, the fitted prefill time must be that mean, within 15 % (the
+    # prior pulls it a little towards the configured 100 us a token). The
+    # TTFTs are the ones this Envoy recorded (test_histograms checks them
+    # against its clients'), not the engine's nominal time: on a busy
+    # machine a stalled request adds to what the router sees and must
+    # price (run 12 in docs/RELIABILITY.md: 418 ms fitted, 355 nominal).
     tpk = envoy.stat("wasmcustom.llm_geo_router.region.near.tokens_per_kib")
     engine_tokens = fleet.engines["near"].stats()["cache_query_tokens"]
     router_tokens = near_bytes * tpk / 1024 / near_requests
     predicted = fixed + rate / 1000 * router_tokens
-    truth = 10 + 0.2 * engine_tokens / near_requests
+    prom = wait_count(envoy, TTFT, near_requests, cloud_region="near")
+    observed = (prom.value(f"{TTFT}_sum", cloud_region="near") - near_terms) / near_requests
+    # The engine takes 10 ms a request (the emulator's per-request
+    # overhead) and 200 us per engine token (its counter); what Envoy saw
+    # is that or more (less at most Envoy's histogram's rounding).
+    nominal = 10 + 0.2 * engine_tokens / near_requests
     print(f"tuned prefill {fixed} ms + {rate} us/token: {predicted:.0f} ms at near's mean prompt "
-          f"({router_tokens:.0f} router tokens); the engine takes {truth:.0f} ms "
-          f"({near_requests} requests at near)")
+          f"({router_tokens:.0f} router tokens); observed {observed:.0f} ms, the engine's nominal "
+          f"{nominal:.0f} ms ({near_requests} requests at near)")
+    assert observed >= 0.95 * nominal, (observed, nominal)
     # The configured guess (100 us a token, nothing per request) is far outside.
-    assert abs(predicted - truth) <= 0.15 * truth, (predicted, truth, fixed, rate)
+    assert abs(predicted - observed) <= 0.15 * observed, (predicted, observed, fixed, rate)
     # The fit reaches the decision: a new cold prompt at near is priced at
     # the fitted prefill time, not the configured 100 us a token.
     content = filler("tuned-decision", 6000)

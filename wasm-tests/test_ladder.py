@@ -68,25 +68,36 @@ class Load:
 
 
 def test_capacity_loss_raises_the_ladder_and_pages_then_recovers_per_dwell(fleet_factory):
-    # Demand is an EWMA of arrivals per 300 ms tick: at 10 rps a tick sees 3
-    # arrivals, and timer jitter makes some see 4 (13.3 rps). With the
-    # default alpha 0.5 one such tick lifts the estimate to 11.7 rps, past
-    # level 5's threshold for 5 rps of capacity (ratio 0.45 at 11.1 rps): the
-    # ladder then rose one rung too far on a fresh-clone CI run. Alpha 0.2
-    # and 5.25 rps put the steady state mid-band for level 4 (ratio 0.525;
-    # 0.49 after a 4-arrival tick, 0.56 after a 2-arrival one).
+    # Demand is an EWMA of arrivals per tick (300 ms; 250 ms while the
+    # ladder is up): at 10 rps a tick sees 2 to 4 arrivals, and timer jitter
+    # or a stalled client moves some to the next tick. With the default
+    # alpha 0.5 one 4-arrival tick lifted the estimate past level 5's
+    # threshold (a fresh-clone CI run rose one rung too far); with alpha
+    # 0.2 and the default thresholds, one tick that saw no arrival (a
+    # busy machine's stall) took level 4's band, [0.45, 0.60) of 5.25 rps,
+    # from under the estimate: the climb held for a tick (run 12 in
+    # docs/RELIABILITY.md). What this test checks is the climb's steps,
+    # not the default thresholds (fleet/state.rs checks those), so level 4's
+    # band is widened here: 5.25 rps of capacity for 10 rps (ratio 0.525)
+    # is level 4 for any demand from 6.4 to 26 rps, which takes three
+    # arrival-less ticks in a row to leave. Level 0 holds below a ratio of
+    # 0.9: before the kill (15.75 rps) for any demand up to 17.5 rps, and
+    # in the tick or two when one killed region is seen and the other not
+    # (10.5 rps) up to 11.7 rps.
     probe = {**TICK, "demand_alpha": 0.2}
-    fleet = fleet_factory({"regions": regions(5.25), "probe": probe, "ladder": {"dwell_s": 2},
+    ladder = {"dwell_s": 2, "up_at": [0.9, 0.875, 0.85, 0.825, 0.2],
+              "down_at": [1.0, 0.975, 0.95, 0.925, 0.3]}
+    fleet = fleet_factory({"regions": regions(5.25), "probe": probe, "ladder": ladder,
                            "assessment": {"region_down_minutes": 0.02}})
     envoy = fleet.envoy
     with Load(fleet.port, 10):
-        # The demand EWMA has settled near 10 rps (against 15 rps).
+        # The demand EWMA has settled near 10 rps (against 15.75 rps).
         wait_stat(envoy, "ladder.demand_rps", lambda v: v >= 9, timeout=20)
         assert stat(envoy, "ladder.level") == 0
         assert stat(envoy, "assessment.state") == 0
         fleet.engines["mid"].kill()
         fleet.engines["far"].kill()
-        # Capacity 5.25 rps for 10 rps: ratio 0.525 -> levels 1..4 (not < 0.45).
+        # Capacity 5.25 rps for 10 rps: ratio 0.525 -> levels 1..4 (not < 0.2).
         wait_stat(envoy, "ladder.level", lambda v: v >= 4, timeout=15)
         ups = harness.ladder_changes(envoy)
         assert [c.level for c in ups] == [1, 2, 3, 4], ups
