@@ -624,12 +624,19 @@ fn paused_engine_queues_requests_fifo() {
         "requests in the order they were answered (arrival order 0..{WAITERS}); queue-ms {queued:?}"
     );
     // And by the engine's own account (no client thread's timing in it):
-    // each waited longer than the one that arrived before it, since it
-    // waited for that one's decode too (LIFO: the reverse).
-    assert!(
-        queued.windows(2).all(|w| w[1] > w[0]),
-        "queue-ms in arrival order {queued:?}"
-    );
+    // the i-th arrival waited at least the i decodes before it (150 ms
+    // each), which FIFO guarantees whatever the gaps between arrivals. It
+    // is not that each waited longer than the one before: on a busy
+    // machine request 1 arrived more than a decode after request 0 and
+    // waited less (run 13 in docs/RELIABILITY.md: [358, 329, 445, 567]).
+    // LIFO, or the slot limit ignored, has the last arrival wait only
+    // from its arrival to the unpause (about 100 ms).
+    for (i, &q) in queued.iter().enumerate() {
+        assert!(
+            q + 2 >= 150 * i as u64,
+            "request {i} waited {q} ms, less than the {i} decodes before it; queue-ms in arrival order {queued:?}"
+        );
+    }
     // The slot is released once the response is written: poll briefly.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
@@ -651,14 +658,17 @@ fn sglang_mode_and_network_delay() {
         "--model",
         "sg",
         "--network-delay-ms",
-        "150",
+        // Long against a busy machine's stalls, which the undelayed
+        // requests below must stay under (a stall of 150 ms, the delay
+        // this had, is a few times a run beside busy_load.py).
+        "1000",
         "--release",
         "sha256:b",
     ]);
     let mut c = emu.connect();
     let t = Instant::now();
     let h = c.request("GET", "/health", &[], b"");
-    assert!(t.elapsed() >= Duration::from_millis(150));
+    assert!(t.elapsed() >= Duration::from_millis(1000));
     assert_eq!(h.header("x-release-digest"), Some("sha256:b"));
     let text = c.request("GET", "/metrics", &[], b"").text();
     for line in [
@@ -675,10 +685,10 @@ fn sglang_mode_and_network_delay() {
     // Admin endpoints are not delayed; the delay is adjustable at runtime.
     let t = Instant::now();
     c.post_json("/admin/state", &json!({"network_delay_ms": 0}));
-    assert!(t.elapsed() < Duration::from_millis(150));
+    assert!(t.elapsed() < Duration::from_millis(1000));
     let t = Instant::now();
     c.request("GET", "/health", &[], b"");
-    assert!(t.elapsed() < Duration::from_millis(150));
+    assert!(t.elapsed() < Duration::from_millis(1000));
 }
 
 #[test]
