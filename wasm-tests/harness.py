@@ -24,6 +24,7 @@ import difflib
 import http.client
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -73,10 +74,41 @@ def terminate(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
+def _listen_ports() -> range:
+    """Ports to listen on: below the kernel's ephemeral range, from which
+    every outgoing connection takes its source port. A port the kernel
+    picked free (bind to 0) is in that range, and beside a busy machine's
+    clients one was taken as a source port before the Envoy it was picked
+    for bound it ("cannot bind ...: Address already in use", run 14 in
+    docs/RELIABILITY.md)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 49152  # the IANA ephemeral range, macOS's and Windows' default
+    return range(10000, low) if low > 12000 else range(1024, low)
+
+
+_LISTEN_PORTS = _listen_ports()
+_handed: set[int] = set()
+_rng = random.Random()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, outside the ephemeral range, not handed
+    out before by this process (so two servers started together never get
+    the same one)."""
+    for _ in range(1000):
+        port = _rng.choice(_LISTEN_PORTS)
+        if port in _handed:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
+    raise RuntimeError(f"no free port in {_LISTEN_PORTS}")
 
 
 def deep_merge(base: dict, override: dict) -> dict:
