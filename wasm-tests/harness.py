@@ -752,6 +752,7 @@ class Response:
     body: bytes
     ttfb_ms: float
     total_ms: float
+    started: float = 0.0  # time.monotonic() when the request was sent
 
     def json(self):
         return json.loads(self.body)
@@ -783,7 +784,7 @@ def request(port: int, method: str, path: str, body: bytes | str | dict | None =
         data = resp.read()
         t2 = time.monotonic()
         return Response(resp.status, {k.lower(): v for k, v in resp.getheaders()}, data,
-                        (t1 - t0) * 1000, (t2 - t0) * 1000)
+                        (t1 - t0) * 1000, (t2 - t0) * 1000, t0)
     finally:
         conn.close()
 
@@ -796,7 +797,8 @@ def chat(port: int, messages: list, headers: dict | None = None, timeout: float 
 def stream_chat(port: int, content: str, max_tokens: int = 8, timeout: float = 30.0) -> dict:
     """One streamed chat asking for its usage, timed as its client sees it:
     to the first body byte, to the end. Returns the status, the route
-    header's terms, the engine replica and the usage."""
+    header's terms, the engine replica, the usage and when it was sent
+    (time.monotonic())."""
     body = json.dumps({"model": "emulated-model", "stream": True, "max_tokens": max_tokens,
                        "stream_options": {"include_usage": True},
                        "messages": [{"role": "user", "content": content}]})
@@ -820,7 +822,7 @@ def stream_chat(port: int, content: str, max_tokens: int = 8, timeout: float = 3
                 usage = chunk["usage"]
     route = dict(p.strip().split("=", 1) for p in headers.get("x-llm-route", "").split(";") if "=" in p)
     return {"status": resp.status, "route": route, "replica": headers.get("x-engine-replica"),
-            "ttft_ms": (t1 - t0) * 1000, "total_ms": (t2 - t0) * 1000, "usage": usage}
+            "ttft_ms": (t1 - t0) * 1000, "total_ms": (t2 - t0) * 1000, "usage": usage, "started": t0}
 
 
 def filler(seed: str, n_bytes: int) -> str:

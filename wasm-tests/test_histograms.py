@@ -7,6 +7,7 @@ counts reach what the clients sent."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -36,11 +37,47 @@ def wait_count(envoy, name: str, want: int, timeout: float = 30.0, **labels) -> 
     return prom
 
 
-def close(have: float, want: float, n: int, rel: float, per_sample: float) -> bool:
+def close(have: float, want: float, n: int, rel: float, per_sample: float, stalled: float = 0.0) -> bool:
     """Envoy's histogram sums are approximate (log-linear bins, two
     significant digits): within `rel` of the clients' figure, plus
-    `per_sample` for what the clients' clock adds per request."""
-    return abs(have - want) <= rel * abs(want) + per_sample * n
+    `per_sample` for what the clients' clock adds per request. Envoy times
+    a part of each client's interval, so it may be short of the clients'
+    by `stalled` more (ClientStalls), never over."""
+    slack = rel * abs(want) + per_sample * n
+    return want - slack - stalled <= have <= want + slack
+
+
+class ClientStalls:
+    """When this process waited for a CPU while its clients timed their
+    requests: a thread sleeps 5 ms at a time and notes each oversleep past
+    2 ms. A client's clock runs on while it waits; Envoy's does not count
+    that. Beside the busy load the clients' TTFT sum was 150 ms over
+    Envoy's for 12 streams (run 15 in docs/RELIABILITY.md), past the 6 %
+    and 3 ms a request this allows on a quiet machine."""
+
+    def __enter__(self):
+        self.stalls: list[tuple[float, float]] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+        return self
+
+    def run(self):
+        while not self.done.is_set():
+            t = time.monotonic()
+            time.sleep(0.005)
+            now = time.monotonic()
+            if now - t > 0.007:
+                self.stalls.append((t + 0.005, now))
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+    def within(self, windows) -> float:
+        """The ms of stall inside these (start, ms long) windows."""
+        return sum(max(0.0, min(b, s + ms / 1000) - max(a, s)) * 1000
+                   for s, ms in windows for a, b in self.stalls)
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +99,12 @@ def test_histograms_match_what_the_clients_saw_per_region(fleet):
     while envoy.stat("wasmcustom.llm_geo_router.region.far.healthy") != 0:
         assert time.time() < deadline, "the probe never saw far gone"
         time.sleep(0.2)
-    streamed = [stream_chat(port, filler(f"histogram-{i}", 200 + 150 * i), max_tokens=4 + i)
-                for i in range(12)]
-    plain = [harness.chat(port, [{"role": "user", "content": filler(f"plain-{i}", 300)}]) for i in range(6)]
+    with ClientStalls() as stalls:
+        streamed = [stream_chat(port, filler(f"histogram-{i}", 200 + 150 * i), max_tokens=4 + i)
+                    for i in range(12)]
+        plain = [harness.chat(port, [{"role": "user", "content": filler(f"plain-{i}", 300)}]) for i in range(6)]
+    print(f"the clients' process waited {stalls.within([(s['started'], s['total_ms']) for s in streamed]):.0f} ms "
+          f"for a CPU in its streams")
     assert all(s["status"] == 200 and s["usage"] for s in streamed), streamed
     assert all(r.status == 200 for r in plain), [r.status for r in plain]
     by_region: dict[str, list[dict]] = {}
@@ -85,11 +125,14 @@ def test_histograms_match_what_the_clients_saw_per_region(fleet):
             continue
         ttft = prom.value(f"{TTFT}_sum", cloud_region=region)
         want = sum(s["ttft_ms"] for s in got)
-        assert close(ttft, want, n, 0.06, 3.0), (region, ttft, want)
+        stalled = stalls.within([(s["started"], s["ttft_ms"]) for s in got])
+        assert close(ttft, want, n, 0.06, 3.0, stalled), (region, ttft, want, stalled)
         # Envoy's end is when it logs the stream, after the last byte left.
         dur = prom.value(f"{DURATION}_sum", cloud_region=region, error_type=None)
         want = sum(s["total_ms"] for s in got) + sum(r.total_ms for r in got_plain)
-        assert close(dur, want, n + len(got_plain), 0.06, 3.0), (region, dur, want)
+        stalled = stalls.within([(s["started"], s["total_ms"]) for s in got]
+                                + [(r.started, r.total_ms) for r in got_plain])
+        assert close(dur, want, n + len(got_plain), 0.06, 3.0, stalled), (region, dur, want, stalled)
         # Tokens: every answer's usage, by type.
         usages = [s["usage"] for s in got] + [r.json()["usage"] for r in got_plain]
         for kind, key in (("input", "prompt_tokens"), ("output", "completion_tokens")):
@@ -101,7 +144,10 @@ def test_histograms_match_what_the_clients_saw_per_region(fleet):
         assert prom.value(f"{TPOT}_count", cloud_region=region) == n
         tpot = prom.value(f"{TPOT}_sum", cloud_region=region) / 1000
         want = sum((s["total_ms"] - s["ttft_ms"]) / (s["usage"]["completion_tokens"] - 1) for s in got)
-        assert close(tpot, want, n, 0.10, 2.0), (region, tpot, want)
+        # A stall in a client's wait for its first byte shortens its
+        # decode time as much as it lengthens its TTFT: either way.
+        stalled = stalls.within([(s["started"], s["total_ms"]) for s in got])
+        assert abs(tpot - want) <= 0.10 * want + 2.0 * n + stalled, (region, tpot, want, stalled)
         # The router's error: each stream once, late or early; the signed
         # sum is what the clients saw less what the route header said the
         # router expected (its physical terms).
