@@ -31,7 +31,7 @@ INVALID = [
 
 def test_invalid_requests_get_a_clean_400(fleet):
     for body, param in INVALID:
-        r = request(fleet.port, "POST", CHAT, body, timeout=5)
+        r = request(fleet.port, "POST", CHAT, body, timeout=30)
         assert r.status == 400, (body[:60], r.status, r.body[:200])
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error"
@@ -39,7 +39,11 @@ def test_invalid_requests_get_a_clean_400(fleet):
         if param:
             assert err["param"] == param, (body[:60], err)
         assert "x-engine-replica" not in r.headers, "the engine should never see it"
-        assert r.total_ms < 2000
+        # Answered by the filter, not after a timer: the body wait's (1 s)
+        # answers 503 or passes the request on, never 400, and the
+        # route's own are 10 s and more. The bound leaves room for a busy
+        # machine's stalls (beside busy_load.py mostly under 3 s, once 15 s).
+        assert r.total_ms < 9000, r.total_ms
     r = request(fleet.port, "POST", "/v1/completions", '{"prompt": []}', timeout=5)
     assert r.status == 400 and r.json()["error"]["param"] == "prompt"
     r = request(fleet.port, "POST", CHAT, "", timeout=5)
