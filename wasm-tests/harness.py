@@ -722,6 +722,31 @@ def start_envoy(run_dir: Path, cfg: dict, name: str = "envoy", concurrency: int 
     return env
 
 
+# How much longer than its timeout a wait for an event keeps looking. Beside
+# busy_load.py a test process has waited up to 15 s for a CPU (the sleeper's
+# worst, docs/RELIABILITY.md); a wait's timeout bounds a stuck component,
+# never how soon the event must come (a test that means that asserts it), so
+# a stall must not spend it.
+STALL_S = 20.0
+
+
+def until(probe, ok, timeout: float, what):
+    """Calls `probe()` until `ok` holds for its value and returns that value;
+    raises AssertionError naming `what` (a string, or a function that makes
+    one) and the last value once `timeout`
+    plus STALL_S has passed. The value is read again after the deadline, so
+    a stall that crosses it cannot fail a wait whose event has come."""
+    deadline = time.time() + timeout + STALL_S
+    while True:
+        value = probe()
+        if ok(value):
+            return value
+        if time.time() > deadline:
+            what = what() if callable(what) else what
+            raise AssertionError(f"{what}: {value!r} after {timeout} s (+{STALL_S:.0f} s for a stall)")
+        time.sleep(0.05)
+
+
 def wait_ready(proc: subprocess.Popen, admin_port: int, log_path: Path, timeout: float = 60.0) -> None:
     """Until Envoy's admin /ready answers 200; raises if Envoy exits or the
     timeout passes (the caller stops the process)."""
@@ -878,19 +903,13 @@ class Prometheus:
                  timeout: float = 10.0) -> dict[str, float]:
         """Until `by(promql, label)` equals `expected` (a scrape or two
         behind the engines); returns it, or raises with the last answer."""
-        deadline = time.time() + timeout
-        got = None
-        while time.time() < deadline:
-            got = self.by(promql, label)
-            if got == expected:
-                return got
-            time.sleep(0.2)
-        raise AssertionError(f"prometheus {promql!r}: {got} after {timeout} s, expected {expected}")
+        return until(lambda: self.by(promql, label), lambda got: got == expected, timeout,
+                     f"prometheus {promql!r}, expected {expected}")
 
     def wait_targets_up(self, timeout: float = 20.0) -> None:
         """Until every target has been scraped and is up."""
         want = {r for ts in self.targets.values() for r, _ in ts}
-        deadline = time.time() + timeout
+        deadline = time.time() + timeout + STALL_S
         up: dict = {}
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -1134,7 +1153,7 @@ class Fleet:
         """Until every Envoy's probe has every region healthy and its
         context limit read (real engines on loopback: their round trips may
         read 0 ms, so not wait_snapshot)."""
-        deadline = time.time() + timeout
+        deadline = time.time() + timeout + STALL_S
         for e in self.envoys:
             while True:
                 s = e.stats(r"llm_geo_router\.region\.[a-z]+\.(healthy|max_model_len)$")
@@ -1147,14 +1166,12 @@ class Fleet:
 
     def wait_snapshot(self, envoy: Envoy, timeout: float = 20.0) -> None:
         """Until the probe has published and measured every region's RTT."""
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            s = envoy.stats(r"llm_geo_router\.(probe\.snapshot_version|region\.[a-z0-9_]+\.rtt_ms)$")
+        def complete(s: dict) -> bool:
             rtts = [s.get(f"wasmcustom.llm_geo_router.region.{n}.rtt_ms", 0) for n in self.engines]
-            if s.get("wasmcustom.llm_geo_router.probe.snapshot_version", 0) >= 2 and all(v > 0 for v in rtts):
-                return
-            time.sleep(0.1)
-        raise RuntimeError(f"no complete fleet snapshot after {timeout} s; see {envoy.log_path}")
+            return s.get("wasmcustom.llm_geo_router.probe.snapshot_version", 0) >= 2 and all(v > 0 for v in rtts)
+
+        until(lambda: envoy.stats(r"llm_geo_router\.(probe\.snapshot_version|region\.[a-z0-9_]+\.rtt_ms)$"),
+              complete, timeout, f"no complete fleet snapshot; see {envoy.log_path}")
 
     def wait_rtt_settled(self, envoy: Envoy, timeout: float = 15.0) -> None:
         """Until the probe's measured round trips rank the emulated regions
@@ -1224,13 +1241,8 @@ def wait_ticks(envoy: Envoy, n: int, timeout: float = 60.0) -> int:
     timeout only bounds a stuck probe: on a slow machine ticks come later,
     and the wait is for them, not for wall-clock time."""
     target = probe_ticks(envoy) + n
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        t = probe_ticks(envoy)
-        if t >= target:
-            return t
-        time.sleep(0.05)
-    raise AssertionError(f"the probe ran fewer than {n} rounds in {timeout} s; see {envoy.log_path}")
+    return until(lambda: probe_ticks(envoy), lambda t: t >= target, timeout,
+                 f"the probe ran fewer than {n} rounds; see {envoy.log_path}")
 
 
 LADDER_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3})\].*llm-geo-router probe: ladder level (\d) "

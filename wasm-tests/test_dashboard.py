@@ -115,10 +115,8 @@ def render(url: str, out_png, height: int) -> Panels:
 
 
 def wait_stat(envoy, name: str, want: int, timeout: float = 30.0) -> None:
-    deadline = time.time() + timeout
-    while envoy.stat(f"wasmcustom.llm_geo_router.{name}") != want:
-        assert time.time() < deadline, f"{name} never {want}"
-        time.sleep(0.1)
+    harness.until(lambda: envoy.stat(f"wasmcustom.llm_geo_router.{name}"), lambda v: v == want, timeout,
+                  f"{name}, waiting for {want}")
 
 
 def test_the_dashboards_panels_render_with_data(fleet):

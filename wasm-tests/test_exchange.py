@@ -33,13 +33,8 @@ def stat(envoy, name):
 
 
 def wait_all(envoys, name, predicate, timeout=15.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        values = [stat(e, name) for e in envoys]
-        if all(predicate(v) for v in values):
-            return values
-        time.sleep(0.05)
-    raise AssertionError(f"{name}: {values}")
+    return harness.until(lambda: [stat(e, name) for e in envoys], lambda vs: all(predicate(v) for v in vs),
+                         timeout, name)
 
 
 def start(fleet_factory, shared=True, n=3):

@@ -40,7 +40,7 @@ def not_from_an_engine(results):
 
 
 def until(cond, timeout=10.0):
-    deadline = time.time() + timeout
+    deadline = time.time() + timeout + harness.STALL_S
     while time.time() < deadline:
         if cond():
             return True

@@ -26,7 +26,7 @@ def wait_count(envoy, name: str, want: int, timeout: float = 30.0, **labels) -> 
     """Until the histogram's `_count` with these labels reaches `want` (the
     workers' samples reach the admin at a stats flush); then a scrape one
     flush later still has exactly `want`."""
-    deadline = time.time() + timeout
+    deadline = time.time() + timeout + harness.STALL_S
     while True:
         prom = scrape(envoy)
         have = prom.value(f"{name}_count", **labels)

@@ -873,7 +873,7 @@ def test_hostile_requests(fleet_factory, run_dir):
                            "ladder": {"forced_level": 2}},
                           engine_extra={n: fast for n in harness.DEMO_REGIONS})
     envoy = fleet.envoy
-    deadline = time.time() + 10
+    deadline = time.time() + 10 + harness.STALL_S
     while envoy.stat("wasmcustom.llm_geo_router.ladder.level") != 2 and time.time() < deadline:
         time.sleep(0.05)
     assert envoy.stat("wasmcustom.llm_geo_router.ladder.level") == 2

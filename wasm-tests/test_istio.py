@@ -1228,14 +1228,8 @@ def plugin_stat(envoy: harness.Envoy, name: str) -> int:
 
 
 def wait_stat(envoys: list, name: str, predicate, timeout: float = 15.0) -> list[int]:
-    deadline = time.time() + timeout
-    while True:
-        values = [plugin_stat(e, name) for e in envoys]
-        if all(predicate(v) for v in values):
-            return values
-        if time.time() > deadline:
-            raise AssertionError(f"{name}: {values}")
-        time.sleep(0.05)
+    return harness.until(lambda: [plugin_stat(e, name) for e in envoys], lambda vs: all(predicate(v) for v in vs),
+                         timeout, name)
 
 
 def turn_on_mid(fleet: IstioFleet, via: harness.Envoy, seed: str) -> list[dict]:

@@ -33,14 +33,7 @@ def stat(envoy, name: str) -> int:
 
 
 def wait_stat(envoy, name: str, predicate, timeout: float = 15.0) -> int:
-    deadline = time.time() + timeout
-    value = None
-    while time.time() < deadline:
-        value = stat(envoy, name)
-        if predicate(value):
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{name} stayed at {value}")
+    return harness.until(lambda: stat(envoy, name), predicate, timeout, name)
 
 
 def engine_metrics(engine: harness.Engine) -> dict[str, float]:
@@ -187,7 +180,7 @@ def test_load_moves_away_from_a_region_whose_engine_defers_requests(llama):
     engine = llama.engines[busy_region]
     load = Saturation(engine, SLOTS + 4)
     try:
-        deadline = time.time() + 20
+        deadline = time.time() + 20 + harness.STALL_S
         while engine_metrics(engine).get("llamacpp:requests_deferred", 0) < 2:
             assert time.time() < deadline, engine_metrics(engine)
             time.sleep(0.1)

@@ -91,7 +91,7 @@ def test_three_replicas_share_near_and_prometheus_sums_their_load(fleet_factory)
 
 
 def until(cond, timeout: float = 5.0) -> None:
-    deadline = time.time() + timeout
+    deadline = time.time() + timeout + harness.STALL_S
     while time.time() < deadline:
         if cond():
             return

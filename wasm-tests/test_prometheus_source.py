@@ -39,7 +39,7 @@ def fleet_with_saturated_replica(fleet_factory, overrides, prometheus):
                           replicas={"near": 3}, prometheus=prometheus)
     busy = fleet.replicas["near"][2]
     load = harness.saturate(busy, 8, max_tokens=20000)
-    deadline = time.time() + 10
+    deadline = time.time() + 10 + harness.STALL_S
     while (busy.stats()["running"], busy.stats()["waiting"]) != (2, 6):
         assert time.time() < deadline, busy.stats()
         time.sleep(0.05)
@@ -108,7 +108,7 @@ def test_the_direct_scrape_of_the_same_region_sees_a_random_replica(fleet_factor
     envoy = fleet.envoy
     try:
         seen = set()
-        deadline = time.time() + 10
+        deadline = time.time() + 10 + harness.STALL_S
         while time.time() < deadline and not {0, 6} <= seen:
             seen.add(gauge(envoy, "region.near.engine_waiting"))
             time.sleep(0.1)

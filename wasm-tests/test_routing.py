@@ -13,14 +13,7 @@ TICK_S = 0.3
 
 
 def wait_stat(envoy, name, predicate, timeout=10.0):
-    deadline = time.time() + timeout
-    value = None
-    while time.time() < deadline:
-        value = envoy.stat("wasmcustom.llm_geo_router." + name)
-        if predicate(value):
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{name} stayed at {value}")
+    return harness.until(lambda: envoy.stat("wasmcustom.llm_geo_router." + name), predicate, timeout, name)
 
 
 def conversation_on_mid(fleet, seed, turns=1):

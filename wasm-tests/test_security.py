@@ -232,16 +232,11 @@ def test_hash_seed_is_configurable_and_proxies_with_one_seed_agree(fleet_factory
                       for e in fleet.envoys]
 
     def wait_all(name, predicate, timeout=15.0):
-        deadline = time.time() + timeout
-        while not all(predicate(stat(e, name)) for e in fleet.envoys):
-            assert time.time() < deadline, (name, [stat(e, name) for e in fleet.envoys])
-            time.sleep(0.05)
+        harness.until(lambda: [stat(e, name) for e in fleet.envoys], lambda vs: all(predicate(v) for v in vs),
+                      timeout, name)
 
     def until(cond, timeout=10.0):
-        deadline = time.time() + timeout
-        while not cond():
-            assert time.time() < deadline, ("(received, refused, merged) per Envoy", counts())
-            time.sleep(0.05)
+        harness.until(cond, bool, timeout, lambda: f"(received, refused, merged) per Envoy {counts()}")
 
     # A first turn with an ~8 KB system prompt through Envoy 1 while near
     # is down, so mid serves it; then near back up everywhere.

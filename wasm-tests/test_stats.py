@@ -26,12 +26,8 @@ TIERS = {"free", "paid", "critical"}
 REASONS = {"cache", "load", "rtt", "load_override", "spread", "pin", "context", "fallback", "response"}
 
 def wait_level(envoy, level: int, timeout: float = 10.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if envoy.stat("wasmcustom.llm_geo_router.ladder.level") == level:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the ladder never reached level {level}")
+    harness.until(lambda: envoy.stat("wasmcustom.llm_geo_router.ladder.level"), lambda v: v == level, timeout,
+                  f"the ladder, waiting for level {level}")
 
 
 @pytest.fixture(scope="module")

@@ -41,14 +41,7 @@ def stat(envoy, name: str) -> int:
 
 
 def wait_stat(envoy, name: str, predicate, timeout: float = 20.0) -> int:
-    deadline = time.time() + timeout
-    value = None
-    while time.time() < deadline:
-        value = stat(envoy, name)
-        if predicate(value):
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{name} stayed at {value}")
+    return harness.until(lambda: stat(envoy, name), predicate, timeout, name)
 
 
 def vllm_metrics(engine: harness.Engine) -> dict[str, float]:
@@ -320,7 +313,7 @@ def test_responses_are_followed_only_where_vllm_keeps_them(vllm):
         return r.json()["id"]
 
     kept, lost = create("m"), create("n")
-    deadline = time.time() + 20
+    deadline = time.time() + 20 + harness.STALL_S
     while not all(f"region {n}: its engine {w} the Responses" in vllm.envoy.log()
                   for n, w in (("mid", "keeps"), ("near", "does not keep"))):
         assert time.time() < deadline, [l for l in vllm.envoy.log().splitlines() if "Responses" in l]
