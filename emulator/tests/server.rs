@@ -237,7 +237,7 @@ fn prefix_cache_metrics_and_streaming() {
         "--cache-tokens",
         "100000",
         "--prefill-ms-per-token",
-        "0.5",
+        "2",
         "--decode-ms-per-token",
         "0.2",
         "--echo-header",
@@ -299,12 +299,11 @@ fn prefix_cache_metrics_and_streaming() {
         .unwrap()
         .parse::<u64>()
         .is_ok());
-    // Prefill of ~prompt_tokens × 0.5 ms vs. only the uncached tail.
+    // Prefill of ~prompt_tokens × 2 ms vs. only the uncached tail.
     assert!(
-        first_ms as f64 >= prompt_tokens as f64 * 0.5 * 0.9,
+        first_ms as f64 >= prompt_tokens as f64 * 2.0 * 0.9,
         "{first_ms} ms"
     );
-    assert!(second_ms < first_ms, "{second_ms} >= {first_ms}");
 
     let v = second.json();
     assert_eq!(v["object"], "chat.completion");
@@ -349,6 +348,7 @@ fn prefix_cache_metrics_and_streaming() {
 
     // Streaming: vLLM's role chunk, one event per token, usage chunk,
     // then [DONE].
+    let t2 = Instant::now();
     let s = c.post_json(
         "/v1/chat/completions",
         &chat(
@@ -366,6 +366,16 @@ fn prefix_cache_metrics_and_streaming() {
         Some(cached.to_string().as_str())
     );
     let text = s.text();
+    let stream_ms = t2.elapsed().as_millis();
+    // The two cached requests paid for the uncached tail only, well under
+    // half the full prefill (a prefill of the whole prompt sleeps at least
+    // that long). The quicker of the two: a stall of this process must
+    // cover both to fail it.
+    let full_ms = prompt_tokens as f64 * 2.0;
+    assert!(
+        (second_ms.min(stream_ms) as f64) < full_ms / 2.0,
+        "cached requests took {second_ms} and {stream_ms} ms, the full prefill {full_ms} ms"
+    );
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
     let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
     assert_eq!(events.len(), 1 + 5 + 1 + 1);
@@ -1784,10 +1794,15 @@ fn the_per_request_overhead_is_paid_by_every_request() {
 
 #[test]
 fn huge_prompts_being_tokenized_leave_health_answering() {
-    // Three prompts of 3 MB at once, each a second or more of tokenizing:
+    // Six prompts of 3 MB at once, each a few hundred ms of tokenizing:
     // on the runtime's two threads they stalled /health (and every other
     // request) for as long, and a busy machine made that 10 s (issue 47,
     // part 3). Tokenized beside the runtime, /health answers meanwhile.
+    // Six keep both threads busy for three prompts' time, so that when
+    // tokenizing is on the runtime /health waits about as long as the
+    // quickest prompt (1.2x at most in 12 attempts; with three prompts,
+    // 1.0-2.6x, and once 4x or more, which passed), and 50-150x less when
+    // it is not.
     let emu = Emulator::start(&[
         "--max-model-len",
         "4000000",
@@ -1799,33 +1814,44 @@ fn huge_prompts_being_tokenized_leave_health_answering() {
     let content: String = (0..300_000)
         .map(|i| format!("h{:05} ", (i * 7919) % 100_000))
         .collect();
-    let started = Instant::now();
-    let huge: Vec<_> = (0..3)
-        .map(|k| {
-            let mut c = emu.connect();
-            let body = chat(&format!("{k} {content}"), json!({"max_tokens": 1}));
-            thread::spawn(move || {
-                let r = c.post_json("/v1/chat/completions", &body);
-                (r.status, started.elapsed())
-            })
-        })
-        .collect();
-    thread::sleep(Duration::from_millis(100));
-    let mut health = emu.connect();
-    let mut slowest = Duration::ZERO;
-    for _ in 0..5 {
-        let t = Instant::now();
-        assert_eq!(health.request("GET", "/health", &[], b"").status, 200);
-        slowest = slowest.max(t.elapsed());
-        thread::sleep(Duration::from_millis(50));
-    }
-    let done: Vec<(u16, Duration)> = huge.into_iter().map(|h| h.join().unwrap()).collect();
-    assert!(done.iter().all(|&(s, _)| s == 200), "{done:?}");
-    let quickest = done.iter().map(|&(_, d)| d).min().unwrap();
     // Relative, not absolute: on any machine the huge prompts take their
-    // tokenizing time, and /health must not wait for it.
-    assert!(
-        slowest * 4 < quickest,
-        "/health took up to {slowest:?} while the huge prompts took {quickest:?} or more"
-    );
+    // tokenizing time, and /health must not wait for it. Each attempt's
+    // slowest /health is one sample, which a stall of this test's process
+    // can stretch (seen beside busy_load.py: 136 ms against prompts of
+    // 278 ms); a stall must hit all three attempts to fail the test, while
+    // tokenizing on the runtime fails every one.
+    let mut attempts = Vec::new();
+    for attempt in 0..3 {
+        let started = Instant::now();
+        let huge: Vec<_> = (0..6)
+            .map(|k| {
+                let mut c = emu.connect();
+                let body = chat(
+                    &format!("{attempt} {k} {content}"),
+                    json!({"max_tokens": 1}),
+                );
+                thread::spawn(move || {
+                    let r = c.post_json("/v1/chat/completions", &body);
+                    (r.status, started.elapsed())
+                })
+            })
+            .collect();
+        thread::sleep(Duration::from_millis(100));
+        let mut health = emu.connect();
+        let mut slowest = Duration::ZERO;
+        for _ in 0..5 {
+            let t = Instant::now();
+            assert_eq!(health.request("GET", "/health", &[], b"").status, 200);
+            slowest = slowest.max(t.elapsed());
+            thread::sleep(Duration::from_millis(50));
+        }
+        let done: Vec<(u16, Duration)> = huge.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(done.iter().all(|&(s, _)| s == 200), "{done:?}");
+        let quickest = done.iter().map(|&(_, d)| d).min().unwrap();
+        if slowest * 4 < quickest {
+            return;
+        }
+        attempts.push((slowest, quickest));
+    }
+    panic!("/health's slowest answer and the huge prompts' quickest, per attempt: {attempts:?}");
 }
