@@ -124,9 +124,4 @@ def test_forged_tier_header_is_ignored(fleet_factory):
 
 
 def harness_wait_level(envoy, level, timeout=10):
-    deadline = time.time() + timeout + harness.STALL_S
-    while time.time() < deadline:
-        if level_of(envoy) == level:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"ladder level {level_of(envoy)}, expected {level}")
+    harness.until(lambda: level_of(envoy), lambda v: v == level, timeout, f"ladder level, expected {level}")

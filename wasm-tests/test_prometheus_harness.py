@@ -9,7 +9,6 @@ full (--max-concurrency 2 here) with slow requests sent straight to it, and
 more waiting in its queue. Prometheus must then report the region's total
 queue and its three replicas."""
 
-import time
 import urllib.request
 from collections import Counter
 
@@ -91,9 +90,4 @@ def test_three_replicas_share_near_and_prometheus_sums_their_load(fleet_factory)
 
 
 def until(cond, timeout: float = 5.0) -> None:
-    deadline = time.time() + timeout + harness.STALL_S
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not true after {timeout} s")
+    harness.until(cond, bool, timeout, "the condition")
