@@ -40,12 +40,12 @@ def not_from_an_engine(results):
 
 
 def until(cond, timeout=10.0):
-    deadline = time.time() + timeout + harness.STALL_S
-    while time.time() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
+    """Whether `cond` came true (harness.until's wait, as a bool for the
+    callers' own assert messages)."""
+    try:
+        return harness.until(cond, bool, timeout, "the condition")
+    except AssertionError:
+        return False
 
 
 def test_engine_answering_500_is_ejected_then_readmitted(fleet_factory):
@@ -163,13 +163,16 @@ def test_snapshot_older_than_the_filters_accept_is_ignored(run_dir, fleet_factor
     assert envoy.stat("wasmcustom.llm_geo_router.region.near.healthy") == 0
     # The round's one RTT sample of each region: on a busy machine a stall
     # can make far's read less than mid's (seen: every control prompt went
-    # to far, by rtt), and the snapshot is what routes.
+    # to far, by rtt), and the snapshot is what routes. A region whose
+    # sample is not in (its gauge 0; seen for far, the slowest) is not the
+    # nearest by it.
     rtt = {n: envoy.stat(f"wasmcustom.llm_geo_router.region.{n}.rtt_ms") for n in ("mid", "far")}
-    nearest = {n for n in rtt if rtt[n] == min(rtt.values())}
+    measured = {n: v for n, v in rtt.items() if v > 0}
+    nearest = {n for n in measured if measured[n] == min(measured.values(), default=0)}
     near.set_state(healthy=True)
     # The control: the same prompts while the snapshot is fresh are routed
     # by it, around near (down there) to the nearest by its round trips. On
-    # a busy machine the snapshot may age past 4 s within these three: from
+    # a busy machine the snapshot may age past 10 s within these three: from
     # then on they fall back, never the other way, and the first is the
     # snapshot's.
     fresh = send(envoy.port, "stale", 3, pause=0)
